@@ -1,0 +1,25 @@
+# One virtual environment for everything; created on first use and reused after.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: test demo install clean
+
+# Reinstall only when the package metadata changes: a second `make test` is seconds.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/train_mlp.py $(DEMO_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache demo_out
