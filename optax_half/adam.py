@@ -1,0 +1,229 @@
+"""Named Adam optimizers for low-precision params, built from the wrappers.
+
+* ``adam_fp32_master``: Adam(W) with fp32 moments on an fp32 master copy
+  (``master_weights``) -- the classic mixed-precision recipe (labml AdamFP16,
+  NeMo/Megatron main params).
+* ``adamw_bf16``: AdamW whose params stay 16-bit, compensated by Kahan
+  summation, an exact split master, stochastic rounding, or nothing; moments
+  in the param dtype by default, written with stochastic rounding so that they
+  do not go stale either.
+
+Both share one Adam core, ``scale_by_adamw``, whose math is fp32 whatever the
+param and state dtypes. The spec, with the order of operations, is
+``docs/algorithms.md`` ("AdamW core").
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from optax_half import rounding
+from optax_half import wrappers
+
+__all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
+
+_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+_STATE_ROUNDINGS = ("stochastic", "nearest")
+
+
+class ScaleByAdamWState(NamedTuple):
+  """State of ``scale_by_adamw``.
+
+  Attributes:
+    count: int32 number of updates taken.
+    mu: first moments (``mu_dtype`` or the param dtype).
+    nu: second moments (``nu_dtype`` or the param dtype).
+    seed: uint32 seed of the stochastic moment writes.
+  """
+  count: jax.Array
+  mu: Any
+  nu: Any
+  seed: jax.Array
+
+
+def _f32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
+
+
+def _is_zero(v) -> bool:
+  return isinstance(v, (int, float)) and v == 0
+
+
+def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
+  # Only concrete Python numbers are checked: traced values (inject_hyperparams)
+  # cannot be inspected without a host sync.
+  def concrete(v):
+    return isinstance(v, (int, float))
+  if concrete(learning_rate) and learning_rate < 0:
+    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
+  for name, v in (("b1", b1), ("b2", b2)):
+    if concrete(v) and not 0.0 <= v < 1.0:
+      raise ValueError(f"{name} must be in [0, 1); got {v}.")
+  if concrete(eps) and eps <= 0:
+    raise ValueError(f"eps must be > 0; got {eps}.")
+  if concrete(weight_decay) and weight_decay < 0:
+    raise ValueError(f"weight_decay must be >= 0; got {weight_decay}.")
+
+
+def scale_by_adamw(
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mu_dtype=None,
+    nu_dtype=None,
+    state_rounding: str = "nearest",
+    key=None,
+) -> optax.GradientTransformation:
+  r"""The AdamW update, in fp32, as one transformation.
+
+  With ``t`` the 1-based step, ``g`` and ``x`` the gradient and params upcast
+  to fp32 and all hyperparameters fp32:
+
+  .. math::
+     m_t &= b_1 m_{t-1} + (1 - b_1) g \\
+     v_t &= b_2 v_{t-1} + (1 - b_2) g^2 \\
+     \hat m &= m_t / (1 - b_1^t),\quad \hat v = v_t / (1 - b_2^t) \\
+     u &= -\eta_{t-1} \left(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda x\right)
+
+  (the order of optax's ``adamw``: ``scale_by_adam``, ``add_decayed_weights``,
+  ``scale_by_learning_rate``; ``eta`` is evaluated at the pre-increment count).
+  ``m_t`` and ``v_t`` are stored in ``mu_dtype``/``nu_dtype`` (default: the
+  param dtype), rounded to nearest or stochastically
+  (``state_rounding="stochastic"``, streams ``STREAM_MU``/``STREAM_NU``); the
+  update itself uses the unrounded fp32 ``m_t`` and ``v_t``. Updates are fp32.
+  """
+  _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
+  if state_rounding not in _STATE_ROUNDINGS:
+    raise ValueError(
+        f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
+
+  def state_dtype(override, p):
+    return jnp.dtype(override) if override is not None else jnp.dtype(p.dtype)
+
+  def init(params):
+    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(mu_dtype, p)), params)
+    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(nu_dtype, p)), params)
+    return ScaleByAdamWState(jnp.zeros([], jnp.int32), mu, nu,
+                             wrappers.seed_from_key(key))
+
+  def update(updates, state, params=None):
+    if params is None and not _is_zero(weight_decay):
+      raise ValueError("scale_by_adamw with weight_decay needs params.")
+    b1_, b2_, eps_, wd_ = _f32(b1), _f32(b2), _f32(eps), _f32(weight_decay)
+    lr = _f32(learning_rate(state.count) if callable(learning_rate) else learning_rate)
+    count = optax.safe_increment(state.count)
+    t = count.astype(jnp.float32)
+    bc1 = 1 - b1_ ** t
+    bc2 = 1 - b2_ ** t
+    one_minus_b1 = 1 - b1_
+    one_minus_b2 = 1 - b2_
+    leaf_index = wrappers._leaf_indices(updates)
+    params_ = params if params is not None else jax.tree.map(lambda _: None, updates)
+
+    def one(g, m, v, x, i):
+      g = g.astype(jnp.float32)
+      m32 = b1_ * m.astype(jnp.float32) + one_minus_b1 * g
+      v32 = b2_ * v.astype(jnp.float32) + one_minus_b2 * (g * g)
+      m_hat = m32 / bc1
+      v_hat = v32 / bc2
+      u = m_hat / (jnp.sqrt(v_hat) + eps_)
+      if not _is_zero(weight_decay):
+        u = u + wd_ * x.astype(jnp.float32)
+      u = -lr * u
+      m_new = rounding.round_to(m32, m.dtype, state_rounding, state.seed,
+                                state.count, rounding.STREAM_MU, i)
+      v_new = rounding.round_to(v32, v.dtype, state_rounding, state.seed,
+                                state.count, rounding.STREAM_NU, i)
+      return u, m_new, v_new
+
+    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index,
+                       is_leaf=lambda z: z is None)
+    u = jax.tree.map(lambda _, o: o[0], updates, out)
+    mu = jax.tree.map(lambda _, o: o[1], updates, out)
+    nu = jax.tree.map(lambda _, o: o[2], updates, out)
+    return u, ScaleByAdamWState(count, mu, nu, state.seed)
+
+  return optax.GradientTransformation(init, update)
+
+
+def adam_fp32_master(
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+) -> optax.GradientTransformationExtraArgs:
+  """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
+
+  ``master_weights(scale_by_adamw(..., mu_dtype=f32, nu_dtype=f32))``:
+  16 bytes/param of optimizer state for 16-bit params (master 4, mu 4, nu 4,
+  plus the 2-byte param and 2-byte grad), exact fp32 Adam on the master.
+
+  Args:
+    learning_rate: a float or an optax schedule (``count -> lr``).
+    b1, b2, eps: Adam coefficients.
+    weight_decay: decoupled weight decay (AdamW), multiplied by the lr.
+  """
+  core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
+                        mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+                        state_rounding="nearest")
+  return wrappers.master_weights(core, master_dtype=jnp.float32)
+
+
+def adamw_bf16(
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    compensation: str = "kahan",
+    mu_dtype=None,
+    nu_dtype=None,
+    state_rounding: str = "stochastic",
+    key=None,
+) -> optax.GradientTransformationExtraArgs:
+  """AdamW for params that stay in bf16 (or fp16), without stale weights.
+
+  ``compensation`` picks how the 16-bit param absorbs small updates:
+
+  * ``"kahan"`` (default): ``kahan_summation`` -- a compensation buffer in the
+    param dtype; 10 bytes/param with bf16 param, grad, buffer, mu and nu.
+  * ``"split"``: ``master_weights(split=True)`` -- the exact fp32 master stored
+    as the bf16 param plus an int16 low half, same memory as ``"kahan"``.
+  * ``"stochastic"``: ``stochastic_rounding`` -- no buffer, 8 bytes/param.
+  * ``"none"``: round to nearest (the naive baseline; updates stall).
+
+  Moments default to the param dtype and are written with stochastic rounding
+  (``state_rounding="stochastic"``) since nearest-rounded bf16 ``nu`` goes
+  stale at ``b2=0.999``; pass ``mu_dtype``/``nu_dtype=jnp.float32`` to keep
+  them in fp32. All random bits are a function of ``key`` (default seed 0),
+  the step, the buffer and the element, and match ``torch_bridge`` for an
+  integer key.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1, b2, eps: Adam coefficients.
+    weight_decay: decoupled weight decay, multiplied by the lr.
+    compensation: one of "kahan", "split", "stochastic", "none".
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
+    key: ``None``, a Python int or a JAX PRNG key.
+  """
+  if compensation not in _COMPENSATIONS:
+    raise ValueError(
+        f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
+  core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay, mu_dtype=mu_dtype,
+                        nu_dtype=nu_dtype, state_rounding=state_rounding, key=key)
+  if compensation == "kahan":
+    return wrappers.kahan_summation(core)
+  if compensation == "split":
+    return wrappers.master_weights(core, master_dtype=jnp.float32, split=True)
+  if compensation == "stochastic":
+    return wrappers.stochastic_rounding(core, key=key)
+  return wrappers.round_to_nearest(core)

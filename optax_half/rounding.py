@@ -1,0 +1,181 @@
+"""Bit-level helpers for low-precision parameters.
+
+Everything here is elementwise, jit-compatible and free of host syncs. The same
+functions exist, operation for operation, in ``torch_bridge/rounding.py``; the
+spec they both follow is ``docs/algorithms.md`` ("Rounding primitives").
+
+* ``split_f32`` / ``join_f32``: an fp32 value stored exactly as a bf16 high half
+  plus a signed 16-bit remainder (the "split master" layout).
+* ``random_bits``: a counter-based hash of (seed, step, stream, leaf, element
+  index) built from 32-bit integer xor, shift, add and multiply only, so that
+  PyTorch reproduces the same bits.
+* ``stochastic_round``: unbiased rounding of fp32 values to bf16/fp16 driven by
+  those bits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = [
+    "split_f32",
+    "join_f32",
+    "mix32",
+    "random_bits",
+    "stochastic_round",
+    "round_to",
+    "STREAM_PARAMS",
+    "STREAM_MU",
+    "STREAM_NU",
+]
+
+# Streams keep the random bits of different buffers independent for one step.
+STREAM_PARAMS = 0
+STREAM_MU = 1
+STREAM_NU = 2
+
+_M1 = 0x21F0AAAD
+_M2 = 0x735A2D97
+_GOLDEN = 0x9E3779B9
+
+
+def _u32(x) -> jax.Array:
+  return jnp.asarray(x, dtype=jnp.uint32)
+
+
+def mix32(x: jax.Array) -> jax.Array:
+  """A bijective 32-bit integer hash (xor-shift / multiply, two rounds).
+
+  ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 15`` on uint32
+  with wrap-around multiplication.
+  """
+  x = _u32(x)
+  x = x ^ (x >> 16)
+  x = x * _u32(_M1)
+  x = x ^ (x >> 15)
+  x = x * _u32(_M2)
+  x = x ^ (x >> 15)
+  return x
+
+
+def _leaf_key(seed, step, stream, leaf) -> jax.Array:
+  """The scalar key of one (seed, step, stream, leaf); see ``random_bits``."""
+  k = mix32(_u32(seed))
+  k = mix32(k ^ _u32(step))
+  k = mix32(k ^ (_u32(stream) * _u32(_GOLDEN)))
+  k = mix32(k ^ _u32(leaf))
+  return k
+
+
+def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
+  """Uniform uint32 bits for every element of a leaf.
+
+  ``bits[i] = mix32(i ^ key)`` where ``i`` is the row-major element index and
+  ``key`` hashes ``seed``, ``step``, ``stream`` and ``leaf`` in turn
+  (``mix32`` between each xor). ``seed`` and ``step`` may be traced scalars.
+  """
+  key = _leaf_key(seed, step, stream, leaf)
+  size = 1
+  for d in shape:
+    size *= int(d)
+  index = lax.iota(jnp.uint32, size).reshape(shape)
+  return mix32(index ^ key)
+
+
+# --------------------------------------------------------------------------
+# Exact split of fp32 into a bf16 high half and an int16 low half.
+# --------------------------------------------------------------------------
+
+_BF16_QNAN = 0x7FC0
+
+
+def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Split fp32 ``x`` into ``(hi: bfloat16, lo: int16)`` with no loss.
+
+  ``hi`` is ``x`` rounded to bf16 half-up in bit space,
+  ``hi_bits = (x_bits + 0x8000) >> 16``; the remainder
+  ``lo = x_bits - (hi_bits << 16)`` then lies in ``[-32768, 32767]``.
+  ``hi`` equals round-to-nearest-even except on exact ties (it rounds those
+  away from zero). NaN becomes a quiet bf16 NaN with ``lo = 0``.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  bits = lax.bitcast_convert_type(x, jnp.uint32)
+  hi = (bits + _u32(0x8000)) >> 16
+  lo = bits - (hi << 16)
+  lo = lax.bitcast_convert_type(lo, jnp.int32).astype(jnp.int16)
+  nan = jnp.isnan(x)
+  hi = jnp.where(nan, _u32(_BF16_QNAN), hi)
+  lo = jnp.where(nan, jnp.int16(0), lo)
+  hi = lax.bitcast_convert_type(hi.astype(jnp.uint16), jnp.bfloat16)
+  return hi, lo
+
+
+def join_f32(hi: jax.Array, lo: jax.Array) -> jax.Array:
+  """Inverse of ``split_f32``: ``bits = (hi_bits << 16) + lo`` (mod 2^32)."""
+  hi_bits = lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32)
+  lo_bits = lax.bitcast_convert_type(lo.astype(jnp.int32), jnp.uint32)
+  return lax.bitcast_convert_type((hi_bits << 16) + lo_bits, jnp.float32)
+
+
+# --------------------------------------------------------------------------
+# Stochastic rounding.
+# --------------------------------------------------------------------------
+
+
+def _stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
+  # Add 16 random bits below the bf16 mantissa, then truncate: the word carries
+  # into the next bf16 value with probability low16(x) / 2^16 exactly.
+  word = lax.bitcast_convert_type(x, jnp.uint32)
+  word = (word + (bits >> 16)) >> 16
+  y = lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.bfloat16)
+  return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), y)
+
+
+def _stochastic_round_generic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
+  # Neighbours of x in `dtype`: `down` towards zero, `up` away from zero.
+  # frac = (|x| - |down|) / (|up| - |down|) is exact in fp32; round away from
+  # zero when a 24-bit uniform u in [0, 1) is below it.
+  nearest = x.astype(dtype)
+  zero = jnp.zeros((), dtype)
+  overshoot = jnp.abs(nearest.astype(jnp.float32)) > jnp.abs(x)
+  down = jnp.where(overshoot, jnp.nextafter(nearest, zero), nearest)
+  inf = jnp.where(x < 0, -jnp.inf, jnp.inf).astype(dtype)
+  up = jnp.nextafter(down, inf)
+  down32 = down.astype(jnp.float32)
+  gap = jnp.abs(up.astype(jnp.float32)) - jnp.abs(down32)
+  frac = (jnp.abs(x) - jnp.abs(down32)) / gap
+  u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
+  y = jnp.where(u < frac, up, down)
+  return jnp.where(jnp.isfinite(x), y, nearest)
+
+
+def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
+  """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased.
+
+  ``E[stochastic_round(x)] == x`` up to the 2^-16 (bf16) or 2^-24 (other
+  dtypes) granularity of the random threshold. ``bits`` is a uint32 array of
+  ``x``'s shape (see ``random_bits``). Non-finite values round to nearest.
+  For fp32 targets this is the identity.
+  """
+  x = jnp.asarray(x, jnp.float32)
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.float32:
+    return x
+  if dtype == jnp.bfloat16:
+    return _stochastic_round_bf16(x, bits)
+  return _stochastic_round_generic(x, dtype, bits)
+
+
+def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
+             stream: int = 0, leaf: int = 0) -> jax.Array:
+  """Round fp32 ``x`` to ``dtype`` by ``rounding`` in {"nearest", "stochastic"}.
+
+  Stochastic rounding draws ``random_bits(seed, step, stream, leaf, x.shape)``;
+  it only applies to 16-bit targets (wider dtypes round to nearest).
+  """
+  dtype = jnp.dtype(dtype)
+  if rounding == "stochastic" and dtype.itemsize < 4:
+    return stochastic_round(x, dtype, random_bits(seed, step, stream, leaf, x.shape))
+  return jnp.asarray(x).astype(dtype)

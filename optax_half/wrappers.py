@@ -1,0 +1,444 @@
+"""Low-precision wrappers: any optax transformation, trained on 16-bit params.
+
+Each wrapper runs its ``inner`` transformation on an fp32 (or ``master_dtype``)
+view ``x`` of the parameters and fp32 gradients, adds the inner update to ``x``
+in that precision, and stores the result back in the 16-bit parameter plus a
+per-leaf buffer that keeps what 16 bits cannot hold:
+
+============================  ==========================  =====================
+wrapper                       buffer per 16-bit leaf       ``x`` seen by inner
+============================  ==========================  =====================
+``master_weights``            ``master_dtype`` copy        the master copy
+``master_weights(split=True)``  int16 low half (bf16 only)  ``join(p, lo)``, exact
+``kahan_summation``           compensation, param dtype   ``p + c``
+``stochastic_rounding``       none (a seed and a counter)  ``p``
+============================  ==========================  =====================
+
+The returned updates ``u = new_p.astype(f32) - p.astype(f32)`` are fp32, so
+``optax.apply_updates(params, u)`` computes ``round(p + u)`` in fp32 and lands
+on ``new_p`` bit for bit (argument and its one limit: ``docs/algorithms.md``,
+"Landing exactly").
+
+Leaves that are already 32-bit (or at least as wide as ``master_dtype``) are
+passed to the inner transformation unchanged and get no buffer. Non-float
+leaves (integers, bools) are masked out of the inner transformation with
+``optax.MaskedNode`` and receive zero updates: they are left untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import MaskedNode
+
+from optax_half import rounding
+
+__all__ = [
+    "master_weights",
+    "kahan_summation",
+    "stochastic_rounding",
+    "MasterWeightsState",
+    "KahanSummationState",
+    "StochasticRoundingState",
+    "round_to_nearest",
+    "RoundToNearestState",
+]
+
+
+class MasterWeightsState(NamedTuple):
+  """State of ``master_weights``.
+
+  Attributes:
+    master: per leaf, the ``master_dtype`` copy; with ``split=True`` the int16
+      low half for bf16 leaves; ``MaskedNode()`` for leaves without a buffer.
+    inner_state: the inner transformation's state, built on the master params.
+  """
+  master: Any
+  inner_state: Any
+
+
+class KahanSummationState(NamedTuple):
+  """State of ``kahan_summation``: compensation ``c`` in the param dtype."""
+  compensation: Any
+  inner_state: Any
+
+
+class RoundToNearestState(NamedTuple):
+  """State of ``round_to_nearest``: only the inner state."""
+  inner_state: Any
+
+
+class StochasticRoundingState(NamedTuple):
+  """State of ``stochastic_rounding``.
+
+  Attributes:
+    seed: uint32 scalar; with ``count`` it determines every random bit.
+    count: int32 number of updates taken (the per-step key is derived from
+      ``(seed, count)`` by hashing: a counter-based split of the key).
+    inner_state: the inner transformation's state.
+  """
+  seed: jax.Array
+  count: jax.Array
+  inner_state: Any
+
+
+# ---------------------------------------------------------------------------
+# Shared machinery.
+# ---------------------------------------------------------------------------
+
+# Per-leaf roles.
+_FROZEN = "frozen"  # not a float: masked out, zero update
+_DIRECT = "direct"  # wide enough: inner runs on it as is, no buffer
+_LOW = "low"        # 16-bit: inner runs on x, a buffer keeps the rest
+
+
+def _is_float(x) -> bool:
+  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def seed_from_key(key) -> jax.Array:
+  """A uint32 seed from ``None`` (seed 0), a Python int, or a JAX PRNG key.
+
+  Integers are taken modulo 2^32; the same integer gives the same random bits
+  in ``torch_bridge``. A JAX key is reduced with ``jax.random.bits``.
+  """
+  if key is None:
+    return jnp.uint32(0)
+  if isinstance(key, int):
+    return jnp.uint32(key % 2**32)
+  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
+    return jax.random.bits(key, (), jnp.uint32)
+  if key.dtype == jnp.uint32 and key.shape == (2,):  # raw legacy key
+    return jax.random.bits(key, (), jnp.uint32)
+  if jnp.issubdtype(key.dtype, jnp.integer) and key.shape == ():
+    return key.astype(jnp.uint32)
+  raise TypeError(
+      "key must be None, a Python int or a JAX PRNG key "
+      f"(jax.random.key(...)); got {type(key).__name__} {key.dtype}{key.shape}.")
+
+
+def _check_trees(name: str, updates, params) -> None:
+  if params is None:
+    raise ValueError(
+        f"{name} needs the current params: call tx.update(grads, state, params).")
+  if jax.tree.structure(updates) != jax.tree.structure(params):
+    raise ValueError(
+        f"{name}: the gradient tree does not match the params tree.\n"
+        f"  grads:  {jax.tree.structure(updates)}\n"
+        f"  params: {jax.tree.structure(params)}")
+
+
+def _leaf_indices(params):
+  """Index of every float leaf among the float leaves, in flatten order.
+
+  This is the ``leaf`` coordinate of the random bits; ``torch_bridge`` uses a
+  parameter's position in the optimizer's parameter list, which matches for
+  trees holding only float leaves.
+  """
+  leaves, treedef = jax.tree.flatten(params)
+  out, i = [], 0
+  for p in leaves:
+    out.append(i if _is_float(p) else -1)
+    i += _is_float(p)
+  return jax.tree.unflatten(treedef, out)
+
+
+def _unzip2(like, pairs):
+  first = jax.tree.map(lambda _, pair: pair[0], like, pairs)
+  second = jax.tree.map(lambda _, pair: pair[1], like, pairs)
+  return first, second
+
+
+def _lowp_wrapper(
+    name: str,
+    inner: optax.GradientTransformation,
+    *,
+    role: Callable[[jnp.dtype], str],
+    work_dtype: Callable[[jnp.dtype], jnp.dtype],
+    init_buffer: Callable[[jax.Array], jax.Array],
+    read: Callable[[jax.Array, jax.Array], jax.Array],
+    write: Callable[..., tuple[jax.Array, jax.Array]],
+):
+  """Builds (init, step) for a wrapper from per-leaf rules.
+
+  ``read(p, buf) -> x`` gives the high-precision value the inner transformation
+  sees; ``write(x_new, p, buf, leaf_index, ctx) -> (new_p, new_buf)`` stores it
+  back. ``ctx`` is whatever the caller passes to ``step`` (the random seed and
+  step for stochastic rounding).
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def roles(params):
+    return jax.tree.map(
+        lambda p: role(jnp.dtype(p.dtype)) if _is_float(p) else _FROZEN, params)
+
+  def view(params, buffers, rl):
+    def one(p, buf, r):
+      if r == _FROZEN:
+        return MaskedNode()
+      if r == _DIRECT:
+        return p
+      return read(p, buf)
+    return jax.tree.map(one, params, buffers, rl)
+
+  def init(params):
+    params = jax.tree.map(jnp.asarray, params)
+    rl = roles(params)
+    buffers = jax.tree.map(
+        lambda p, r: init_buffer(p) if r == _LOW else MaskedNode(), params, rl)
+    return buffers, inner.init(view(params, buffers, rl))
+
+  def step(grads, buffers, inner_state, params, ctx, **extra_args):
+    _check_trees(name, grads, params)
+    params = jax.tree.map(jnp.asarray, params)
+    if buffers is None:  # wrappers without per-leaf buffers
+      buffers = jax.tree.map(lambda _: MaskedNode(), params)
+    rl = roles(params)
+    x = view(params, buffers, rl)
+    g = jax.tree.map(
+        lambda p, g_, r: MaskedNode() if r == _FROZEN
+        else jnp.asarray(g_).astype(work_dtype(jnp.dtype(p.dtype))),
+        params, grads, rl)
+    inner_updates, inner_state = inner.update(g, inner_state, x, **extra_args)
+    index = _leaf_indices(params)
+
+    def one(p, buf, xi, ui, r, i):
+      if r == _FROZEN:
+        return jnp.zeros_like(p), buf
+      if r == _DIRECT:
+        return ui, buf
+      # x' = x + u, rounded like optax.apply_updates rounds it.
+      x_new = jnp.asarray(xi + ui).astype(xi.dtype)
+      new_p, new_buf = write(x_new, p, buf, i, ctx)
+      # fp32 (work dtype) updates: apply_updates(p, u) lands on new_p exactly.
+      u = new_p.astype(x_new.dtype) - p.astype(x_new.dtype)
+      return u, new_buf
+
+    pairs = jax.tree.map(one, params, buffers, x, inner_updates, rl, index)
+    updates, buffers = _unzip2(params, pairs)
+    return updates, buffers, inner_state
+
+  return init, step
+
+
+def _validate_inner(name, inner):
+  if not isinstance(inner, optax.GradientTransformation):
+    raise TypeError(
+        f"{name} wraps an optax.GradientTransformation (e.g. optax.adam(1e-3)); "
+        f"got {type(inner).__name__}.")
+
+
+# ---------------------------------------------------------------------------
+# Public wrappers.
+# ---------------------------------------------------------------------------
+
+
+def master_weights(
+    inner: optax.GradientTransformation,
+    master_dtype=jnp.float32,
+    split: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Keeps a high-precision master copy of every low-precision param.
+
+  For each floating-point leaf ``p`` narrower than ``master_dtype``:
+
+  .. math::
+     g_m = \mathrm{cast}(g, m),\quad
+     (u, s') = \mathrm{inner}(g_m, s, m),\quad
+     m' = m + u,\quad p' = \mathrm{round}(m')
+
+  and the returned update is ``m'.astype(p.dtype).astype(m.dtype) - p``
+  (fp32), so that ``optax.apply_updates(params, updates)`` equals
+  ``m'.astype(p.dtype)`` bit for bit. Leaves already in ``master_dtype`` carry
+  no copy: the inner update is returned for them unchanged.
+
+  With ``split=True`` (fp32 master, bf16 leaves) the master is not stored as a
+  second fp32 array: the bf16 param is its high half (``rounding.split_f32``:
+  nearest, ties away from zero) and an int16 buffer holds the low 16 bits, so
+  ``m = join(p, lo)`` is exact at 2 bytes/param. Non-bf16 16-bit leaves (fp16)
+  fall back to a full fp32 copy.
+
+  Args:
+    inner: the transformation to run on the master params (e.g.
+      ``optax.adam(1e-3)`` or an ``optax.chain``).
+    master_dtype: dtype of the master copy (a float type).
+    split: store the fp32 master of bf16 leaves as param + int16 low half.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; its state is
+    ``MasterWeightsState``. ``update`` requires ``params``.
+
+  Example:
+    >>> tx = master_weights(optax.adam(1e-3))
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
+    >>> optax.apply_updates(params, updates)["w"].dtype
+    dtype(bfloat16)
+  """
+  _validate_inner("master_weights", inner)
+  master_dtype = jnp.dtype(master_dtype)
+  if not jnp.issubdtype(master_dtype, jnp.floating):
+    raise ValueError(f"master_dtype must be a float dtype; got {master_dtype}.")
+  if split and master_dtype != jnp.float32:
+    raise ValueError(
+        "master_weights(split=True) stores an fp32 master as a bf16 high half plus "
+        f"int16 low half; it needs master_dtype=float32, got {master_dtype}.")
+
+  def role(dtype):
+    return _DIRECT if dtype.itemsize >= master_dtype.itemsize else _LOW
+
+  def is_split(p):
+    return split and p.dtype == jnp.bfloat16
+
+  def init_buffer(p):
+    if is_split(p):
+      return jnp.zeros(p.shape, jnp.int16)  # bf16 -> fp32 is exact: lo = 0
+    return p.astype(master_dtype)
+
+  def read(p, buf):
+    return rounding.join_f32(p, buf) if is_split(p) else buf
+
+  def write(x_new, p, buf, leaf, ctx):
+    if is_split(p):
+      return rounding.split_f32(x_new)
+    return x_new.astype(p.dtype), x_new
+
+  init_fn, step = _lowp_wrapper(
+      "master_weights", inner, role=role, work_dtype=lambda _: master_dtype,
+      init_buffer=init_buffer, read=read, write=write)
+
+  def init(params):
+    return MasterWeightsState(*init_fn(params))
+
+  def update(updates, state, params=None, **extra_args):
+    updates, master, inner_state = step(
+        updates, state.master, state.inner_state, params, None, **extra_args)
+    return updates, MasterWeightsState(master, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  r"""Kahan-compensated 16-bit params: a compensation buffer in the param dtype.
+
+  For each 16-bit leaf ``p`` with compensation ``c`` (same dtype), in fp32:
+
+  .. math::
+     x = p + c,\quad (u, s') = \mathrm{inner}(g, s, x),\quad x' = x + u,\quad
+     p' = \mathrm{round}(x'),\quad c' = \mathrm{round}(x' - p')
+
+  ``x' - p'`` is exact in fp32; rounding it to the param dtype keeps ~8 (bf16)
+  or ~11 (fp16) more bits of the weight than ``p`` alone. The returned fp32
+  updates make ``optax.apply_updates`` land on ``p'`` bit for bit. 32-bit
+  leaves get no buffer.
+
+  Args:
+    inner: the transformation to run on the compensated params.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``KahanSummationState``.
+  """
+  _validate_inner("kahan_summation", inner)
+
+  def write(x_new, p, buf, leaf, ctx):
+    new_p = x_new.astype(p.dtype)
+    return new_p, (x_new - new_p.astype(jnp.float32)).astype(p.dtype)
+
+  init_fn, step = _lowp_wrapper(
+      "kahan_summation", inner,
+      role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
+      work_dtype=lambda _: jnp.float32,
+      init_buffer=jnp.zeros_like,
+      read=lambda p, c: p.astype(jnp.float32) + c.astype(jnp.float32),
+      write=write)
+
+  def init(params):
+    return KahanSummationState(*init_fn(params))
+
+  def update(updates, state, params=None, **extra_args):
+    updates, comp, inner_state = step(
+        updates, state.compensation, state.inner_state, params, None, **extra_args)
+    return updates, KahanSummationState(comp, inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def stochastic_rounding(inner: optax.GradientTransformation,
+                        key=None) -> optax.GradientTransformationExtraArgs:
+  r"""Stochastically rounded 16-bit params: unbiased, no extra buffer.
+
+  For each 16-bit leaf, in fp32: ``x = p``, ``x' = x + u``,
+  ``p' = stochastic_round(x')`` with bits
+  ``random_bits(seed, count, STREAM_PARAMS, leaf, shape)``
+  (``rounding.random_bits``), so ``E[p'] = x'``. ``count`` advances every step;
+  results are deterministic given ``key`` and reproducible in ``torch_bridge``
+  for an integer key.
+
+  Args:
+    inner: the transformation to run on the fp32 view of the params.
+    key: ``None`` (seed 0), a Python int, or a JAX PRNG key.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``StochasticRoundingState``.
+  """
+  _validate_inner("stochastic_rounding", inner)
+
+  def write(x_new, p, buf, leaf, ctx):
+    seed, count = ctx
+    bits = rounding.random_bits(seed, count, rounding.STREAM_PARAMS, leaf, x_new.shape)
+    return rounding.stochastic_round(x_new, p.dtype, bits), buf
+
+  init_fn, step = _lowp_wrapper(
+      "stochastic_rounding", inner,
+      role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
+      work_dtype=lambda _: jnp.float32,
+      init_buffer=lambda p: MaskedNode(),
+      read=lambda p, buf: p.astype(jnp.float32),
+      write=write)
+
+  def init(params):
+    _, inner_state = init_fn(params)
+    return StochasticRoundingState(seed_from_key(key), jnp.zeros([], jnp.int32), inner_state)
+
+  def update(updates, state, params=None, **extra_args):
+    ctx = (state.seed, state.count)
+    updates, _, inner_state = step(
+        updates, None, state.inner_state, params, ctx, **extra_args)
+    return updates, StochasticRoundingState(
+        state.seed, optax.safe_increment(state.count), inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+  """No compensation: ``p' = round_nearest(p + u)`` with fp32 ``u``.
+
+  The baseline the other wrappers cure: an update smaller than half a ULP of
+  ``p`` is lost. The inner transformation still sees fp32 grads and params,
+  and non-float leaves are masked like in the other wrappers. Used by
+  ``adamw_bf16(compensation="none")``.
+  """
+  _validate_inner("round_to_nearest", inner)
+
+  init_fn, step = _lowp_wrapper(
+      "round_to_nearest", inner,
+      role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
+      work_dtype=lambda _: jnp.float32,
+      init_buffer=lambda p: MaskedNode(),
+      read=lambda p, buf: p.astype(jnp.float32),
+      write=lambda x_new, p, buf, leaf, ctx: (x_new.astype(p.dtype), buf))
+
+  def init(params):
+    return RoundToNearestState(init_fn(params)[1])
+
+  def update(updates, state, params=None, **extra_args):
+    updates, _, inner_state = step(updates, None, state.inner_state, params, None,
+                                   **extra_args)
+    return updates, RoundToNearestState(inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)
