@@ -1,0 +1,43 @@
+"""Shared helpers: numeric comparisons in ULPs, random trees."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+_UINT = {2: np.uint16, 4: np.uint32}
+_INT = {2: np.int16, 4: np.int32}
+
+
+def ordered_bits(x) -> np.ndarray:
+  """Float bits mapped to integers that are monotone in the value (int64)."""
+  x = np.asarray(x)
+  n = x.dtype.itemsize
+  i = x.view(_INT[n]).astype(np.int64)
+  return np.where(i < 0, -(i & (2 ** (8 * n - 1) - 1)), i)
+
+
+def ulp_diff(a, b) -> int:
+  """Largest distance, in units in the last place of the dtype, between a and b."""
+  a, b = np.asarray(a), np.asarray(b)
+  assert a.dtype == b.dtype, (a.dtype, b.dtype)
+  if a.size == 0:
+    return 0
+  return int(np.abs(ordered_bits(a) - ordered_bits(b)).max())
+
+
+def bitwise_equal(a, b) -> bool:
+  a, b = np.asarray(a), np.asarray(b)
+  return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+      a.view(_UINT[a.dtype.itemsize]), b.view(_UINT[b.dtype.itemsize]))
+
+
+def random_tree(seed, shapes, dtype):
+  key = jax.random.key(seed)
+  return {name: jax.random.normal(jax.random.fold_in(key, i), shape).astype(dtype)
+          for i, (name, shape) in enumerate(shapes.items())}
+
+
+@pytest.fixture
+def rng():
+  return np.random.default_rng(0)

@@ -1,0 +1,154 @@
+"""master_weights: the master trajectory is fp32 Adam's, bit for bit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_half as oh
+from optax_half import rounding
+from conftest import bitwise_equal, random_tree, ulp_diff
+
+SHAPES = {"w16": (17, 5), "v16": (33,), "s16": ()}
+LR = 1e-2
+
+
+def _tree():
+  # bf16 and fp16 leaves in one tree: one trajectory checks both dtypes.
+  bf = random_tree(0, SHAPES, jnp.bfloat16)
+  hf = random_tree(1, SHAPES, jnp.float16)
+  return {"bf16": bf, "fp16": hf}
+
+
+def _grads(t, params):
+  key = jax.random.fold_in(jax.random.key(7), t)
+  return jax.tree.map(
+      lambda p: jax.random.normal(jax.random.fold_in(key, p.size), p.shape).astype(p.dtype),
+      params)
+
+
+def _to32(tree):
+  return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+
+
+def _master(state, params, split):
+  if not split:
+    return state.master
+  return jax.tree.map(
+      lambda p, m: rounding.join_f32(p, m) if p.dtype == jnp.bfloat16 else m,
+      params, state.master)
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_master_trajectory_bitwise_op_by_op(split):
+  """200 steps, op by op: master == optax.adam on fp32 params, bitwise."""
+  params = _tree()
+  tx = oh.master_weights(optax.adam(LR), split=split)
+  ref_tx = optax.adam(LR)
+  ref = _to32(params)
+  with jax.disable_jit():
+    state, ref_state = tx.init(params), ref_tx.init(ref)
+    for t in range(200):
+      g = _grads(t, params)
+      u, ref_state = ref_tx.update(_to32(g), ref_state, ref)
+      ref = optax.apply_updates(ref, u)
+      u, state = tx.update(g, state, params)
+      params = optax.apply_updates(params, u)
+      master = _master(state, params, split)
+      for m, r in zip(jax.tree.leaves(master), jax.tree.leaves(ref)):
+        assert bitwise_equal(m, r), f"step {t}: {ulp_diff(m, r)} ULP"
+      for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(master)):
+        if split and p.dtype == jnp.bfloat16:
+          # The split high half rounds ties away from zero: equal to the
+          # nearest-even cast except on exact ties.
+          tie = (np.asarray(m).view(np.uint32) & 0xFFFF) == 0x8000
+          assert bitwise_equal(np.asarray(p)[~tie], np.asarray(m.astype(p.dtype))[~tie])
+        else:
+          assert bitwise_equal(p, m.astype(p.dtype)), f"step {t}"
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_master_under_jit_within_2_ulp_of_update_scale(split):
+  """Under jit, one step from the same state matches the jitted reference step.
+
+  XLA contracts a*b+c into FMAs differently in two programs, so the jitted
+  results may differ by a rounding of the update: the bound is 2 ULP at the
+  scale max(|master|, lr), and the bf16/fp16 params still equal the rounded
+  master bitwise.
+  """
+  params = _tree()
+  tx = oh.master_weights(optax.adam(LR), split=split)
+  ref_tx = optax.adam(LR)
+
+  @jax.jit
+  def ref_step(g, s, p):
+    u, s = ref_tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  @jax.jit
+  def step(g, s, p):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  state = tx.init(params)
+  worst = 0.0
+  for t in range(200):
+    g = _grads(t, params)
+    master = _master(state, params, split)
+    ref, _ = ref_step(_to32(g), state.inner_state, master)
+    params, state = step(g, state, params)
+    new_master = _master(state, params, split)
+    for m, r in zip(jax.tree.leaves(new_master), jax.tree.leaves(ref)):
+      m, r = np.asarray(m), np.asarray(r)
+      scale = np.maximum(np.abs(r), LR)
+      ulp = np.spacing(scale.astype(np.float32))
+      worst = max(worst, float((np.abs(m - r) / ulp).max(initial=0)))
+    for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(new_master)):
+      if not (split and p.dtype == jnp.bfloat16):
+        assert bitwise_equal(p, m.astype(p.dtype))
+  assert worst <= 2.0, worst
+
+
+def test_fp32_leaves_carry_no_copy_and_follow_inner_exactly():
+  params = {"a": jnp.ones((4,), jnp.float32), "b": jnp.ones((4,), jnp.bfloat16)}
+  tx = oh.master_weights(optax.adam(LR))
+  state = tx.init(params)
+  assert isinstance(state.master["a"], optax.MaskedNode)
+  assert state.master["b"].dtype == jnp.float32
+  g = {"a": jnp.full((4,), 0.3), "b": jnp.full((4,), 0.3, jnp.bfloat16)}
+  u, _ = tx.update(g, state, params)
+  ref_u, _ = optax.adam(LR).update({"a": g["a"]}, optax.adam(LR).init({"a": params["a"]}),
+                                    {"a": params["a"]})
+  assert bitwise_equal(u["a"], ref_u["a"])
+
+
+def test_split_memory_is_two_bytes_per_param():
+  params = {"w": jnp.ones((128,), jnp.bfloat16), "h": jnp.ones((8,), jnp.float16)}
+  state = oh.master_weights(optax.sgd(0.1), split=True).init(params)
+  assert state.master["w"].dtype == jnp.int16  # low half only
+  assert state.master["h"].dtype == jnp.float32  # fp16 falls back to a full copy
+
+
+def test_split_requires_fp32_master():
+  with pytest.raises(ValueError, match="master_dtype=float32"):
+    oh.master_weights(optax.sgd(0.1), master_dtype=jnp.bfloat16, split=True)
+
+
+def test_update_without_params_is_a_clear_error():
+  tx = oh.master_weights(optax.sgd(0.1))
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  with pytest.raises(ValueError, match="needs the current params"):
+    tx.update(params, tx.init(params))
+
+
+def test_mismatched_trees_are_a_clear_error():
+  tx = oh.master_weights(optax.sgd(0.1))
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  with pytest.raises(ValueError, match="does not match the params tree"):
+    tx.update({"v": jnp.ones(3, jnp.bfloat16)}, tx.init(params), params)
+
+
+def test_wrapping_a_non_transformation_is_a_clear_error():
+  with pytest.raises(TypeError, match="optax.GradientTransformation"):
+    oh.master_weights(lambda g: g)

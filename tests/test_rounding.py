@@ -1,0 +1,130 @@
+"""Rounding primitives: exact split, unbiased stochastic rounding, exact landing."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from optax_half import rounding
+from conftest import bitwise_equal
+
+
+def _wide_f32(rng, n):
+  """Random fp32 values over 60 decades, both signs."""
+  mag = 10.0 ** rng.uniform(-30, 30, n)
+  return (mag * rng.choice([-1.0, 1.0], n)).astype(np.float32)
+
+
+def test_split_join_is_exact_over_60_decades(rng):
+  x = np.concatenate([_wide_f32(rng, 1_000_000),
+                      np.array([0.0, -0.0, np.inf, -np.inf, 1e-45, -1e-45,
+                                np.finfo(np.float32).tiny], np.float32)])
+  hi, lo = rounding.split_f32(jnp.asarray(x))
+  assert hi.dtype == jnp.bfloat16 and lo.dtype == jnp.int16
+  assert bitwise_equal(rounding.join_f32(hi, lo), x)
+  # hi is round-to-nearest; it differs from the nearest-even cast only on ties.
+  tie = (x.view(np.uint32) & 0xFFFF) == 0x8000
+  rne = np.asarray(jnp.asarray(x).astype(jnp.bfloat16))
+  assert bitwise_equal(np.asarray(hi)[~tie], rne[~tie])
+
+
+def test_split_of_nan_is_nan_with_zero_remainder():
+  hi, lo = rounding.split_f32(jnp.array([np.nan, -np.nan], jnp.float32))
+  assert np.isnan(np.asarray(hi, np.float32)).all() and (np.asarray(lo) == 0).all()
+
+
+def test_random_bits_are_uniform_and_distinct_per_coordinate():
+  shape = (1 << 16,)
+  base = rounding.random_bits(1, 0, 0, 0, shape)
+  assert base.dtype == jnp.uint32
+  u = np.asarray(base, np.float64) / 2**32
+  assert abs(u.mean() - 0.5) < 5 * np.sqrt(1 / 12 / u.size)
+  # 16 bits of every word are used by bf16 rounding: check each is balanced.
+  words = np.asarray(base)
+  for bit in range(32):
+    ones = ((words >> bit) & 1).mean()
+    assert abs(ones - 0.5) < 5 * 0.5 / np.sqrt(words.size), bit
+  for other in [(2, 0, 0, 0), (1, 1, 0, 0), (1, 0, 1, 0), (1, 0, 0, 1)]:
+    bits = np.asarray(rounding.random_bits(*other, shape))
+    assert (bits == words).mean() < 1e-3, other
+  again = rounding.random_bits(jnp.uint32(1), jnp.int32(0), 0, 0, shape)
+  assert bitwise_equal(again, base)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_stochastic_round_is_unbiased(dtype, rng):
+  x = np.concatenate([rng.uniform(-4, 4, 64), 10.0 ** rng.uniform(-6, 3, 64),
+                      [1.0 + 2**-10, -1.0 - 3 * 2**-12, 5e-5]]).astype(np.float32)
+  n = 4096
+  draws = jax.vmap(lambda s: rounding.stochastic_round(
+      jnp.asarray(x), dtype, rounding.random_bits(3, s, 0, 0, x.shape)))(jnp.arange(n))
+  draws = np.asarray(draws, np.float64)
+  lo, hi = draws.min(0), draws.max(0)
+  # Every draw is one of the two neighbours of x.
+  down = np.asarray(jnp.asarray(x).astype(dtype), np.float64)
+  assert np.all(lo <= x) and np.all(hi >= x)
+  gap = np.maximum(hi - lo, 1e-300)
+  frac = (x - lo) / gap
+  # Mean within 5 standard errors of the exact value.
+  sigma = gap * np.sqrt(np.maximum(frac * (1 - frac), 1.0 / n)) / np.sqrt(n)
+  err = np.abs(draws.mean(0) - x)
+  assert np.all(err <= 5 * sigma + 1e-12 * np.abs(x)), (err / sigma).max()
+  # Values exactly representable are never moved.
+  exact = down == x
+  assert np.all(lo[exact] == hi[exact])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_stochastic_round_keeps_non_finite(dtype):
+  x = jnp.array([np.nan, np.inf, -np.inf, 0.0, -0.0], jnp.float32)
+  y = rounding.stochastic_round(x, dtype, rounding.random_bits(0, 0, 0, 0, x.shape))
+  y = np.asarray(y, np.float32)
+  assert np.isnan(y[0]) and y[1] == np.inf and y[2] == -np.inf
+  assert np.signbit(y[4]) and y[3] == 0
+
+
+def test_same_key_same_result_different_key_different_result():
+  x = jnp.linspace(-1, 1, 1000, dtype=jnp.float32) * 1.001
+  a = rounding.stochastic_round(x, jnp.bfloat16, rounding.random_bits(5, 3, 0, 2, x.shape))
+  b = rounding.stochastic_round(x, jnp.bfloat16, rounding.random_bits(5, 3, 0, 2, x.shape))
+  c = rounding.stochastic_round(x, jnp.bfloat16, rounding.random_bits(6, 3, 0, 2, x.shape))
+  assert bitwise_equal(a, b)
+  assert not bitwise_equal(a, c)
+
+
+# --- Landing exactly: apply_updates(p, t - p) == t, docs/algorithms.md. -----
+
+def _bf16_from_bits(bits):
+  return np.array([bits], np.uint16).view(jnp.bfloat16)[0]
+
+
+finite_bf16 = st.integers(0, 0xFFFF).map(_bf16_from_bits).filter(
+    lambda v: np.isfinite(np.float32(v)))
+
+
+@settings(max_examples=2000, deadline=None)
+@given(p=finite_bf16, t=finite_bf16)
+def test_fp32_update_lands_on_target(p, t):
+  """round(p + fl32(t - p)) == t for bf16 p, t whenever |t| >= 2^-15 |p| or t == 0.
+
+  Subnormal p or t are excluded: XLA flushes fp32 subnormals to zero.
+  """
+  p32, t32 = np.float32(p), np.float32(t)
+  if t32 != 0 and abs(t32) < 2.0**-15 * abs(p32):
+    return  # outside the documented condition (see the next test)
+  tiny = np.finfo(np.float32).tiny
+  if 0 < abs(t32) < tiny or 0 < abs(p32) < tiny or 0 < abs(t32 - p32) < tiny:
+    return
+  u = np.float32(t32 - p32)
+  landed = optax.apply_updates(jnp.asarray(p, jnp.bfloat16), jnp.asarray(u))
+  assert bitwise_equal(np.asarray(landed), np.asarray(t, dtype=jnp.bfloat16)) or (
+      t32 == 0 and float(landed) == 0)  # +0 and -0 both acceptable for a zero target
+
+
+def test_landing_limit_is_real_and_documented():
+  # A jump from 1.0 to 1e-10 in one step cannot be expressed as an fp32 update.
+  p, t = jnp.bfloat16(1.0), jnp.bfloat16(1e-10)
+  u = jnp.float32(t) - jnp.float32(p)
+  assert float(optax.apply_updates(p, u)) != float(t)
