@@ -54,8 +54,17 @@ def _is_zero(v) -> bool:
 
 
 def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
-  # Only concrete Python numbers are checked: traced values (inject_hyperparams)
-  # cannot be inspected without a host sync.
+  # Arrays (e.g. from optax.inject_hyperparams) are checked by dtype only: their
+  # values may be traced, and reading them would be a host sync.
+  for name, v in (("learning_rate", learning_rate), ("b1", b1), ("b2", b2),
+                  ("eps", eps), ("weight_decay", weight_decay)):
+    dtype = getattr(v, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
+      raise ValueError(
+          f"hyperparameter {name} arrived as {jnp.dtype(dtype)}: 16-bit hyperparameters "
+          "lose their meaning (b2=0.999 rounds to 1.0 in bf16). With "
+          "optax.inject_hyperparams pass hyperparam_dtype=jnp.float32.")
+
   def concrete(v):
     return isinstance(v, (int, float))
   if concrete(learning_rate) and learning_rate < 0:
@@ -99,6 +108,7 @@ def scale_by_adamw(
   update itself uses the unrounded fp32 ``m_t`` and ``v_t``. Updates are fp32.
   """
   _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
+  wrappers.seed_from_key(key)  # a bad key fails here, not at init
   if state_rounding not in _STATE_ROUNDINGS:
     raise ValueError(
         f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
@@ -221,9 +231,27 @@ def adamw_bf16(
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay, mu_dtype=mu_dtype,
                         nu_dtype=nu_dtype, state_rounding=state_rounding, key=key)
   if compensation == "kahan":
-    return wrappers.kahan_summation(core)
-  if compensation == "split":
-    return wrappers.master_weights(core, master_dtype=jnp.float32, split=True)
-  if compensation == "stochastic":
-    return wrappers.stochastic_rounding(core, key=key)
-  return wrappers.round_to_nearest(core)
+    tx = wrappers.kahan_summation(core)
+  elif compensation == "split":
+    tx = wrappers.master_weights(core, master_dtype=jnp.float32, split=True)
+  elif compensation == "stochastic":
+    tx = wrappers.stochastic_rounding(core, key=key)
+  else:
+    tx = wrappers.round_to_nearest(core)
+
+  def init(params):
+    # The wrapper initialises the core on the fp32 view of the params; moments
+    # without an explicit dtype take the dtype of the param itself.
+    state = tx.init(params)
+    core_state = state.inner_state
+    def like_param(moments, override):
+      if override is not None:
+        return moments
+      return jax.tree.map(
+          lambda p, m: m if isinstance(m, optax.MaskedNode) else m.astype(jnp.asarray(p).dtype),
+          params, moments)
+    core_state = core_state._replace(mu=like_param(core_state.mu, mu_dtype),
+                                     nu=like_param(core_state.nu, nu_dtype))
+    return state._replace(inner_state=core_state)
+
+  return optax.GradientTransformationExtraArgs(init, tx.update)

@@ -31,6 +31,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from optax import MaskedNode
 
@@ -107,9 +108,13 @@ def seed_from_key(key) -> jax.Array:
   """
   if key is None:
     return jnp.uint32(0)
-  if isinstance(key, int):
+  if isinstance(key, int) and not isinstance(key, bool):
     return jnp.uint32(key % 2**32)
-  key = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if isinstance(key, bool) or not isinstance(key, (jax.Array, np.ndarray)):
+    raise TypeError(
+        "key must be None, a Python int or a JAX PRNG key (jax.random.key(...)); "
+        f"got {type(key).__name__}.")
+  key = jnp.asarray(key)
   if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
     return jax.random.bits(key, (), jnp.uint32)
   if key.dtype == jnp.uint32 and key.shape == (2,):  # raw legacy key
@@ -387,6 +392,7 @@ def stochastic_rounding(inner: optax.GradientTransformation,
     An ``optax.GradientTransformationExtraArgs`` with ``StochasticRoundingState``.
   """
   _validate_inner("stochastic_rounding", inner)
+  seed_from_key(key)  # a bad key fails here, not at init
 
   def write(x_new, p, buf, leaf, ctx):
     seed, count = ctx
