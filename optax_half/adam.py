@@ -134,7 +134,8 @@ def scale_by_adamw(
     one_minus_b1 = 1 - b1_
     one_minus_b2 = 1 - b2_
     leaf_index = wrappers._leaf_indices(updates)
-    params_ = params if params is not None else jax.tree.map(lambda _: None, updates)
+    # Without weight decay the params are not read: any tree of the same shape will do.
+    params_ = params if params is not None else updates
 
     def one(g, m, v, x, i):
       g = g.astype(jnp.float32)
@@ -152,8 +153,7 @@ def scale_by_adamw(
                                 state.count, rounding.STREAM_NU, i)
       return u, m_new, v_new
 
-    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index,
-                       is_leaf=lambda z: z is None)
+    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index)
     u = jax.tree.map(lambda _, o: o[0], updates, out)
     mu = jax.tree.map(lambda _, o: o[1], updates, out)
     nu = jax.tree.map(lambda _, o: o[2], updates, out)
