@@ -138,14 +138,15 @@ def scale_by_adamw(
     params_ = params if params is not None else updates
 
     def one(g, m, v, x, i):
-      g = g.astype(jnp.float32)
-      m32 = b1_ * m.astype(jnp.float32) + one_minus_b1 * g
-      v32 = b2_ * v.astype(jnp.float32) + one_minus_b2 * (g * g)
+      # rounding.widen: exact upcasts that XLA cannot fold into excess precision.
+      g = rounding.widen(g)
+      m32 = b1_ * rounding.widen(m) + one_minus_b1 * g
+      v32 = b2_ * rounding.widen(v) + one_minus_b2 * (g * g)
       m_hat = m32 / bc1
       v_hat = v32 / bc2
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
       if not _is_zero(weight_decay):
-        u = u + wd_ * x.astype(jnp.float32)
+        u = u + wd_ * rounding.widen(x)
       u = -lr * u
       m_new = rounding.round_to(m32, m.dtype, state_rounding, state.seed,
                                 state.count, rounding.STREAM_MU, i)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = [
+    "widen",
     "split_f32",
     "join_f32",
     "mix32",
@@ -84,6 +85,24 @@ def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
   return mix32(index ^ key)
 
 
+def widen(p: jax.Array) -> jax.Array:
+  """The exact fp32 value of ``p``, even when ``p`` was just rounded in-graph.
+
+  ``x.astype(bf16).astype(f32)`` is not safe inside a jitted program: XLA may
+  treat the pair of converts as "excess precision" and drop both (XLA:GPU does,
+  by default), which silently turns ``x - f32(bf16(x))`` into 0. bf16 is
+  widened through its bits (``bits << 16``), which no float rewrite can fold;
+  other narrow types go through an optimization barrier.
+  """
+  p = jnp.asarray(p)
+  if p.dtype == jnp.bfloat16:
+    bits = lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.uint32) << 16
+    return lax.bitcast_convert_type(bits, jnp.float32)
+  if p.dtype.itemsize >= 4:
+    return p.astype(jnp.float32)
+  return lax.optimization_barrier(p).astype(jnp.float32)
+
+
 # --------------------------------------------------------------------------
 # Exact split of fp32 into a bf16 high half and an int16 low half.
 # --------------------------------------------------------------------------
@@ -139,12 +158,12 @@ def _stochastic_round_generic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array
   # zero when a 24-bit uniform u in [0, 1) is below it.
   nearest = x.astype(dtype)
   zero = jnp.zeros((), dtype)
-  overshoot = jnp.abs(nearest.astype(jnp.float32)) > jnp.abs(x)
+  overshoot = jnp.abs(widen(nearest)) > jnp.abs(x)
   down = jnp.where(overshoot, jnp.nextafter(nearest, zero), nearest)
   inf = jnp.where(x < 0, -jnp.inf, jnp.inf).astype(dtype)
   up = jnp.nextafter(down, inf)
-  down32 = down.astype(jnp.float32)
-  gap = jnp.abs(up.astype(jnp.float32)) - jnp.abs(down32)
+  down32 = widen(down)
+  gap = jnp.abs(widen(up)) - jnp.abs(down32)
   frac = (jnp.abs(x) - jnp.abs(down32)) / gap
   u = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)
   y = jnp.where(u < frac, up, down)

@@ -206,7 +206,7 @@ def _lowp_wrapper(
     x = view(params, buffers, rl)
     g = jax.tree.map(
         lambda p, g_, r: MaskedNode() if r == _FROZEN
-        else jnp.asarray(g_).astype(work_dtype(jnp.dtype(p.dtype))),
+        else rounding.widen(g_).astype(work_dtype(jnp.dtype(p.dtype))),
         params, grads, rl)
     inner_updates, inner_state = inner.update(g, inner_state, x, **extra_args)
     index = _leaf_indices(params)
@@ -220,7 +220,9 @@ def _lowp_wrapper(
       x_new = jnp.asarray(xi + ui).astype(xi.dtype)
       new_p, new_buf = write(x_new, p, buf, i, ctx)
       # fp32 (work dtype) updates: apply_updates(p, u) lands on new_p exactly.
-      u = new_p.astype(x_new.dtype) - p.astype(x_new.dtype)
+      # `widen`: XLA must not fold f32(round(x_new)) back into x_new.
+      u = (rounding.widen(new_p).astype(x_new.dtype)
+           - rounding.widen(p).astype(x_new.dtype))
       return u, new_buf
 
     pairs = jax.tree.map(one, params, buffers, x, inner_updates, rl, index)
@@ -352,14 +354,15 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
 
   def write(x_new, p, buf, leaf, ctx):
     new_p = x_new.astype(p.dtype)
-    return new_p, (x_new - new_p.astype(jnp.float32)).astype(p.dtype)
+    # `widen`, not astype: an excess-precision rewrite would make this 0.
+    return new_p, (x_new - rounding.widen(new_p)).astype(p.dtype)
 
   init_fn, step = _lowp_wrapper(
       "kahan_summation", inner,
       role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
       work_dtype=lambda _: jnp.float32,
       init_buffer=jnp.zeros_like,
-      read=lambda p, c: p.astype(jnp.float32) + c.astype(jnp.float32),
+      read=lambda p, c: rounding.widen(p) + rounding.widen(c),
       write=write)
 
   def init(params):
@@ -404,7 +407,7 @@ def stochastic_rounding(inner: optax.GradientTransformation,
       role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
       work_dtype=lambda _: jnp.float32,
       init_buffer=lambda p: MaskedNode(),
-      read=lambda p, buf: p.astype(jnp.float32),
+      read=lambda p, buf: rounding.widen(p),
       write=write)
 
   def init(params):
@@ -436,7 +439,7 @@ def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTrans
       role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
       work_dtype=lambda _: jnp.float32,
       init_buffer=lambda p: MaskedNode(),
-      read=lambda p, buf: p.astype(jnp.float32),
+      read=lambda p, buf: rounding.widen(p),
       write=lambda x_new, p, buf, leaf, ctx: (x_new.astype(p.dtype), buf))
 
   def init(params):

@@ -128,3 +128,17 @@ def test_landing_limit_is_real_and_documented():
   p, t = jnp.bfloat16(1.0), jnp.bfloat16(1e-10)
   u = jnp.float32(t) - jnp.float32(p)
   assert float(optax.apply_updates(p, u)) != float(t)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_widen_keeps_the_rounding_error_inside_jit(dtype, rng):
+  """x - f32(round(x)) must survive XLA's excess-precision rewrites.
+
+  With plain astype, XLA:GPU folds f32(bf16(x)) into x and this is all zeros
+  (that broke Kahan summation on GPU before `widen` existed).
+  """
+  x = jnp.asarray(rng.uniform(-2, 2, 4096).astype(np.float32))
+  err = jax.jit(lambda x: x - rounding.widen(x.astype(dtype)))(x)
+  expected = np.asarray(x) - np.asarray(x.astype(dtype), np.float32)
+  assert bitwise_equal(err, expected)
+  assert np.count_nonzero(np.asarray(err)) > 4000
