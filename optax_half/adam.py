@@ -23,6 +23,7 @@ import optax
 
 from optax_half import rounding
 from optax_half import wrappers
+from optax_half._util import leaf_indices, seed_from_key, unzip
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
@@ -108,7 +109,7 @@ def scale_by_adamw(
   update itself uses the unrounded fp32 ``m_t`` and ``v_t``. Updates are fp32.
   """
   _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
-  wrappers.seed_from_key(key)  # a bad key fails here, not at init
+  seed_from_key(key)  # a bad key fails here, not at init
   if state_rounding not in _STATE_ROUNDINGS:
     raise ValueError(
         f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
@@ -120,7 +121,7 @@ def scale_by_adamw(
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(mu_dtype, p)), params)
     nu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(nu_dtype, p)), params)
     return ScaleByAdamWState(jnp.zeros([], jnp.int32), mu, nu,
-                             wrappers.seed_from_key(key))
+                             seed_from_key(key))
 
   def update(updates, state, params=None):
     if params is None and not _is_zero(weight_decay):
@@ -133,7 +134,7 @@ def scale_by_adamw(
     bc2 = 1 - b2_ ** t
     one_minus_b1 = 1 - b1_
     one_minus_b2 = 1 - b2_
-    leaf_index = wrappers._leaf_indices(updates)
+    leaf_index = leaf_indices(updates)
     # Without weight decay the params are not read: any tree of the same shape will do.
     params_ = params if params is not None else updates
 
@@ -155,9 +156,7 @@ def scale_by_adamw(
       return u, m_new, v_new
 
     out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index)
-    u = jax.tree.map(lambda _, o: o[0], updates, out)
-    mu = jax.tree.map(lambda _, o: o[1], updates, out)
-    nu = jax.tree.map(lambda _, o: o[2], updates, out)
+    u, mu, nu = unzip(updates, out, 3)
     return u, ScaleByAdamWState(count, mu, nu, state.seed)
 
   return optax.GradientTransformation(init, update)

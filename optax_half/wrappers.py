@@ -31,11 +31,11 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from optax import MaskedNode
 
 from optax_half import rounding
+from optax_half._util import is_float, leaf_indices, seed_from_key, unzip
 
 __all__ = [
     "master_weights",
@@ -96,36 +96,6 @@ _DIRECT = "direct"  # wide enough: inner runs on it as is, no buffer
 _LOW = "low"        # 16-bit: inner runs on x, a buffer keeps the rest
 
 
-def _is_float(x) -> bool:
-  return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-
-
-def seed_from_key(key) -> jax.Array:
-  """A uint32 seed from ``None`` (seed 0), a Python int, or a JAX PRNG key.
-
-  Integers are taken modulo 2^32; the same integer gives the same random bits
-  in ``torch_bridge``. A JAX key is reduced with ``jax.random.bits``.
-  """
-  if key is None:
-    return jnp.uint32(0)
-  if isinstance(key, int) and not isinstance(key, bool):
-    return jnp.uint32(key % 2**32)
-  if isinstance(key, bool) or not isinstance(key, (jax.Array, np.ndarray)):
-    raise TypeError(
-        "key must be None, a Python int or a JAX PRNG key (jax.random.key(...)); "
-        f"got {type(key).__name__}.")
-  key = jnp.asarray(key)
-  if jnp.issubdtype(key.dtype, jax.dtypes.prng_key):
-    return jax.random.bits(key, (), jnp.uint32)
-  if key.dtype == jnp.uint32 and key.shape == (2,):  # raw legacy key
-    return jax.random.bits(key, (), jnp.uint32)
-  if jnp.issubdtype(key.dtype, jnp.integer) and key.shape == ():
-    return key.astype(jnp.uint32)
-  raise TypeError(
-      "key must be None, a Python int or a JAX PRNG key "
-      f"(jax.random.key(...)); got {type(key).__name__} {key.dtype}{key.shape}.")
-
-
 def _check_trees(name: str, updates, params) -> None:
   if params is None:
     raise ValueError(
@@ -135,27 +105,6 @@ def _check_trees(name: str, updates, params) -> None:
         f"{name}: the gradient tree does not match the params tree.\n"
         f"  grads:  {jax.tree.structure(updates)}\n"
         f"  params: {jax.tree.structure(params)}")
-
-
-def _leaf_indices(params):
-  """Index of every float leaf among the float leaves, in flatten order.
-
-  This is the ``leaf`` coordinate of the random bits; ``torch_bridge`` uses a
-  parameter's position in the optimizer's parameter list, which matches for
-  trees holding only float leaves.
-  """
-  leaves, treedef = jax.tree.flatten(params)
-  out, i = [], 0
-  for p in leaves:
-    out.append(i if _is_float(p) else -1)
-    i += _is_float(p)
-  return jax.tree.unflatten(treedef, out)
-
-
-def _unzip2(like, pairs):
-  first = jax.tree.map(lambda _, pair: pair[0], like, pairs)
-  second = jax.tree.map(lambda _, pair: pair[1], like, pairs)
-  return first, second
 
 
 def _lowp_wrapper(
@@ -179,7 +128,7 @@ def _lowp_wrapper(
 
   def roles(params):
     return jax.tree.map(
-        lambda p: role(jnp.dtype(p.dtype)) if _is_float(p) else _FROZEN, params)
+        lambda p: role(jnp.dtype(p.dtype)) if is_float(p) else _FROZEN, params)
 
   def view(params, buffers, rl):
     def one(p, buf, r):
@@ -209,7 +158,7 @@ def _lowp_wrapper(
         else rounding.widen(g_).astype(work_dtype(jnp.dtype(p.dtype))),
         params, grads, rl)
     inner_updates, inner_state = inner.update(g, inner_state, x, **extra_args)
-    index = _leaf_indices(params)
+    index = leaf_indices(params)
 
     def one(p, buf, xi, ui, r, i):
       if r == _FROZEN:
@@ -226,7 +175,7 @@ def _lowp_wrapper(
       return u, new_buf
 
     pairs = jax.tree.map(one, params, buffers, x, inner_updates, rl, index)
-    updates, buffers = _unzip2(params, pairs)
+    updates, buffers = unzip(params, pairs, 2)
     return updates, buffers, inner_state
 
   return init, step
