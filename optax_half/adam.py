@@ -98,7 +98,8 @@ def scale_by_adamw(
   .. math::
      m_t &= b_1 m_{t-1} + (1 - b_1) g \\
      v_t &= b_2 v_{t-1} + (1 - b_2) g^2 \\
-     \hat m &= m_t / (1 - b_1^t),\quad \hat v = v_t / (1 - b_2^t) \\
+     \hat m &= m_t \cdot \mathrm{f32}(1 / (1 - b_1^t)),\quad
+     \hat v = v_t \cdot \mathrm{f32}(1 / (1 - b_2^t)) \\
      u &= -\eta_{t-1} \left(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda x\right)
 
   (the order of optax's ``adamw``: ``scale_by_adam``, ``add_decayed_weights``,
@@ -130,8 +131,11 @@ def scale_by_adamw(
     lr = _f32(learning_rate(state.count) if callable(learning_rate) else learning_rate)
     count = optax.safe_increment(state.count)
     t = count.astype(jnp.float32)
-    bc1 = 1 - b1_ ** t
-    bc2 = 1 - b2_ ** t
+    # Reciprocals of the bias corrections, formed once in fp32: XLA rewrites
+    # `array / scalar` as `array * (1 / scalar)` anyway, so this is what runs,
+    # and torch_bridge computes the same products (docs/algorithms.md).
+    inv_bc1 = 1 / (1 - b1_ ** t)
+    inv_bc2 = 1 / (1 - b2_ ** t)
     one_minus_b1 = 1 - b1_
     one_minus_b2 = 1 - b2_
     leaf_index = leaf_indices(updates)
@@ -143,8 +147,8 @@ def scale_by_adamw(
       g = rounding.widen(g)
       m32 = b1_ * rounding.widen(m) + one_minus_b1 * g
       v32 = b2_ * rounding.widen(v) + one_minus_b2 * (g * g)
-      m_hat = m32 / bc1
-      v_hat = v32 / bc2
+      m_hat = m32 * inv_bc1
+      v_hat = v32 * inv_bc2
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
       if not _is_zero(weight_decay):
         u = u + wd_ * rounding.widen(x)

@@ -37,7 +37,8 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1
-    x = (step + 1) / jnp.float32(preheat_steps)
+    # A product with the fp32 reciprocal: XLA turns `/ scalar` into it anyway.
+    x = (step + 1) * (jnp.float32(1) / jnp.float32(preheat_steps))
     return jnp.float32(learning_rate) * jnp.minimum(x, x ** jnp.float32(decay_power))
 
   return schedule

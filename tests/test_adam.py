@@ -20,13 +20,13 @@ def numpy_adamw_reference(params, grads_seq, lr, b1, b2, eps, wd):
   m = {k: np.zeros_like(v) for k, v in x.items()}
   v = {k: np.zeros_like(v) for k, v in x.items()}
   for t, grads in enumerate(grads_seq, start=1):
-    bc1 = f(1) - b1 ** f(t)
-    bc2 = f(1) - b2 ** f(t)
+    inv_bc1 = f(1) / (f(1) - b1 ** f(t))
+    inv_bc2 = f(1) / (f(1) - b2 ** f(t))
     for k in x:
       g = np.asarray(grads[k], np.float32)
       m[k] = b1 * m[k] + (f(1) - b1) * g
       v[k] = b2 * v[k] + (f(1) - b2) * (g * g)
-      u = (m[k] / bc1) / (np.sqrt(v[k] / bc2) + eps)
+      u = (m[k] * inv_bc1) / (np.sqrt(v[k] * inv_bc2) + eps)
       u = u + wd * x[k]
       x[k] = x[k] + (-lr) * u
   return x
