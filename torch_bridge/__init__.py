@@ -1,10 +1,39 @@
 """torch_bridge: optax_half's low-precision optimizers for PyTorch.
 
-So far: ``torch_bridge.rounding``, the bit-level primitives (split fp32 master,
-counter-based random bits, stochastic rounding) that produce the same bits as
-``optax_half.rounding`` for the same integer seed. The optimizers follow.
+The same names, keywords, defaults and numbers as ``optax_half``, as
+``torch.optim.Optimizer`` objects (params first):
+
+Wrappers around any torch optimizer:
+  master_weights, kahan_summation, stochastic_rounding, round_to_nearest
+Native optimizers:
+  adam_fp32_master, adamw_bf16, scale_by_adamw
+Schedules:
+  preheat_decay_schedule
+Bit-level primitives shared with JAX: ``torch_bridge.rounding``.
 """
 
 from torch_bridge import rounding
+from torch_bridge.adam import LowPrecisionAdamW, adam_fp32_master, adamw_bf16, scale_by_adamw
+from torch_bridge.schedules import PreheatDecaySchedule, preheat_decay_schedule
+from torch_bridge.wrappers import (
+    LowPrecisionWrapper,
+    kahan_summation,
+    master_weights,
+    round_to_nearest,
+    stochastic_rounding,
+)
 
-__all__ = ["rounding"]
+__all__ = [
+    "adam_fp32_master",
+    "adamw_bf16",
+    "kahan_summation",
+    "master_weights",
+    "preheat_decay_schedule",
+    "round_to_nearest",
+    "rounding",
+    "scale_by_adamw",
+    "stochastic_rounding",
+    "LowPrecisionAdamW",
+    "LowPrecisionWrapper",
+    "PreheatDecaySchedule",
+]

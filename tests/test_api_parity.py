@@ -1,0 +1,80 @@
+"""optax_half and torch_bridge expose the same factories, keywords and defaults.
+
+Every public function in ``optax_half.__all__`` (a transformation, optimizer
+or schedule factory) must exist in ``torch_bridge`` with the same parameters
+in the same order with the same defaults, once the param-like first argument
+is set aside (``inner`` in JAX, ``optimizer``/``params`` in torch). Torch may
+add keyword-only extensions listed in ``TORCH_ONLY``; anything else is drift.
+"""
+
+import inspect
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import optax_half  # noqa: E402
+import torch_bridge  # noqa: E402
+
+# Keyword-only torch extensions, each with its reason.
+TORCH_ONLY = {
+    "fused": "runs the per-tensor step compiled by torch.compile; XLA always compiles",
+}
+JAX_FIRST = {"inner"}
+TORCH_FIRST = {"params", "optimizer"}
+
+
+def _factories(module):
+  return {name: getattr(module, name) for name in module.__all__
+          if inspect.isfunction(getattr(module, name))}
+
+
+def _normalize(default):
+  """dtype defaults compare by name (jnp.float32 <-> torch.float32)."""
+  if isinstance(default, torch.dtype):
+    return ("dtype", str(default).removeprefix("torch."))
+  try:
+    if default is not None and isinstance(default, type) or isinstance(default, np.dtype):
+      return ("dtype", np.dtype(default).name)
+  except TypeError:
+    pass
+  return default
+
+
+def _params(fn, first_names):
+  params = list(inspect.signature(fn).parameters.values())
+  if params and params[0].name in first_names:
+    params = params[1:]
+  return params
+
+
+def test_every_jax_factory_has_a_torch_twin():
+  jax_f, torch_f = _factories(optax_half), _factories(torch_bridge)
+  missing = sorted(set(jax_f) - set(torch_f))
+  extra = sorted(set(torch_f) - set(jax_f))
+  assert not missing, f"in optax_half but not torch_bridge: {missing}"
+  assert not extra, f"in torch_bridge but not optax_half: {extra}"
+  assert len(jax_f) >= 8
+
+
+@pytest.mark.parametrize("name", sorted(_factories(optax_half)))
+def test_same_keywords_and_defaults(name):
+  jp = _params(getattr(optax_half, name), JAX_FIRST)
+  tp = _params(getattr(torch_bridge, name), TORCH_FIRST)
+  tp_shared = [p for p in tp if p.name not in TORCH_ONLY]
+  for p in tp:
+    if p.name in TORCH_ONLY:
+      assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{name}: {p.name} must be keyword-only"
+  assert [p.name for p in jp] == [p.name for p in tp_shared], name
+  for a, b in zip(jp, tp_shared):
+    assert _normalize(a.default) == _normalize(b.default), (
+        f"{name}({a.name}=...): optax_half default {a.default!r}, torch_bridge {b.default!r}")
+
+
+def test_normalize_catches_dtype_drift():
+  """The comparison itself can fail: float32 vs bfloat16 defaults differ."""
+  assert _normalize(jnp.float32) == _normalize(torch.float32)
+  assert _normalize(jnp.float32) != _normalize(torch.bfloat16)
+  assert _normalize(1e-2) != _normalize(0.0)

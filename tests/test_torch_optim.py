@@ -1,0 +1,458 @@
+"""torch_bridge optimizers: numbers against references, and the torch.optim contract.
+
+One table (``OPTIMIZERS``) describes every torch_bridge optimizer once; the
+behavioural tests (resume, skipped params, schedulers, compile) run on all.
+"""
+
+import copy
+import io
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import optax_half as oh  # noqa: E402
+import torch_bridge as tb  # noqa: E402
+from conftest import ulp_diff  # noqa: E402
+
+SHAPES = [(33, 17), (64,), (5, 3, 2)]
+
+
+def _adam(ps):
+  return torch.optim.Adam(ps, lr=1e-2)
+
+
+OPTIMIZERS = {
+    "adamw_bf16 kahan": lambda ps: tb.adamw_bf16(ps, 1e-2),
+    "adamw_bf16 split": lambda ps: tb.adamw_bf16(ps, 1e-2, compensation="split"),
+    "adamw_bf16 stochastic": lambda ps: tb.adamw_bf16(ps, 1e-2, compensation="stochastic", key=3),
+    "adamw_bf16 none": lambda ps: tb.adamw_bf16(ps, 1e-2, compensation="none"),
+    "adamw_bf16 fp32 moments": lambda ps: tb.adamw_bf16(
+        ps, 1e-2, mu_dtype=torch.float32, nu_dtype=torch.float32),
+    "adam_fp32_master": lambda ps: tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1),
+    "scale_by_adamw": lambda ps: tb.scale_by_adamw(ps, 1e-2),
+    "master_weights(Adam)": lambda ps: tb.master_weights(_adam(ps)),
+    "master_weights(Adam, split)": lambda ps: tb.master_weights(_adam(ps), split=True),
+    "kahan_summation(Adam)": lambda ps: tb.kahan_summation(_adam(ps)),
+    "stochastic_rounding(Adam)": lambda ps: tb.stochastic_rounding(_adam(ps), key=5),
+    "round_to_nearest(Adam)": lambda ps: tb.round_to_nearest(_adam(ps)),
+}
+
+
+def _params(dtype=torch.bfloat16, seed=0):
+  gen = torch.Generator().manual_seed(seed)
+  return [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
+
+
+def _grads(n, dtype=torch.bfloat16, seed=1):
+  gen = torch.Generator().manual_seed(seed)
+  return [[(torch.randn(s, generator=gen) * 0.1).to(dtype) for s in SHAPES] for _ in range(n)]
+
+
+def _run(opt, params, grads):
+  for g in grads:
+    for p, x in zip(params, g):
+      p.grad = x.clone()
+    opt.step()
+
+
+def _bits(t):
+  return t.detach().view(torch.int16 if t.element_size() == 2 else torch.int32).clone()
+
+
+def _snapshot(opt, params):
+  """Every param and state tensor, as raw bits (inner optimizer included)."""
+  out = [_bits(p) for p in params]
+  for o in (opt, getattr(opt, "inner", None)):
+    if o is None:
+      continue
+    for state in o.state.values():
+      for k in sorted(state):
+        v = state[k]
+        if torch.is_tensor(v):
+          out.append(_bits(v) if v.is_floating_point() else v.clone())
+  return out
+
+
+def _same(a, b):
+  return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------------
+# Numbers.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, make", [
+    ("Adam", lambda ps: torch.optim.Adam(ps, lr=1e-2)),
+    ("AdamW", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1)),
+    ("SGD momentum", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9)),
+])
+def test_master_weights_trajectory_is_fp32_torch_optim(name, make):
+  """200 steps: the fp32 master is bitwise torch.optim on fp32 params fed the
+  same (upcast) grads; the bf16 params are master.to(bf16) bitwise."""
+  lowp = _params()
+  ref = [p.detach().float().requires_grad_() for p in lowp]
+  opt, ref_opt = tb.master_weights(make(lowp)), make(ref)
+  for g in _grads(200):
+    for p, r, x in zip(lowp, ref, g):
+      p.grad, r.grad = x, x.float()
+    opt.step()
+    ref_opt.step()
+    for p, r in zip(lowp, ref):
+      assert torch.equal(opt.state[p]["master"], r.detach())
+      assert torch.equal(_bits(p), _bits(r.detach().to(torch.bfloat16)))
+
+
+def test_master_weights_moves_existing_state():
+  """State the inner optimizer built on the bf16 params moves to the masters."""
+  lowp = _params()
+  inner = torch.optim.SGD(lowp, lr=1e-2, momentum=0.9)
+  for p, g in zip(lowp, _grads(1)[0]):
+    p.grad = g
+  inner.step()
+  buf = [inner.state[p]["momentum_buffer"].float() for p in lowp]
+  opt = tb.master_weights(inner)
+  masters = inner.param_groups[0]["params"]
+  assert all(m.dtype == torch.float32 for m in masters)
+  assert all(torch.equal(inner.state[m]["momentum_buffer"], b) for m, b in zip(masters, buf))
+  assert all(p not in inner.state for p in lowp)
+  _run(opt, lowp, _grads(3))
+
+
+def _jax_trajectory(tx, p0, grads, dtype):
+  params = {str(i): jnp.asarray(x.float().numpy()).astype(dtype) for i, x in enumerate(p0)}
+  with jax.disable_jit():
+    state = tx.init(params)
+    for g in grads:
+      jg = {str(i): jnp.asarray(x.float().numpy()).astype(dtype) for i, x in enumerate(g)}
+      u, state = tx.update(jg, state, params)
+      params = optax.apply_updates(params, u)
+  return [np.asarray(params[str(i)]) for i in range(len(p0))], state
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_adamw_bf16_bitwise_equals_jax_op_by_op(compensation, dtype):
+  """Same keywords, same numbers: 30 steps of torch_bridge.adamw_bf16 and of
+  optax_half.adamw_bf16 run op by op (no XLA fusion, so no FMA contraction)
+  agree bit for bit in the params and in both moments."""
+  tdt = getattr(torch, dtype)
+  params, grads = _params(tdt), _grads(30, tdt)
+  p0 = [p.detach().clone() for p in params]
+  opt = tb.adamw_bf16(params, 1e-2, weight_decay=0.1, compensation=compensation, key=7)
+  _run(opt, params, grads)
+  jp, js = _jax_trajectory(oh.adamw_bf16(1e-2, weight_decay=0.1, compensation=compensation,
+                                         key=7), p0, grads, getattr(jnp, dtype))
+  core = js.inner_state
+  for i, p in enumerate(params):
+    assert ulp_diff(jp[i], p.detach().float().numpy().astype(jp[i].dtype)) == 0
+    st = opt.state[p]
+    for name, mine in (("mu", st["mu"]), ("nu", st["nu"])):
+      theirs = np.asarray(getattr(core, name)[str(i)])
+      assert ulp_diff(theirs, mine.float().numpy().astype(theirs.dtype)) == 0, name
+  if compensation == "kahan":
+    for i, p in enumerate(params):
+      c = np.asarray(js.compensation[str(i)])
+      assert ulp_diff(c, opt.state[p]["compensation"].float().numpy().astype(c.dtype)) == 0
+
+
+def test_adam_fp32_master_equals_jax_op_by_op():
+  params, grads = _params(), _grads(30)
+  p0 = [p.detach().clone() for p in params]
+  opt = tb.adam_fp32_master(params, 1e-2, weight_decay=0.1)
+  _run(opt, params, grads)
+  jp, js = _jax_trajectory(oh.adam_fp32_master(1e-2, weight_decay=0.1), p0, grads, jnp.bfloat16)
+  for i, p in enumerate(params):
+    master = np.asarray(js.master[str(i)])
+    assert np.array_equal(master.view(np.uint32),
+                          opt.state[p]["master"].numpy().view(np.uint32))
+    assert ulp_diff(jp[i], p.detach().float().numpy().astype(jp[i].dtype)) == 0
+
+
+def test_fp32_params_as_accurate_as_torch_adamw():
+  """fp32 params: adamw_bf16 is plain AdamW. Against torch.optim.AdamW run in
+  float64 (the reference), 300 steps, it is at least as accurate as
+  torch.optim.AdamW in fp32 (measured: max abs error 4.2e-6 vs torch's 2.5e-5
+  on params of size <= 4; torch rescales p by (1 - lr*wd) in fp32 every step)."""
+  params, grads = _params(torch.float32), _grads(300, torch.float32)
+  ref32 = [p.detach().clone().requires_grad_() for p in params]
+  ref64 = [p.detach().double().requires_grad_() for p in params]
+  opt = tb.adamw_bf16(params, 1e-3, weight_decay=0.1)
+  opt32 = torch.optim.AdamW(ref32, lr=1e-3, weight_decay=0.1)
+  opt64 = torch.optim.AdamW(ref64, lr=1e-3, weight_decay=0.1)
+  for g in grads:
+    for p, r, q, x in zip(params, ref32, ref64, g):
+      p.grad, r.grad, q.grad = x, x.clone(), x.double()
+    for o in (opt, opt32, opt64):
+      o.step()
+  ours = max((p.double() - q).abs().max().item() for p, q in zip(params, ref64))
+  torch32 = max((r.double() - q).abs().max().item() for r, q in zip(ref32, ref64))
+  print(f"max abs error vs float64 AdamW: ours {ours:.2e}, torch fp32 AdamW {torch32:.2e}")
+  assert ours <= torch32
+  assert ours <= 1e-5
+
+
+N_TINY = 10_000
+
+
+def _tiny(make_wrapper, n=N_TINY):
+  """n updates of exactly +1e-4 (SGD, lr 1e-4, grad -1) to bf16 params of 1.0."""
+  p = torch.ones(256, dtype=torch.bfloat16, requires_grad=True)
+  opt = make_wrapper(torch.optim.SGD([p], lr=1e-4))
+  g = torch.full((256,), -1.0, dtype=torch.bfloat16)
+  for _ in range(n):
+    p.grad = g
+    opt.step()
+  return p.detach().float(), opt
+
+
+def test_tiny_updates_naive_kahan_split():
+  naive, _ = _tiny(tb.round_to_nearest)
+  assert torch.all(naive == 1.0)
+  kahan, opt = _tiny(tb.kahan_summation)
+  comp = opt.state[opt.param_groups[0]["params"][0]]["compensation"].float()
+  assert torch.all((kahan - 2.0).abs() <= 0.03 * 2.0), kahan[:4]
+  assert torch.all((kahan + comp - 2.0).abs() <= 0.03 * 2.0)
+  split, opt = _tiny(lambda o: tb.master_weights(o, split=True))
+  p = opt.param_groups[0]["params"][0]
+  exact = tb.rounding.join_f32(p.detach(), opt.state[p]["master"])
+  assert torch.all((exact - 2.0).abs() <= 0.0005 * 2.0), exact[:4]
+  sr, _ = _tiny(lambda o: tb.stochastic_rounding(o, key=0))
+  assert abs(sr.mean().item() - 2.0) <= 0.01, sr.mean()
+
+
+def test_compensated_adamw_is_10x_closer_than_naive():
+  """1000 Adam steps on bf16 params vs the same Adam on fp32: the weight that
+  Kahan (p + c) and split (join(p, lo)) hold is at least 10x closer to fp32
+  than naive bf16's weight (as in tests/test_compensation.py)."""
+  grads = _grads(1000, torch.bfloat16, seed=4)
+  ref = [p.detach().float().requires_grad_() for p in _params()]
+  ref_opt = tb.adamw_bf16(ref, 1e-3, weight_decay=0.0)
+  _run(ref_opt, ref, [[x.float() for x in g] for g in grads])
+  errors = {}
+  for comp in ("none", "kahan", "split"):
+    params = _params()
+    opt = tb.adamw_bf16(params, 1e-3, weight_decay=0.0, compensation=comp,
+                        mu_dtype=torch.float32, nu_dtype=torch.float32)
+    _run(opt, params, grads)
+    def weight(p):
+      state = opt.state[p]
+      if comp == "kahan":
+        return p.detach().double() + state["compensation"].double()
+      if comp == "split":
+        return tb.rounding.join_f32(p.detach(), state["master"]).double()
+      return p.detach().double()
+    errors[comp] = max((weight(p) - r.detach().double()).abs().max().item()
+                       for p, r in zip(params, ref))
+  print(errors)
+  assert errors["kahan"] * 10 <= errors["none"]
+  assert errors["split"] * 10 <= errors["none"]
+
+
+# ---------------------------------------------------------------------------
+# The torch.optim contract, for every optimizer in the table.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_is_a_torch_optimizer_with_lr(name):
+  params = _params()
+  opt = OPTIMIZERS[name](params)
+  assert isinstance(opt, torch.optim.Optimizer)
+  assert all("lr" in g for g in opt.param_groups)
+  assert [p for g in opt.param_groups for p in g["params"]] == params
+  opt.zero_grad()
+  assert all(p.grad is None for p in params)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_resume_is_bitwise(name):
+  """100 steps == 50 steps, torch.save/load into a fresh optimizer, 50 steps."""
+  grads = _grads(100)
+  params = _params()
+  opt = OPTIMIZERS[name](params)
+  _run(opt, params, grads)
+  full = _snapshot(opt, params)
+
+  params = _params()
+  opt = OPTIMIZERS[name](params)
+  _run(opt, params, grads[:50])
+  buf = io.BytesIO()
+  torch.save({"params": [p.detach() for p in params], "opt": opt.state_dict()}, buf)
+  buf.seek(0)
+  ckpt = torch.load(buf, weights_only=False)
+  params = [p.detach().clone().requires_grad_() for p in ckpt["params"]]
+  opt = OPTIMIZERS[name](params)
+  opt.load_state_dict(ckpt["opt"])
+  _run(opt, params, grads[50:])
+  assert _same(full, _snapshot(opt, params))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_skipped_params_are_untouched(name):
+  params = _params()
+  params[1].requires_grad_(False)
+  opt = OPTIMIZERS[name](params)
+  before = _snapshot(opt, params)
+  for p, g in zip(params, _grads(1)[0]):
+    p.grad = g
+  params[2].grad = None  # no gradient this step
+  opt.step()
+  after = _snapshot(opt, params)
+  assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+  assert not torch.equal(before[0], after[0])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_closure_and_sparse_grads(name):
+  params = _params()
+  opt = OPTIMIZERS[name](params)
+
+  def closure():
+    loss = sum((p.float() ** 2).sum() for p in params)
+    opt.zero_grad()
+    loss.backward()
+    return loss
+  loss = opt.step(closure)
+  assert torch.is_tensor(loss) and loss.item() > 0
+  params[0].grad = torch.zeros_like(params[0]).to_sparse()
+  with pytest.raises(RuntimeError, match="sparse"):
+    opt.step()
+
+
+def test_bad_input_errors():
+  with pytest.raises(ValueError, match="floating-point"):
+    tb.adamw_bf16([torch.zeros(3, dtype=torch.int32)], 1e-3)
+  with pytest.raises(ValueError, match="floating-point"):
+    tb.master_weights(torch.optim.SGD([torch.zeros(3, dtype=torch.int64)], lr=0.1))
+  with pytest.raises(ValueError, match="b2"):
+    tb.adamw_bf16(_params(), 1e-3, b2=1.0)
+  with pytest.raises(ValueError, match="learning_rate"):
+    tb.adam_fp32_master(_params(), -1.0)
+  with pytest.raises(ValueError, match="compensation"):
+    tb.adamw_bf16(_params(), 1e-3, compensation="fp32")
+  with pytest.raises(ValueError, match="state_rounding"):
+    tb.adamw_bf16(_params(), 1e-3, state_rounding="up")
+  with pytest.raises(TypeError, match="key"):
+    tb.adamw_bf16(_params(), 1e-3, key="seed")
+  with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+    tb.kahan_summation(_params())
+  with pytest.raises(ValueError, match="split"):
+    tb.master_weights(torch.optim.SGD(_params(), lr=0.1), master_dtype=torch.float64,
+                      split=True)
+  opt = tb.adamw_bf16(_params(), 1e-3, mu_dtype=torch.float32)
+  sd = opt.state_dict()
+  fresh = tb.adamw_bf16(_params(), 1e-3)  # bf16 moments: a different layout
+  with pytest.raises(ValueError, match="mu"):
+    fresh.load_state_dict(sd)
+
+
+def test_fp32_and_mixed_params():
+  """fp32 params get no buffer; each dtype keeps its dtype."""
+  params = [torch.randn(4, requires_grad=True),
+            torch.randn(4, dtype=torch.float16, requires_grad=True),
+            torch.randn(4, dtype=torch.bfloat16, requires_grad=True)]
+  for make in OPTIMIZERS.values():
+    ps = [p.detach().clone().requires_grad_() for p in params]
+    opt = make(ps)
+    _run(opt, ps, [[torch.randn(4, dtype=p.dtype) for p in ps]] * 3)
+    assert [p.dtype for p in ps] == [p.dtype for p in params]
+    assert "compensation" not in opt.state[ps[0]] and "master" not in opt.state[ps[0]]
+    assert all(torch.isfinite(p).all() for p in ps)
+
+
+# ---------------------------------------------------------------------------
+# Schedules, LR schedulers, torch.compile.
+# ---------------------------------------------------------------------------
+
+
+def test_preheat_schedule_matches_jax():
+  jax_sched = oh.preheat_decay_schedule(1e-3, preheat_steps=100)
+  torch_sched = tb.preheat_decay_schedule(1e-3, preheat_steps=100)
+  counts = np.arange(0, 1000)
+  j = np.asarray(jax.vmap(jax_sched)(jnp.asarray(counts))).astype(np.float32)
+  t = np.array([torch_sched(int(c)) for c in counts], np.float32)
+  assert ulp_diff(j, t) <= 1
+
+
+def test_lambda_lr_equals_schedule_as_learning_rate():
+  """LambdaLR(preheat_decay_schedule(1.0)) on lr=peak and the schedule passed
+  as learning_rate give the same lr at every step up to the fp32 rounding of
+  LambdaLR's float64 product, and params within one bf16 ULP."""
+  grads = _grads(20)
+  a, b = _params(), _params()
+  opt_a = tb.adamw_bf16(a, tb.preheat_decay_schedule(1e-2, preheat_steps=10))
+  opt_b = tb.adamw_bf16(b, 1e-2)
+  sched = torch.optim.lr_scheduler.LambdaLR(opt_b, tb.preheat_decay_schedule(1.0, 10))
+  for g in grads:
+    for p, q, x in zip(a, b, g):
+      p.grad, q.grad = x, x.clone()
+    opt_a.step()
+    opt_b.step()
+    lr_a, lr_b = opt_a.param_groups[0]["lr"], opt_b.param_groups[0]["lr"]
+    assert abs(lr_a - lr_b) <= 2**-23 * lr_a
+    sched.step()
+  for p, q in zip(a, b):
+    assert ulp_diff(p.detach().float().numpy().astype(jnp.bfloat16),
+                    q.detach().float().numpy().astype(jnp.bfloat16)) <= 1
+
+
+@pytest.mark.parametrize("name", ["adam_fp32_master", "master_weights(Adam)"])
+def test_step_lr_scheduler_drives_the_update(name):
+  params = _params()
+  opt = OPTIMIZERS[name](params)
+  sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.0)
+  _run(opt, params, _grads(1))
+  sched.step()
+  assert opt.param_groups[0]["lr"] == 0.0
+  before = _snapshot(opt, params)[: len(params)]
+  _run(opt, params, _grads(1, seed=9))
+  after = _snapshot(opt, params)[: len(params)]
+  assert _same(before, after)  # lr 0: the weights do not move
+
+
+def _model(dtype):
+  torch.manual_seed(0)
+  return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                             torch.nn.Linear(32, 4)).to(dtype)
+
+
+@pytest.mark.parametrize("name", ["adamw_bf16 kahan", "kahan_summation(Adam)"])
+def test_compiled_training_step_equals_eager(name):
+  """torch.compile of a whole training step (forward, backward, opt.step):
+  the optimizer step runs outside the graph and the result is bitwise eager."""
+  x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).bfloat16()
+  y = torch.randn(64, 4, generator=torch.Generator().manual_seed(2)).bfloat16()
+  results = []
+  for compiled in (False, True):
+    model = _model(torch.bfloat16)
+    opt = OPTIMIZERS[name](list(model.parameters()))
+
+    def train_step():
+      loss = torch.nn.functional.mse_loss(model(x).float(), y.float())
+      loss.backward()
+      opt.step()
+      opt.zero_grad()
+      return loss
+    fn = torch.compile(train_step) if compiled else train_step
+    for _ in range(5):
+      fn()
+    results.append([_bits(p) for p in model.parameters()])
+  assert _same(*results)
+
+
+def test_fused_step_equals_eager():
+  """fused=True (the step compiled by torch.compile) is bitwise the eager step."""
+  grads = _grads(5)
+  out = []
+  for fused in (False, True):
+    params = _params()
+    opt = tb.adamw_bf16(params, 1e-2, weight_decay=0.1, fused=fused)
+    _run(opt, params, grads)
+    out.append(_snapshot(opt, params))
+  assert _same(*out)

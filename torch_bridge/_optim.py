@@ -1,0 +1,109 @@
+"""Plumbing shared by the torch_bridge optimizers (the ``_util.py`` of this side).
+
+* host-side fp32 scalars: every hyperparameter enters the math as an fp32
+  value, like ``optax_half`` (which makes them fp32 arrays);
+* the same argument checks as ``optax_half.adam._check_hyperparams``;
+* ``seed_from_key``: the uint32 seed of an integer key;
+* ``load_state_dict_exact``: ``Optimizer.load_state_dict`` without its casts.
+  torch casts every floating state tensor to its param's dtype on load, which
+  would round an fp32 master or fp32 moments of a bf16 param to bf16. Here each
+  saved tensor is copied into the live buffer of the same dtype, bit for bit,
+  and a dtype or shape mismatch is an error.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import torch
+
+__all__ = ["f32", "check_hyperparams", "seed_from_key", "load_state_dict_exact",
+           "check_param", "check_grad"]
+
+
+def f32(x) -> float:
+  """``x`` rounded to fp32, as a Python float (exact in any later fp32 op)."""
+  return float(np.float32(x))
+
+
+def check_hyperparams(learning_rate, b1, b2, eps, weight_decay) -> None:
+  """The checks of ``optax_half.adam._check_hyperparams``, same messages."""
+  def concrete(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+  if concrete(learning_rate) and learning_rate < 0:
+    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
+  for name, v in (("b1", b1), ("b2", b2)):
+    if concrete(v) and not 0.0 <= v < 1.0:
+      raise ValueError(f"{name} must be in [0, 1); got {v}.")
+  if concrete(eps) and eps <= 0:
+    raise ValueError(f"eps must be > 0; got {eps}.")
+  if concrete(weight_decay) and weight_decay < 0:
+    raise ValueError(f"weight_decay must be >= 0; got {weight_decay}.")
+
+
+def seed_from_key(key) -> int:
+  """``None`` -> 0, an int -> ``key mod 2**32``: the seed ``optax_half`` derives."""
+  if key is None:
+    return 0
+  if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
+    raise TypeError(f"key must be None or an integer seed; got {type(key).__name__}.")
+  return int(key) % 2**32
+
+
+def check_param(p: torch.Tensor, position: int) -> None:
+  if not isinstance(p, torch.Tensor):
+    raise TypeError(f"param {position} is a {type(p).__name__}, not a tensor.")
+  if not p.is_floating_point():
+    raise ValueError(
+        f"param {position} has dtype {p.dtype}: only floating-point params can be "
+        "optimized (keep integer buffers out of the optimizer).")
+
+
+def check_grad(grad: torch.Tensor, position: int) -> None:
+  if grad.is_sparse:
+    raise RuntimeError(
+        f"param {position} has a sparse gradient; torch_bridge optimizers need dense "
+        "gradients (use torch.optim.SparseAdam for sparse embeddings).")
+
+
+def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+  """Loads ``state`` and ``param_groups`` into ``optimizer`` bit for bit.
+
+  Saved tensors are copied into the optimizer's live buffers (same dtype and
+  shape required) so that tensors shared with other objects (a wrapped
+  optimizer's param lists) keep their identity. ``step`` counters stay on
+  the CPU, other tensors go to their param's device.
+  """
+  groups = optimizer.param_groups
+  saved_groups = state_dict["param_groups"]
+  if len(groups) != len(saved_groups):
+    raise ValueError(
+        f"state_dict has {len(saved_groups)} param groups; the optimizer has {len(groups)}.")
+  for i, (g, s) in enumerate(zip(groups, saved_groups)):
+    if len(g["params"]) != len(s["params"]):
+      raise ValueError(
+          f"param group {i}: state_dict has {len(s['params'])} params; the optimizer "
+          f"has {len(g['params'])}.")
+  id_map = {old: p for g, s in zip(groups, saved_groups)
+            for old, p in zip(s["params"], g["params"])}
+  for old, saved in state_dict["state"].items():
+    if old not in id_map:
+      raise ValueError(f"state_dict has state for param id {old}, which no group lists.")
+    p = id_map[old]
+    state = optimizer.state[p]
+    for name, value in saved.items():
+      current = state.get(name)
+      if torch.is_tensor(value) and torch.is_tensor(current):
+        if current.dtype != value.dtype or current.shape != value.shape:
+          raise ValueError(
+              f"state {name!r} of param {old}: saved {value.dtype}{tuple(value.shape)}, "
+              f"the optimizer holds {current.dtype}{tuple(current.shape)}.")
+        current.copy_(value)
+      elif torch.is_tensor(value):
+        device = value.device if name == "step" else p.device
+        state[name] = value.to(device=device, copy=True)
+      else:
+        state[name] = copy.deepcopy(value)
+  for g, s in zip(groups, saved_groups):
+    g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})

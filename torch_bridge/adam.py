@@ -1,0 +1,350 @@
+"""Named Adam optimizers for low-precision params: ``optax_half/adam.py`` in torch.
+
+* ``adam_fp32_master``: Adam(W) with fp32 moments on an fp32 master copy.
+* ``adamw_bf16``: AdamW whose params stay 16-bit, compensated by Kahan
+  summation, an exact split master, stochastic rounding, or nothing.
+* ``scale_by_adamw``: the shared core applied directly (round to nearest).
+
+All three are ``LowPrecisionAdamW`` optimizers: one native implementation of
+the core and of every compensation, a per-tensor kernel (``adamw_step``) that
+runs eagerly or, with ``fused=True``, compiled into one loop per tensor by
+``torch.compile``. The order of operations and every dtype follow
+``docs/algorithms.md`` ("AdamW core") and ``optax_half.adam.scale_by_adamw``
+line for line; random bits come from ``torch_bridge.rounding`` and equal the
+JAX ones for the same integer key.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+from torch_bridge import rounding
+from torch_bridge._optim import (check_grad, check_hyperparams, check_param, f32,
+                                 load_state_dict_exact, seed_from_key)
+
+__all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
+           "adamw_step"]
+
+_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+_STATE_ROUNDINGS = ("stochastic", "nearest")
+
+# Per-tensor modes: how a param is read into fp32 and written back.
+_DIRECT = "direct"   # >= 32-bit param: p += u in its own dtype
+_MASTER = "master"   # fp32 master copy; p = round_nearest(master)
+_SPLIT = "split"     # bf16 param + int16 low half = the exact fp32 master
+_KAHAN = "kahan"     # x = p + c; c = round(x' - round(x'))
+_STOCHASTIC = "stochastic"
+_NEAREST = "none"
+
+
+def _mode(compensation: str, dtype: torch.dtype) -> str:
+  if dtype.itemsize >= 4:
+    return _DIRECT
+  if compensation == _SPLIT and dtype != torch.bfloat16:
+    return _MASTER  # the split layout needs a bf16 high half; fp16 keeps a full copy
+  return compensation
+
+
+def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
+               state_rounding: str) -> None:
+  """One AdamW step on one tensor, in place, in fp32 (the core + compensation).
+
+  ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
+  inv_bc1, inv_bc2, eps, weight_decay)`` (``inv_bc = 1 / (1 - b ** t)``); ``keys``: int32 0-dim tensors, the random
+  keys of the param, mu and nu streams. Written with tensor scalars only, so
+  that ``torch.compile`` turns it into one loop without recompiling when the
+  learning rate or the step change.
+  """
+  lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
+  key_p, key_mu, key_nu = keys
+  g = rounding.widen(grad)
+  if mode == _MASTER:
+    x = buffer
+  elif mode == _SPLIT:
+    x = rounding.join_f32(param, buffer)
+  elif mode == _KAHAN:
+    x = rounding.widen(param) + rounding.widen(buffer)
+  else:
+    x = rounding.widen(param)
+  m32 = b1 * rounding.widen(mu) + one_minus_b1 * g
+  v32 = b2 * rounding.widen(nu) + one_minus_b2 * (g * g)
+  m_hat = m32 * inv_bc1
+  v_hat = v32 * inv_bc2
+  u = m_hat / (rounding.sqrt(v_hat) + eps)
+  u = u + weight_decay * x
+  u = -lr * u
+  if mode == _DIRECT:
+    param.add_(u)
+  else:
+    x_new = x + u
+    if mode == _MASTER:
+      buffer.copy_(x_new)
+      param.copy_(x_new)
+    elif mode == _SPLIT:
+      hi, lo = rounding.split_f32(x_new)
+      param.copy_(hi)
+      buffer.copy_(lo)
+    elif mode == _KAHAN:
+      new_p = x_new.to(param.dtype)
+      buffer.copy_(x_new - rounding.widen(new_p))
+      param.copy_(new_p)
+    elif mode == _STOCHASTIC:
+      param.copy_(rounding.stochastic_round(x_new, param.dtype, _bits(x_new, key_p)))
+    else:
+      param.copy_(x_new)
+  mu.copy_(_round_state(m32, mu.dtype, state_rounding, key_mu))
+  nu.copy_(_round_state(v32, nu.dtype, state_rounding, key_nu))
+
+
+def _bits(like: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+  index = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
+  return rounding.mix32(index.reshape(like.shape) ^ key)
+
+
+def _round_state(x, dtype, state_rounding, key):
+  if state_rounding == "stochastic" and dtype.itemsize < 4:
+    return rounding.stochastic_round(x, dtype, _bits(x, key))
+  return x.to(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_step():
+  # emulate_precision_casts: keep every fp32 <-> 16-bit conversion that the
+  # math asks for (Inductor would otherwise fold f32(fp16(x)) into x).
+  return torch.compile(adamw_step, options={"emulate_precision_casts": True})
+
+
+class LowPrecisionAdamW(torch.optim.Optimizer):
+  r"""AdamW on 16-bit (or wider) params with fp32 math; see ``adamw_bf16``.
+
+  Per param ``p`` with gradient ``g`` (both upcast exactly to fp32), at 1-based
+  step ``t`` and all hyperparameters fp32:
+
+  .. code-block:: text
+
+     x   = read(p, buffer)                  # fp32 view of the weight
+     m   = b1 * mu + (1 - b1) * g
+     v   = b2 * nu + (1 - b2) * (g * g)
+     u   = -lr * ((m * ibc1) / (sqrt(v * ibc2) + eps) + wd * x)
+                                            # ibc = f32(1 / (1 - b^t))
+     x'  = x + u
+     p, buffer = write(x')                  # per compensation
+     mu, nu = round(m), round(v)            # nearest or stochastic
+
+  Param groups carry ``lr``, ``b1``, ``b2``, ``eps`` and ``weight_decay``
+  (so ``torch.optim.lr_scheduler`` works) and a host-side ``count`` of steps.
+  State per param: ``step`` (CPU int64), ``mu``, ``nu``, and ``master``
+  (fp32 copy, or the int16 low half with ``compensation="split"``) or
+  ``compensation`` (Kahan buffer in the param dtype).
+  """
+
+  def __init__(self, params, learning_rate=1e-3, b1: float = 0.9, b2: float = 0.999,
+               eps: float = 1e-8, weight_decay: float = 0.0, *,
+               compensation: str = "kahan", mu_dtype: Optional[torch.dtype] = None,
+               nu_dtype: Optional[torch.dtype] = None, state_rounding: str = "nearest",
+               key=None, fused: bool = False):
+    if compensation not in _COMPENSATIONS + (_MASTER,):
+      raise ValueError(
+          f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
+    if state_rounding not in _STATE_ROUNDINGS:
+      raise ValueError(
+          f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
+    for name, d in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
+      if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
+        raise ValueError(f"{name} must be None or a torch float dtype; got {d!r}.")
+    check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
+    self._schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
+    lr0 = float(learning_rate(0)) if self._schedule is not None else float(learning_rate)
+    self._compensation = compensation
+    self._mu_dtype, self._nu_dtype = mu_dtype, nu_dtype
+    self._state_rounding = state_rounding
+    self._seed = seed_from_key(key)
+    self._fused = bool(fused)
+    self._n_params = 0
+    defaults = dict(lr=lr0, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=0)
+    super().__init__(params, defaults)
+
+  # -- construction ----------------------------------------------------------
+
+  def add_param_group(self, param_group: dict) -> None:
+    super().add_param_group(param_group)
+    group = self.param_groups[-1]
+    check_hyperparams(group["lr"], group["b1"], group["b2"], group["eps"],
+                      group["weight_decay"])
+    for p in group["params"]:
+      check_param(p, self._n_params)
+      self._init_state(p)
+      self._n_params += 1
+
+  @torch.no_grad()
+  def _init_state(self, p: torch.Tensor) -> None:
+    state = self.state[p]
+    state["step"] = torch.tensor(0, dtype=torch.int64)
+    state["mu"] = torch.zeros_like(p, dtype=self._mu_dtype or p.dtype)
+    state["nu"] = torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)
+    mode = _mode(self._compensation, p.dtype)
+    if mode == _MASTER:
+      state["master"] = p.detach().to(torch.float32, copy=True)
+    elif mode == _SPLIT:
+      state["master"] = torch.zeros_like(p, dtype=torch.int16)  # bf16 -> fp32 exact: lo = 0
+    elif mode == _KAHAN:
+      state["compensation"] = torch.zeros_like(p)
+
+  # -- checkpoints -----------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    out = super().state_dict()
+    out["seed"] = self._seed
+    return out
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    load_state_dict_exact(self, state_dict)
+    self._seed = int(state_dict.get("seed", self._seed))
+
+  # -- the step --------------------------------------------------------------
+
+  def _scalars(self, group: dict, t: int, lr: float, device, cache: dict):
+    key = (t, device)
+    if key not in cache:
+      b1 = torch.tensor(f32(group["b1"]))
+      b2 = torch.tensor(f32(group["b2"]))
+      t32 = torch.tensor(float(t), dtype=torch.float32)
+      cache[key] = tuple(s.to(device) for s in (
+          torch.tensor(f32(lr)), b1, b2, 1 - b1, 1 - b2, 1 / (1 - b1 ** t32), 1 / (1 - b2 ** t32),
+          torch.tensor(f32(group["eps"])), torch.tensor(f32(group["weight_decay"]))))
+    return cache[key]
+
+  @torch.compiler.disable
+  @torch.no_grad()
+  def step(self, closure=None):
+    """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
+    loss = None
+    if closure is not None:
+      with torch.enable_grad():
+        loss = closure()
+    kernel = _compiled_step() if self._fused else adamw_step
+    position = 0
+    for group in self.param_groups:
+      count = group["count"]
+      lr = float(self._schedule(count)) if self._schedule is not None else group["lr"]
+      group["lr"] = lr
+      cache: dict = {}
+      for p in group["params"]:
+        leaf = position
+        position += 1
+        if p.grad is None or not p.requires_grad:
+          continue
+        check_grad(p.grad, leaf)
+        state = self.state[p]
+        step = int(state["step"])
+        scalars = self._scalars(group, step + 1, lr, p.device, cache)
+        keys = tuple(
+            torch.tensor(rounding._signed32(rounding.leaf_key(self._seed, step, s, leaf)),
+                         dtype=torch.int32).to(p.device)
+            for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
+        buffer = state.get("master", state.get("compensation"))
+        kernel(p, p.grad, state["mu"], state["nu"], buffer, scalars, keys,
+               _mode(self._compensation, p.dtype), self._state_rounding)
+        state["step"] += 1
+      group["count"] = count + 1
+    return loss
+
+
+def scale_by_adamw(
+    params,
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    mu_dtype=None,
+    nu_dtype=None,
+    state_rounding: str = "nearest",
+    key=None,
+    *,
+    fused: bool = False,
+) -> LowPrecisionAdamW:
+  """The AdamW core applied directly: ``p = round_nearest(p + u)``.
+
+  ``optax.apply_updates(params, optax_half.scale_by_adamw(...))`` as a torch
+  optimizer: fp32 math, moments in ``mu_dtype``/``nu_dtype`` (default: the
+  param dtype) written by ``state_rounding``; no compensation of the params.
+  """
+  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                           compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                           state_rounding=state_rounding, key=key, fused=fused)
+
+
+def adam_fp32_master(
+    params,
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    *,
+    fused: bool = False,
+) -> LowPrecisionAdamW:
+  """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
+
+  16 bytes/param for 16-bit params (master 4, mu 4, nu 4, param 2, grad 2);
+  the master follows fp32 AdamW exactly and the param is its nearest rounding.
+  fp32 params are updated in place with no copy.
+
+  Args:
+    params: an iterable of tensors or of param-group dicts.
+    learning_rate: a float or a schedule ``count -> lr``.
+    b1, b2, eps: Adam coefficients.
+    weight_decay: decoupled weight decay, multiplied by the lr.
+    fused: run the per-tensor step compiled by ``torch.compile`` (torch only).
+  """
+  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                           compensation=_MASTER, mu_dtype=torch.float32,
+                           nu_dtype=torch.float32, state_rounding="nearest", fused=fused)
+
+
+def adamw_bf16(
+    params,
+    learning_rate,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    compensation: str = "kahan",
+    mu_dtype=None,
+    nu_dtype=None,
+    state_rounding: str = "stochastic",
+    key=None,
+    *,
+    fused: bool = False,
+) -> LowPrecisionAdamW:
+  """AdamW for params that stay in bf16 (or fp16), without stale weights.
+
+  The torch twin of ``optax_half.adamw_bf16``: same keywords, defaults and
+  numbers. ``compensation``: "kahan" (a buffer in the param dtype, 10
+  bytes/param in bf16 with bf16 moments), "split" (the exact fp32 master as
+  param + int16 low half), "stochastic" (no buffer), or "none" (nearest).
+  Moments default to the param dtype, written with stochastic rounding.
+
+  Args:
+    params: an iterable of tensors or of param-group dicts.
+    learning_rate: a float or a schedule ``count -> lr``.
+    b1, b2, eps: Adam coefficients.
+    weight_decay: decoupled weight decay, multiplied by the lr.
+    compensation: one of "kahan", "split", "stochastic", "none".
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
+    key: ``None`` (seed 0) or an integer seed; the same seed as an integer key
+      in ``optax_half`` gives the same random bits.
+    fused: run the per-tensor step compiled by ``torch.compile`` (torch only).
+  """
+  if compensation not in _COMPENSATIONS:
+    raise ValueError(
+        f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
+  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                           compensation=compensation, mu_dtype=mu_dtype,
+                           nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
+                           fused=fused)

@@ -1,0 +1,268 @@
+"""Low-precision wrappers around any ``torch.optim`` optimizer.
+
+The torch twins of ``optax_half/wrappers.py``. A wrapper takes a constructed
+optimizer over 16-bit params and returns a ``torch.optim.Optimizer`` whose
+``param_groups`` hold the model params (so ``zero_grad`` and LR schedulers
+work on it). Inside, the wrapped optimizer runs on fp32 tensors ``x`` that
+stand in for the 16-bit params, with fp32 gradients:
+
+==============================  =========================  ====================
+wrapper                         persistent buffer / param   ``x`` the inner sees
+==============================  =========================  ====================
+``master_weights``              fp32 master                 the master
+``master_weights(split=True)``  int16 low half (bf16)       ``join(p, lo)``
+``kahan_summation``             compensation, param dtype   ``p + c``
+``stochastic_rounding``         none (a step counter)       ``p``
+``round_to_nearest``            none                        ``p``
+==============================  =========================  ====================
+
+Except for ``master_weights``, ``x`` exists only during ``step``: its storage
+is filled before the wrapped optimizer steps and released after, chunk by
+chunk (at most ``CHUNK_NUMEL`` elements of fp32 ``x`` and gradient at a time),
+so no fp32 copy of the model is kept between steps. Params of 32 bits or more
+(or as wide as ``master_dtype``) are handed to the wrapped optimizer as they
+are. Spec: ``docs/algorithms.md`` ("Wrappers").
+
+The wrapped optimizer is stepped once per chunk, so it must treat params
+independently (Adam, AdamW, SGD, RMSprop, ... do; LBFGS does not).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_bridge import rounding
+from torch_bridge._optim import (check_grad, check_param, load_state_dict_exact,
+                                 seed_from_key)
+
+__all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
+           "LowPrecisionWrapper", "CHUNK_NUMEL"]
+
+CHUNK_NUMEL = 1 << 24  # fp32 elements materialised per chunk (64 MiB of x + 64 MiB of grads)
+
+_MASTER, _SPLIT, _KAHAN, _STOCHASTIC, _NEAREST = "master", "split", "kahan", "stochastic", "none"
+
+
+class LowPrecisionWrapper(torch.optim.Optimizer):
+  """A ``torch.optim.Optimizer`` that runs ``inner`` on fp32 views of 16-bit params.
+
+  Built by ``master_weights``, ``kahan_summation``, ``stochastic_rounding``
+  and ``round_to_nearest``; ``inner`` is the wrapped optimizer (its param
+  lists now hold the fp32 stand-ins). ``state_dict()`` holds this wrapper's
+  buffers, its param groups and ``"inner"``: the wrapped optimizer's
+  ``state_dict()``.
+  """
+
+  def __init__(self, inner: torch.optim.Optimizer, mode: str,
+               master_dtype: torch.dtype = torch.float32, seed: int = 0):
+    if not isinstance(inner, torch.optim.Optimizer):
+      raise TypeError(
+          "the wrappers take a constructed torch.optim.Optimizer (e.g. "
+          f"torch.optim.Adam(model.parameters())); got {type(inner).__name__}.")
+    if isinstance(inner, LowPrecisionWrapper):
+      raise TypeError("wrapping a torch_bridge wrapper in another one is not supported.")
+    self.inner = inner
+    self._mode = mode
+    self._master_dtype = master_dtype
+    self._seed = seed
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
+              for g in inner.param_groups]
+    super().__init__(groups, dict(inner.defaults))
+    self._work: dict = {}  # model param -> the tensor the inner optimizer holds
+    position = 0
+    for group, inner_group in zip(self.param_groups, inner.param_groups):
+      stand_ins = []
+      for p in group["params"]:
+        check_param(p, position)
+        position += 1
+        stand_ins.append(self._make_work(p))
+      inner_group["params"] = stand_ins
+
+  # -- construction ----------------------------------------------------------
+
+  def _is_low(self, p: torch.Tensor) -> bool:
+    return p.dtype.itemsize < self._master_dtype.itemsize
+
+  def _param_mode(self, p: torch.Tensor) -> str:
+    if self._mode == _SPLIT and p.dtype != torch.bfloat16:
+      return _MASTER
+    return self._mode
+
+  @torch.no_grad()
+  def _make_work(self, p: torch.Tensor) -> torch.Tensor:
+    state = self.state[p]
+    if self._mode == _STOCHASTIC:
+      state["step"] = torch.tensor(0, dtype=torch.int64)
+    if not self._is_low(p):
+      self._work[p] = p
+      return p
+    mode = self._param_mode(p)
+    if mode == _MASTER:
+      work = p.detach().to(self._master_dtype, copy=True)
+      state["master"] = work
+    else:
+      if mode == _SPLIT:
+        state["master"] = torch.zeros_like(p, dtype=torch.int16)
+      elif mode == _KAHAN:
+        state["compensation"] = torch.zeros_like(p)
+      work = torch.empty(0, dtype=torch.float32, device=p.device)
+    # State the inner optimizer already holds for p moves to the stand-in.
+    moved = self.inner.state.pop(p, None)
+    if moved:
+      self.inner.state[work] = {
+          k: v.to(work.dtype) if (torch.is_tensor(v) and v.is_floating_point()
+                                  and v.shape == p.shape) else v
+          for k, v in moved.items()}
+    self._work[p] = work
+    return work
+
+  # -- checkpoints -----------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    out = super().state_dict()
+    out["inner"] = self.inner.state_dict()
+    out["seed"] = self._seed
+    return out
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    load_state_dict_exact(self, {k: state_dict[k] for k in ("state", "param_groups")})
+    self.inner.load_state_dict(state_dict["inner"])
+    self._seed = int(state_dict.get("seed", self._seed))
+
+  # -- the step --------------------------------------------------------------
+
+  def _read(self, p: torch.Tensor, mode: str) -> torch.Tensor:
+    state = self.state[p]
+    if mode == _SPLIT:
+      return rounding.join_f32(p, state["master"])
+    if mode == _KAHAN:
+      return rounding.widen(p) + rounding.widen(state["compensation"])
+    return rounding.widen(p)
+
+  def _write(self, p: torch.Tensor, x_new: torch.Tensor, mode: str, leaf: int) -> None:
+    state = self.state[p]
+    if mode == _MASTER:
+      p.copy_(x_new)
+    elif mode == _SPLIT:
+      hi, lo = rounding.split_f32(x_new)
+      p.copy_(hi)
+      state["master"].copy_(lo)
+    elif mode == _KAHAN:
+      new_p = x_new.to(p.dtype)
+      state["compensation"].copy_(x_new - rounding.widen(new_p))
+      p.copy_(new_p)
+    elif mode == _STOCHASTIC:
+      bits = rounding.random_bits(self._seed, int(state["step"]), rounding.STREAM_PARAMS,
+                                  leaf, x_new.shape, device=x_new.device)
+      p.copy_(rounding.stochastic_round(x_new, p.dtype, bits))
+    else:
+      p.copy_(x_new)
+
+  def _sync_hyperparams(self) -> None:
+    for group, inner_group in zip(self.param_groups, self.inner.param_groups):
+      for k, v in group.items():
+        if k != "params":
+          inner_group[k] = v
+
+  @torch.compiler.disable
+  @torch.no_grad()
+  def step(self, closure=None):
+    """Steps the wrapped optimizer on the fp32 stand-ins, chunk by chunk."""
+    loss = None
+    if closure is not None:
+      with torch.enable_grad():
+        loss = closure()
+    self._sync_hyperparams()
+    # (leaf position, param) of every param that takes a step.
+    todo = []
+    position = 0
+    for group in self.param_groups:
+      for p in group["params"]:
+        if p.grad is not None and p.requires_grad:
+          check_grad(p.grad, position)
+          todo.append((position, p))
+        position += 1
+    # Wide params carry their own grads: hide them outside their chunk.
+    hidden = {p: p.grad for _, p in todo if self._work[p] is p}
+    for p in hidden:
+      p.grad = None
+    try:
+      chunk, numel = [], 0
+      for item in todo:
+        chunk.append(item)
+        numel += item[1].numel()
+        if numel >= CHUNK_NUMEL:
+          self._step_chunk(chunk, hidden)
+          chunk, numel = [], 0
+      if chunk:
+        self._step_chunk(chunk, hidden)
+    finally:
+      for p, g in hidden.items():
+        p.grad = g
+    return loss
+
+  def _step_chunk(self, chunk, hidden) -> None:
+    for _, p in chunk:
+      work = self._work[p]
+      if work is p:
+        p.grad = hidden[p]
+        continue
+      mode = self._param_mode(p)
+      if mode != _MASTER:
+        work.data = self._read(p, mode)
+      work.grad = rounding.widen(p.grad).to(work.dtype)
+    self.inner.step()
+    for leaf, p in chunk:
+      work = self._work[p]
+      if work is p:
+        p.grad = None
+        if self._mode == _STOCHASTIC:
+          self.state[p]["step"] += 1
+        continue
+      work.grad = None
+      mode = self._param_mode(p)
+      self._write(p, work.detach(), mode, leaf)
+      if mode != _MASTER:
+        work.data = torch.empty(0, dtype=work.dtype, device=work.device)
+      if self._mode == _STOCHASTIC:
+        self.state[p]["step"] += 1
+
+
+def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
+                   split: bool = False) -> LowPrecisionWrapper:
+  """Keeps a ``master_dtype`` master copy of every narrower param.
+
+  The wrapped optimizer's param lists are switched to the masters (state it
+  already holds moves with them); each step copies the 16-bit grads into fp32
+  master grads, steps it, and writes ``master.to(param.dtype)`` back into the
+  model params. With ``split=True`` (fp32 master, bf16 params) the master is
+  stored as the bf16 param plus an int16 low half (``rounding.split_f32``),
+  exact at 2 bytes/param; it is rebuilt during ``step`` only.
+  """
+  if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
+    raise ValueError(f"master_dtype must be a torch float dtype; got {master_dtype!r}.")
+  if split and master_dtype != torch.float32:
+    raise ValueError(
+        "master_weights(split=True) stores an fp32 master as a bf16 high half plus "
+        f"int16 low half; it needs master_dtype=torch.float32, got {master_dtype}.")
+  return LowPrecisionWrapper(optimizer, _SPLIT if split else _MASTER, master_dtype)
+
+
+def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
+  """Kahan-compensated 16-bit params: ``x = p + c``, ``p' = round(x')``,
+  ``c' = round(x' - p')``, with one buffer ``c`` in the param dtype."""
+  return LowPrecisionWrapper(optimizer, _KAHAN)
+
+
+def stochastic_rounding(optimizer: torch.optim.Optimizer, key=None) -> LowPrecisionWrapper:
+  """Stochastically rounded 16-bit params, with the random bits of
+  ``optax_half.stochastic_rounding`` for the same integer ``key``: bits
+  ``random_bits(seed, step, STREAM_PARAMS, position, shape)`` with ``step``
+  the param's step count and ``position`` its place in the param groups."""
+  return LowPrecisionWrapper(optimizer, _STOCHASTIC, seed=seed_from_key(key))
+
+
+def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
+  """No compensation: the wrapped optimizer steps an fp32 view of each 16-bit
+  param and the result is rounded to nearest (the naive baseline)."""
+  return LowPrecisionWrapper(optimizer, _NEAREST)
