@@ -1,16 +1,24 @@
-"""The README's JAX example runs and prints what the README says it prints."""
+"""The README's examples run and print what the README says they print."""
 
 import contextlib
 import io
 import pathlib
 import re
 
+import pytest
+
 README = pathlib.Path(__file__).parents[1] / "README.md"
 
 
-def test_readme_usage_snippet_runs_and_matches_its_comment():
-  text = README.read_text()
-  block = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)
+
+
+def test_readme_has_a_jax_and_a_torch_example():
+  assert any("optax_half" in b for b in BLOCKS) and any("torch_bridge" in b for b in BLOCKS)
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_readme_usage_snippet_runs_and_matches_its_comment(block):
   out = io.StringIO()
   with contextlib.redirect_stdout(out):
     exec(compile(block, str(README), "exec"), {})

@@ -456,3 +456,25 @@ def test_fused_step_equals_eager():
     _run(opt, params, grads)
     out.append(_snapshot(opt, params))
   assert _same(*out)
+
+
+@pytest.mark.parametrize("wrap", [tb.kahan_summation, tb.round_to_nearest,
+                                  lambda o: tb.master_weights(o, split=True),
+                                  lambda o: tb.stochastic_rounding(o, key=1)])
+def test_wrappers_keep_no_fp32_copy_and_chunks_do_not_change_results(wrap, monkeypatch):
+  """Between steps the fp32 stand-ins hold no storage; stepping in chunks of
+  one param (CHUNK_NUMEL=1) gives the same bits as one chunk."""
+  gen = torch.Generator().manual_seed(3)
+  grads = [g + [torch.randn(7, generator=gen)] for g in _grads(10)]
+  p32 = torch.randn(7, generator=gen)
+  out = []
+  for chunk in (tb.wrappers.CHUNK_NUMEL, 1):
+    monkeypatch.setattr(tb.wrappers, "CHUNK_NUMEL", chunk)
+    params = _params() + [p32.clone().requires_grad_()]  # and one fp32 param
+    opt = wrap(torch.optim.Adam(params, lr=1e-2))
+    _run(opt, params, grads)
+    stand_ins = opt.inner.param_groups[0]["params"]
+    assert [w.numel() for w in stand_ins[:3]] == [0, 0, 0]
+    assert stand_ins[3] is params[3]
+    out.append(_snapshot(opt, params))
+  assert _same(*out)

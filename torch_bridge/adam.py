@@ -17,6 +17,7 @@ JAX ones for the same integer key.
 from __future__ import annotations
 
 import functools
+import types
 from typing import Callable, Optional
 
 import torch
@@ -111,10 +112,20 @@ def _round_state(x, dtype, state_rounding, key):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_step():
-  # emulate_precision_casts: keep every fp32 <-> 16-bit conversion that the
-  # math asks for (Inductor would otherwise fold f32(fp16(x)) into x).
-  return torch.compile(adamw_step, options={"emulate_precision_casts": True})
+def _compiled_step(config: tuple):
+  """``adamw_step`` compiled for one (mode, rounding, dtypes) configuration.
+
+  Each configuration gets its own copy of the code object, so its graphs
+  count against their own recompile limit (Dynamo's limit is per code
+  object). ``dynamic=True`` and flattened tensors: one graph for all sizes
+  (plus Dynamo's size-1 specialisation). ``emulate_precision_casts`` keeps
+  every fp32 <-> 16-bit conversion the math asks for (Inductor would
+  otherwise fold ``f32(bf16(x))`` into ``x``).
+  """
+  name = "adamw_step_" + "_".join(str(c).replace("torch.", "") for c in config)
+  code = adamw_step.__code__.replace(co_name=name)
+  fn = types.FunctionType(code, adamw_step.__globals__, name)
+  return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
 
 class LowPrecisionAdamW(torch.optim.Optimizer):
@@ -225,7 +236,6 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     if closure is not None:
       with torch.enable_grad():
         loss = closure()
-    kernel = _compiled_step() if self._fused else adamw_step
     position = 0
     for group in self.param_groups:
       count = group["count"]
@@ -246,8 +256,17 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                          dtype=torch.int32).to(p.device)
             for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
         buffer = state.get("master", state.get("compensation"))
-        kernel(p, p.grad, state["mu"], state["nu"], buffer, scalars, keys,
-               _mode(self._compensation, p.dtype), self._state_rounding)
+        tensors = (p, p.grad, state["mu"], state["nu"], buffer)
+        if self._fused and all(t is None or t.is_contiguous() for t in tensors):
+          # Flat views: the element index (the random-bit counter) is the
+          # row-major index either way.
+          tensors = tuple(None if t is None else t.view(-1) for t in tensors)
+        mode = _mode(self._compensation, p.dtype)
+        kernel = adamw_step
+        if self._fused:
+          kernel = _compiled_step((mode, self._state_rounding, p.dtype, p.grad.dtype,
+                                   state["mu"].dtype, state["nu"].dtype))
+        kernel(*tensors, scalars, keys, mode, self._state_rounding)
         state["step"] += 1
       group["count"] = count + 1
     return loss

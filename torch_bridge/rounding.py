@@ -88,15 +88,16 @@ def random_bits(seed: int, step: int, stream: int, leaf: int, shape,
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
-  """The exact fp32 value of ``t``; bf16 through its bits.
+  """The exact fp32 value of ``t`` (the mirror of ``optax_half.rounding.widen``).
 
-  Eager ``t.float()`` is exact already. The bit route keeps it exact inside a
-  ``torch.compile``d graph too, where Inductor drops ``f32(bf16(x))`` pairs
-  unless ``emulate_precision_casts`` is on (the XLA:GPU trap of
-  ``optax_half.rounding.widen``).
+  Eagerly, ``t.float()`` is exact. Inside a ``torch.compile``d graph it is
+  exact only with Inductor's ``emulate_precision_casts=True``: otherwise
+  Inductor drops ``f32(bf16(x))`` pairs (the XLA:GPU trap of the JAX side)
+  and a Kahan buffer ``x - f32(bf16(x))`` becomes 0. torch_bridge's optimizer
+  steps run eagerly (``torch.compiler.disable``) or in their own kernel
+  compiled with that option; a bit-level widen would be exact everywhere but
+  stops Inductor from vectorising the loop (measured: 10x slower).
   """
-  if t.dtype == torch.bfloat16:
-    return (t.view(torch.int16).to(torch.int32) << 16).view(torch.float32)
   return t.float()
 
 
@@ -106,10 +107,10 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
   ``torch.sqrt`` on CPU float32 is not correctly rounded: measured on this
   build (torch 2.13.0, AVX2), 17% of 2M random inputs came out one ULP off.
   The square root of an fp32 value taken in float64 and rounded once to fp32
-  is correctly rounded, so that is what runs on CPU; other devices use
-  ``torch.sqrt`` (IEEE ``sqrtf`` in CUDA).
+  is correctly rounded, so that is what runs on CPU eagerly; compiled code
+  (Inductor emits IEEE ``sqrt``) and other devices use ``torch.sqrt``.
   """
-  if x.device.type == "cpu":
+  if x.device.type == "cpu" and not torch.compiler.is_compiling():
     return torch.sqrt(x.double()).float()
   return torch.sqrt(x)
 
