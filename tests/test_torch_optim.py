@@ -4,7 +4,6 @@ One table (``OPTIMIZERS``) describes every torch_bridge optimizer once; the
 behavioural tests (resume, skipped params, schedulers, compile) run on all.
 """
 
-import copy
 import io
 
 import jax

@@ -93,21 +93,17 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
       buffer.copy_(x_new - rounding.widen(new_p))
       param.copy_(new_p)
     elif mode == _STOCHASTIC:
-      param.copy_(rounding.stochastic_round(x_new, param.dtype, _bits(x_new, key_p)))
+      bits = rounding.bits_from_key(key_p, x_new.shape, x_new.device)
+      param.copy_(rounding.stochastic_round(x_new, param.dtype, bits))
     else:
       param.copy_(x_new)
   mu.copy_(_round_state(m32, mu.dtype, state_rounding, key_mu))
   nu.copy_(_round_state(v32, nu.dtype, state_rounding, key_nu))
 
 
-def _bits(like: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-  index = torch.arange(like.numel(), dtype=torch.int32, device=like.device)
-  return rounding.mix32(index.reshape(like.shape) ^ key)
-
-
 def _round_state(x, dtype, state_rounding, key):
   if state_rounding == "stochastic" and dtype.itemsize < 4:
-    return rounding.stochastic_round(x, dtype, _bits(x, key))
+    return rounding.stochastic_round(x, dtype, rounding.bits_from_key(key, x.shape, x.device))
   return x.to(dtype)
 
 
@@ -251,10 +247,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         state = self.state[p]
         step = int(state["step"])
         scalars = self._scalars(group, step + 1, lr, p.device, cache)
-        keys = tuple(
-            torch.tensor(rounding._signed32(rounding.leaf_key(self._seed, step, s, leaf)),
-                         dtype=torch.int32).to(p.device)
-            for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
+        keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, p.device)
+                     for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
         buffer = state.get("master", state.get("compensation"))
         tensors = (p, p.grad, state["mu"], state["nu"], buffer)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):

@@ -18,6 +18,8 @@ __all__ = [
     "join_f32",
     "mix32",
     "leaf_key",
+    "key_tensor",
+    "bits_from_key",
     "random_bits",
     "stochastic_round",
     "round_to",
@@ -71,6 +73,25 @@ def leaf_key(seed: int, step: int, stream: int, leaf: int) -> int:
   return k
 
 
+def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> torch.Tensor:
+  """``leaf_key`` as a 0-dim int32 tensor (its uint32 bits), for ``bits_from_key``."""
+  key = leaf_key(int(seed), int(step), int(stream), int(leaf))
+  return torch.tensor(_signed32(key), dtype=torch.int32).to(device)
+
+
+def bits_from_key(key, shape, device=None) -> torch.Tensor:
+  """``mix32(index ^ key)`` over the row-major element index of ``shape``.
+
+  ``key``: a Python int (int32 range) or a 0-dim int32 tensor; a tensor key
+  lets a compiled kernel take new keys without recompiling.
+  """
+  numel = 1
+  for d in shape:
+    numel *= int(d)
+  index = torch.arange(numel, dtype=torch.int32, device=device).reshape(tuple(shape))
+  return mix32(index ^ key)
+
+
 def random_bits(seed: int, step: int, stream: int, leaf: int, shape,
                 device=None) -> torch.Tensor:
   """The words of ``optax_half.rounding.random_bits`` as an int32 tensor.
@@ -80,11 +101,7 @@ def random_bits(seed: int, step: int, stream: int, leaf: int, shape,
   integers (host-side counters): the key costs no device work.
   """
   key = _signed32(leaf_key(int(seed), int(step), int(stream), int(leaf)))
-  numel = 1
-  for d in shape:
-    numel *= int(d)
-  index = torch.arange(numel, dtype=torch.int32, device=device).reshape(tuple(shape))
-  return mix32(index ^ key)
+  return bits_from_key(key, shape, device)
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:

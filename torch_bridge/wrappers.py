@@ -216,15 +216,13 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
       work = self._work[p]
       if work is p:
         p.grad = None
-        if self._mode == _STOCHASTIC:
-          self.state[p]["step"] += 1
-        continue
-      work.grad = None
-      mode = self._param_mode(p)
-      self._write(p, work.detach(), mode, leaf)
-      if mode != _MASTER:
-        work.data = torch.empty(0, dtype=work.dtype, device=work.device)
-      if self._mode == _STOCHASTIC:
+      else:
+        work.grad = None
+        mode = self._param_mode(p)
+        self._write(p, work.detach(), mode, leaf)
+        if mode != _MASTER:
+          work.data = torch.empty(0, dtype=work.dtype, device=work.device)
+      if "step" in self.state[p]:
         self.state[p]["step"] += 1
 
 
