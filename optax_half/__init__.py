@@ -4,12 +4,21 @@ Composable wrappers (any optax transformation on 16-bit params):
   master_weights, kahan_summation, stochastic_rounding, round_to_nearest
 Named optimizers built from them:
   adam_fp32_master, adamw_bf16
+Dynamic loss scaling (fp16):
+  dynamic_loss_scale, with scale_loss, loss_scale, value_and_scaled_grad
 Schedules:
   preheat_decay_schedule
 """
 
 from optax_half import rounding
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
+from optax_half.loss_scale import (
+    DynamicLossScaleState,
+    dynamic_loss_scale,
+    loss_scale,
+    scale_loss,
+    value_and_scaled_grad,
+)
 from optax_half.schedules import preheat_decay_schedule
 from optax_half.wrappers import (
     KahanSummationState,
@@ -27,13 +36,18 @@ __version__ = "0.1.0"
 __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
+    "dynamic_loss_scale",
     "kahan_summation",
+    "loss_scale",
     "master_weights",
     "preheat_decay_schedule",
     "round_to_nearest",
     "rounding",
     "scale_by_adamw",
+    "scale_loss",
     "stochastic_rounding",
+    "value_and_scaled_grad",
+    "DynamicLossScaleState",
     "KahanSummationState",
     "MasterWeightsState",
     "RoundToNearestState",

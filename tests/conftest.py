@@ -1,7 +1,6 @@
 """Shared helpers: numeric comparisons in ULPs, random trees."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

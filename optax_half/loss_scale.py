@@ -1,0 +1,253 @@
+"""Dynamic loss scaling: fp16 gradients without underflow, non-finite steps never applied.
+
+``dynamic_loss_scale(inner)`` wraps any transformation. The training loop
+multiplies its loss by the current scale (``scale_loss`` or
+``value_and_scaled_grad``), so the backward pass runs on ``scale * loss`` and
+small fp16 gradients stay above fp16's underflow. ``update`` then:
+
+1. upcasts every gradient leaf to fp32 (exactly, ``rounding.widen``) **before**
+   unscaling, so an fp16 gradient is never divided in fp16:
+   ``g = widen(g_scaled) * inv_scale`` with ``inv_scale = 1 / scale`` in fp32;
+2. checks, over the whole tree at once, that every unscaled value is finite;
+3. if so, runs ``inner`` on the fp32 ``g``; if not, returns updates of ``-0.0``
+   (``p + (-0.0) == p`` bitwise for every ``p``, ``-0.0`` included) and keeps
+   the inner state exactly as it was;
+4. updates the scale as ``torch.amp.GradScaler.update`` does, plus a floor:
+
+   * non-finite step: ``scale = max(scale * backoff_factor, min_scale)``,
+     ``growth_tracker = 0``, ``skipped_steps += 1``;
+   * finite step: ``growth_tracker += 1``; when it reaches ``growth_interval``,
+     ``scale *= growth_factor`` if the product is finite, and
+     ``growth_tracker = 0``.
+
+Everything is array arithmetic inside the step (no host sync, jit-safe, works
+with sharded trees: the finiteness check is one global reduction). The state
+is fp32/int32/bool whatever the param dtype, and every hyperparameter
+(``min_scale`` included) is a constant of the transformation, so nothing is
+lost or narrowed by ``jax.jit``. Spec: ``docs/algorithms.md`` section 8.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from optax_half import rounding
+from optax_half._util import is_float
+
+__all__ = [
+    "DynamicLossScaleState",
+    "dynamic_loss_scale",
+    "loss_scale",
+    "scale_loss",
+    "value_and_scaled_grad",
+]
+
+
+class DynamicLossScaleState(NamedTuple):
+  """State of ``dynamic_loss_scale``; the first four fields are for logging.
+
+  Attributes:
+    scale: fp32 scalar, the current loss scale.
+    growth_tracker: int32 scalar, finite steps since the last growth or
+      backoff (``torch.amp.GradScaler``'s ``_growth_tracker``).
+    skipped_steps: int32 scalar, total steps skipped for non-finite gradients.
+    last_finite: bool scalar, whether the last step's gradients were finite.
+    inner_state: the inner transformation's state.
+  """
+  scale: jax.Array
+  growth_tracker: jax.Array
+  skipped_steps: jax.Array
+  last_finite: jax.Array
+  inner_state: Any
+
+
+def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
+                          min_scale) -> None:
+  """Argument checks shared (same messages) with ``torch_bridge.dynamic_loss_scale``."""
+  def f32(v):
+    with np.errstate(over="ignore"):
+      return float(np.float32(v))
+  for name, v in (("init_scale", init_scale), ("min_scale", min_scale),
+                  ("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+      raise TypeError(f"{name} must be a Python number; got {type(v).__name__}.")
+    if not math.isfinite(f32(v)):
+      raise ValueError(f"{name} must be finite in fp32; got {v}.")
+  if not f32(init_scale) > 0:
+    raise ValueError(f"init_scale must be > 0; got {init_scale}.")
+  if not f32(min_scale) > 0:
+    raise ValueError(f"min_scale must be > 0 (a scale of 0 would stop training); got {min_scale}.")
+  if f32(min_scale) > f32(init_scale):
+    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
+  if not f32(growth_factor) > 1.0:
+    raise ValueError(f"growth_factor must be > 1; got {growth_factor}.")
+  if not 0.0 < f32(backoff_factor) < 1.0:
+    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}.")
+  if (isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer))
+      or not 1 <= growth_interval < 2**31):
+    raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
+
+
+def dynamic_loss_scale(
+    inner: optax.GradientTransformation,
+    init_scale: float = 2.0**16,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float = 1.0,
+) -> optax.GradientTransformationExtraArgs:
+  r"""Unscales fp32-upcast gradients, skips non-finite steps, adapts the scale.
+
+  With :math:`s` the scale, per step and per gradient leaf :math:`\hat g`
+  (the gradient of :math:`s \cdot \text{loss}`):
+
+  .. math::
+    g = \text{f32}(\hat g) \cdot \text{f32}(1 / s), \qquad
+    \text{finite} = \bigwedge_{\text{leaves}} \text{all}(\text{isfinite}(g))
+
+  ``inner`` is applied to ``g`` only when ``finite``; otherwise the updates
+  are ``-0.0`` and the inner state is unchanged. Then (``torch.amp.GradScaler``
+  with a floor): on a non-finite step :math:`s \leftarrow \max(s \cdot
+  \text{backoff}, \text{min\_scale})`; after ``growth_interval`` consecutive
+  finite steps :math:`s \leftarrow s \cdot \text{growth}` if that is finite.
+  The products are fp32; they equal GradScaler's (which multiplies in float64
+  and rounds to fp32) whenever the factors are representable in fp32 (2, 0.5,
+  1.5, ...); other factors are rounded to fp32 first.
+
+  Put clipping *inside*, so it sees unscaled gradients::
+
+    tx = optax_half.dynamic_loss_scale(optax.chain(
+        optax.clip_by_global_norm(1.0), optax_half.adam_fp32_master(1e-3)))
+
+  Args:
+    inner: any transformation (``optax.chain``s and ``optax_half`` optimizers
+      included); it receives fp32 gradients.
+    init_scale: the first scale.
+    growth_factor: factor (> 1) applied after ``growth_interval`` finite steps.
+    backoff_factor: factor in (0, 1) applied on a non-finite step.
+    growth_interval: number of consecutive finite steps between growths.
+    min_scale: floor of the scale (> 0); ``torch.amp.GradScaler`` has none.
+
+  Returns:
+    A ``GradientTransformationExtraArgs`` with ``DynamicLossScaleState``.
+  """
+  check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)
+  inner = optax.with_extra_args_support(inner)
+  f32 = np.float32
+  growth = f32(growth_factor)
+  backoff = f32(backoff_factor)
+  floor = f32(min_scale)
+  interval = np.int32(growth_interval)
+
+  def init_fn(params):
+    return DynamicLossScaleState(
+        scale=jnp.asarray(init_scale, jnp.float32),
+        growth_tracker=jnp.zeros((), jnp.int32),
+        skipped_steps=jnp.zeros((), jnp.int32),
+        last_finite=jnp.ones((), jnp.bool_),
+        inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    scale = jnp.asarray(state.scale, jnp.float32)
+    inv_scale = jnp.float32(1.0) / scale
+    grads = jax.tree.map(
+        lambda g: rounding.widen(g) * inv_scale if is_float(g) else g, updates)
+    finite = all_finite(grads)
+    new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)) if is_float(u) else u,
+        new_updates)
+    new_inner = optax.tree.where(finite, new_inner, state.inner_state)
+
+    tracker = state.growth_tracker + 1
+    at_interval = tracker == interval
+    grown = scale * growth
+    scale_if_finite = jnp.where(at_interval & jnp.isfinite(grown), grown, scale)
+    scale_if_not = jnp.maximum(scale * backoff, floor)
+    new_state = DynamicLossScaleState(
+        scale=jnp.where(finite, scale_if_finite, scale_if_not),
+        growth_tracker=jnp.where(finite & ~at_interval, tracker, 0).astype(jnp.int32),
+        skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
+        last_finite=finite,
+        inner_state=new_inner)
+    return new_updates, new_state
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def all_finite(tree) -> jax.Array:
+  """One bool scalar: every element of every float leaf is finite (True if none)."""
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
+  if not checks:
+    return jnp.ones((), jnp.bool_)
+  return jnp.all(jnp.stack(checks))
+
+
+def _value(x):
+  """The array inside an ``nnx`` variable (``nnx.Optimizer`` states), or ``x``."""
+  get_value = getattr(x, "get_value", None)
+  return get_value() if callable(get_value) else x
+
+
+def find_loss_scale_state(opt_state) -> DynamicLossScaleState:
+  """The one ``DynamicLossScaleState`` inside ``opt_state`` (any nesting)."""
+  def is_ours(x):
+    return isinstance(x, DynamicLossScaleState)
+  found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_ours) if is_ours(s)]
+  if not found:
+    raise ValueError(
+        "opt_state holds no DynamicLossScaleState: build the optimizer as "
+        "optax_half.dynamic_loss_scale(tx) to scale the loss.")
+  if len(found) > 1:
+    raise ValueError(
+        f"opt_state holds {len(found)} DynamicLossScaleStates; pass the one you mean "
+        "(e.g. the state of that part of the optimizer).")
+  return found[0]
+
+
+def loss_scale(opt_state) -> jax.Array:
+  """The current loss scale (fp32 scalar) found anywhere in ``opt_state``."""
+  return jnp.asarray(_value(find_loss_scale_state(opt_state).scale), jnp.float32)
+
+
+def scale_loss(loss, opt_state) -> jax.Array:
+  """``loss * scale``, computed in (at least) fp32 so an fp16 loss cannot overflow.
+
+  The gradient of the result with respect to fp16 params is the scaled fp16
+  gradient that ``dynamic_loss_scale``'s ``update`` expects.
+  """
+  loss = jnp.asarray(loss)
+  if not jnp.issubdtype(loss.dtype, jnp.floating):
+    raise TypeError(f"loss must be a float array; got {loss.dtype}.")
+  loss = loss.astype(jnp.promote_types(loss.dtype, jnp.float32))
+  return loss * loss_scale(opt_state).astype(loss.dtype)
+
+
+def value_and_scaled_grad(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
+  """``jax.value_and_grad`` for loss scaling.
+
+  Returns ``f(opt_state, *args, **kwargs) -> (value, grads)``: ``value`` is
+  what ``fun(*args, **kwargs)`` returns (the unscaled loss, or ``(loss, aux)``
+  with ``has_aux``), ``grads`` are the gradients of ``scale * loss`` with
+  respect to ``args[argnums]``, ready for ``tx.update``, which unscales them.
+  """
+  def scaled(opt_state, *args, **kwargs):
+    out = fun(*args, **kwargs)
+    loss = out[0] if has_aux else out
+    return scale_loss(loss, opt_state), out
+
+  argnums_shifted = (argnums + 1 if isinstance(argnums, int)
+                     else tuple(a + 1 for a in argnums))
+  grad_fn = jax.grad(scaled, argnums=argnums_shifted, has_aux=True)
+
+  def value_and_grad_fn(opt_state, *args, **kwargs):
+    grads, value = grad_fn(opt_state, *args, **kwargs)
+    return value, grads
+
+  return value_and_grad_fn

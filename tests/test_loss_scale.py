@@ -1,0 +1,311 @@
+"""optax_half.dynamic_loss_scale: unscale in fp32, skip non-finite steps bitwise,
+GradScaler's scale arithmetic, compositions (clipping, MultiSteps, nnx), helpers.
+
+The scale trajectory against ``torch.amp.GradScaler`` is in
+``test_torch_loss_scale.py`` (it needs torch)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_half as oh
+from conftest import bitwise_equal
+from test_trees import OPTIMIZERS, mixed_grads, mixed_params
+
+
+def _leaves_equal(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  return all(bitwise_equal(x, y) if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+             else np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+def _scaled(grads, scale):
+  return jax.tree.map(
+      lambda g: (g.astype(jnp.float32) * scale).astype(g.dtype)
+      if jnp.issubdtype(g.dtype, jnp.floating) else g, grads)
+
+
+def _poison(grads, path_index, value, rng):
+  """``grads`` with one element of the float leaf number ``path_index`` set to value."""
+  leaves, treedef = jax.tree.flatten(grads)
+  float_ids = [i for i, g in enumerate(leaves)
+               if jnp.issubdtype(g.dtype, jnp.floating) and g.size > 0]
+  i = float_ids[path_index % len(float_ids)]
+  flat = np.array(leaves[i]).reshape(-1)
+  flat[rng.integers(flat.size)] = value
+  leaves[i] = jnp.asarray(flat.reshape(leaves[i].shape))
+  return jax.tree.unflatten(treedef, leaves), len(float_ids)
+
+
+TRANSFORMS = dict(OPTIMIZERS)
+# Plain optax transformations cannot take the float0 gradients of integer
+# leaves; they get the mixed tree without its integer leaves.
+PLAIN_OPTAX = {
+    "optax.adam": lambda: optax.adam(1e-2),
+    "chain(clip, adam_fp32_master)": lambda: optax.chain(
+        optax.clip_by_global_norm(1.0), oh.adam_fp32_master(1e-2)),
+}
+TRANSFORMS.update(PLAIN_OPTAX)
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+def test_a_nonfinite_element_anywhere_changes_nothing(name):
+  """NaN, +Inf or -Inf in one element of any one leaf: every param and every
+  inner state leaf (moments, masters, Kahan buffers, counters) is bitwise
+  unchanged after apply_updates, -0.0 included; the skip is counted."""
+  tx = oh.dynamic_loss_scale(TRANSFORMS[name](), init_scale=2.0**10)
+  update = jax.jit(tx.update)
+  params = mixed_params()
+  if name in PLAIN_OPTAX:
+    del params["step"], params["ids"]
+  state = tx.init(params)
+  for t in range(3):  # non-trivial state first
+    updates, state = update(_scaled(mixed_grads(params, t), 2.0**10), state, params)
+    params = optax.apply_updates(params, updates)
+  params["bf16"] = params["bf16"].at[0, 0].set(-0.0)  # x + 0.0 would turn it into +0.0
+  params["fp16"] = params["fp16"].at[1].set(-0.0)
+  rng = np.random.default_rng(0)
+  n_float, k = 1, 0
+  while k < max(n_float, 3):
+    value = (np.nan, np.inf, -np.inf)[k % 3]
+    bad, n_float = _poison(_scaled(mixed_grads(params, 10 + k), state.scale), k, value, rng)
+    updates, new_state = update(bad, state, params)
+    new_params = optax.apply_updates(params, updates)
+    assert _leaves_equal(new_params, params), (name, k)
+    assert _leaves_equal(new_state.inner_state, state.inner_state), (name, k)
+    assert int(new_state.skipped_steps) == int(state.skipped_steps) + 1
+    assert not bool(new_state.last_finite)
+    assert float(new_state.scale) == float(state.scale) / 2
+    assert int(new_state.growth_tracker) == 0
+    state = new_state
+    k += 1
+  assert float(state.scale) == 2.0 ** (10 - k)
+  # and the next finite step is taken from exactly where it stopped
+  updates, state = update(_scaled(mixed_grads(params, 99), state.scale), state, params)
+  assert bool(state.last_finite)
+  assert not _leaves_equal(optax.apply_updates(params, updates), params)
+
+
+def test_fp16_grads_are_upcast_before_unscaling():
+  """An fp16 gradient whose unscaled value is below fp16's smallest subnormal
+  (2^-24) reaches the inner transformation exactly, in fp32."""
+  tx = oh.dynamic_loss_scale(optax.identity(), init_scale=2.0**16)
+  g_hat = jnp.asarray([2.0**-10, 3 * 2.0**-12, -1.5, 65504.0], jnp.float16)
+  params = {"w": jnp.zeros(4, jnp.float16)}
+  updates, _ = jax.jit(tx.update)({"w": g_hat}, tx.init(params), params)
+  assert updates["w"].dtype == jnp.float32
+  expected = np.asarray(g_hat, np.float64) / 2.0**16
+  assert np.array_equal(np.asarray(updates["w"], np.float64), expected)
+  assert np.all(np.asarray(expected, np.float16)[:2] == 0)  # fp16 unscaling would flush
+
+
+def test_state_is_fp32_int32_under_jit_for_fp16_params():
+  """jmp's two bugs cannot happen: the scale stays fp32 (2^16 and 2^17 are not
+  fp16 numbers) and min_scale survives jit (it is part of the transformation)."""
+  params = {"w": jnp.ones(3, jnp.float16)}
+  tx = oh.dynamic_loss_scale(oh.master_weights(optax.sgd(1e-3)), init_scale=2.0**16,
+                             growth_interval=2, min_scale=2.0**14)
+  update = jax.jit(tx.update)
+  state = tx.init(params)
+  good = {"w": jnp.ones(3, jnp.float16)}
+  bad = {"w": jnp.asarray([1, np.inf, 1], jnp.float16)}
+  scales = []
+  for g in [good, good, bad, bad, bad, bad, good, good]:
+    _, state = update(g, state, params)
+    assert state.scale.dtype == jnp.float32 and state.growth_tracker.dtype == jnp.int32
+    assert state.skipped_steps.dtype == jnp.int32 and state.last_finite.dtype == jnp.bool_
+    scales.append(float(state.scale))
+  assert scales == [2.0**16, 2.0**17, 2.0**16, 2.0**15, 2.0**14, 2.0**14, 2.0**14, 2.0**15]
+  assert int(state.skipped_steps) == 4
+
+
+def test_growth_only_when_the_grown_scale_is_finite():
+  tx = oh.dynamic_loss_scale(optax.identity(), init_scale=2.0**126, growth_interval=1)
+  state = tx.init({"w": jnp.zeros(2)})
+  update = jax.jit(tx.update)
+  seen = []
+  for _ in range(4):
+    _, state = update({"w": jnp.zeros(2)}, state, {"w": jnp.zeros(2)})
+    seen.append((float(state.scale), int(state.growth_tracker)))
+  assert seen == [(2.0**127, 0)] * 4
+
+
+def test_clipping_inside_sees_unscaled_gradients():
+  """dynamic_loss_scale(chain(clip, adam_fp32_master)) on bf16 params with
+  scaled grads is bitwise chain(clip, adam_fp32_master) on the true grads
+  (upcast to fp32, which is what the scaler hands on); clipping outside the
+  scaler clips the scaled grads (a different result)."""
+  inner = lambda: optax.chain(optax.clip_by_global_norm(1.0), oh.adam_fp32_master(1e-2))
+  scale = 2.0**12
+  params0 = {"a": jnp.ones((16, 8), jnp.bfloat16), "b": jnp.zeros(8, jnp.bfloat16)}
+
+  def run(tx, gscale, dtype=jnp.bfloat16):
+    params, state = params0, tx.init(params0)
+    update = jax.jit(tx.update)
+    for t in range(20):
+      g = jax.tree.map(lambda p: (jnp.cos(jnp.arange(p.size, dtype=jnp.float32) * (t + 1))
+                                  .reshape(p.shape) * 3 * gscale).astype(jnp.bfloat16)
+                       .astype(dtype), params)
+      updates, state = update(g, state, params)
+      params = optax.apply_updates(params, updates)
+    return params
+
+  reference = run(inner(), 1.0, jnp.float32)
+  assert _leaves_equal(run(oh.dynamic_loss_scale(inner(), init_scale=scale), scale), reference)
+  outside = optax.chain(optax.clip_by_global_norm(1.0),
+                        oh.dynamic_loss_scale(oh.adam_fp32_master(1e-2), init_scale=scale))
+  assert not _leaves_equal(run(outside, scale), reference)
+
+
+def _accumulation_grads(t, params):
+  return jax.tree.map(lambda p: (jnp.sin(jnp.arange(p.size, dtype=jnp.float32) * 0.7 + t)
+                                 .reshape(p.shape) * 0.1).astype(p.dtype), params)
+
+
+def test_multisteps_outside_accumulates_scaled_grads_and_skips_the_window():
+  """MultiSteps(dynamic_loss_scale(inner), k): the scale is fixed within a
+  window; a finite run equals MultiSteps(inner) on the true grads bitwise; a
+  NaN in one micro-batch skips the whole window (params and inner state
+  untouched) and backs off once."""
+  k, scale = 3, 2.0**8
+  params0 = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones(4, jnp.float16)}
+  inner = lambda: oh.adam_fp32_master(1e-2)
+  ours = optax.MultiSteps(oh.dynamic_loss_scale(inner(), init_scale=scale), k)
+  ref = optax.MultiSteps(inner(), k)
+  p_ours, s_ours = params0, ours.init(params0)
+  p_ref, s_ref = params0, ref.init(params0)
+  up_ours, up_ref = jax.jit(ours.update), jax.jit(ref.update)
+  for t in range(4 * k):
+    g = _accumulation_grads(t, params0)
+    u, s_ours = up_ours(_scaled(g, scale), s_ours, p_ours)
+    p_ours = optax.apply_updates(p_ours, u)
+    u, s_ref = up_ref(g, s_ref, p_ref)
+    p_ref = optax.apply_updates(p_ref, u)
+    assert _leaves_equal(p_ours, p_ref), t
+  assert float(oh.loss_scale(s_ours)) == scale
+  before = (p_ours, s_ours.inner_opt_state.inner_state)
+  for t in range(k):
+    g = _scaled(_accumulation_grads(t, params0), scale)
+    if t == 1:
+      g = {"w": g["w"].at[2, 3].set(jnp.nan), "b": g["b"]}
+    u, s_ours = up_ours(g, s_ours, p_ours)
+    p_ours = optax.apply_updates(p_ours, u)
+  assert _leaves_equal((p_ours, s_ours.inner_opt_state.inner_state), before)
+  assert float(oh.loss_scale(s_ours)) == scale / 2
+  assert int(s_ours.inner_opt_state.skipped_steps) == 1
+
+
+def test_multisteps_inside_drops_only_the_bad_microbatch():
+  """dynamic_loss_scale(MultiSteps(inner, k, accumulator_dtype=f32)): unscaled
+  fp32 accumulation; a non-finite micro-batch is dropped on its own (the
+  window goes on with the next finite ones)."""
+  k, scale = 2, 2.0**8
+  params = {"w": jnp.ones(6, jnp.bfloat16)}
+  tx = oh.dynamic_loss_scale(
+      optax.MultiSteps(oh.adam_fp32_master(1e-2), k, accumulator_dtype=jnp.float32),
+      init_scale=scale)
+  ref = optax.MultiSteps(oh.adam_fp32_master(1e-2), k, accumulator_dtype=jnp.float32)
+  s, s_ref = tx.init(params), ref.init(params)
+  p, p_ref = params, params
+  good = [_accumulation_grads(t, params) for t in range(4)]
+  feed = [good[0], {"w": good[1]["w"].at[0].set(jnp.inf)}, good[1], good[2], good[3]]
+  for g in feed:
+    u, s = jax.jit(tx.update)(_scaled(g, float(oh.loss_scale(s))), s, p)
+    p = optax.apply_updates(p, u)
+  for g in good:
+    u, s_ref = jax.jit(ref.update)(g, s_ref, p_ref)
+    p_ref = optax.apply_updates(p_ref, u)
+  assert _leaves_equal(p, p_ref)
+  assert int(s.skipped_steps) == 1 and float(s.scale) == scale / 2
+
+
+def test_helpers_find_the_state_anywhere():
+  params = {"w": jnp.ones(3, jnp.float16)}
+  dls = oh.dynamic_loss_scale(oh.adam_fp32_master(1e-3), init_scale=2.0**20)
+  nested = [
+      dls,
+      optax.chain(optax.add_decayed_weights(0.0), dls),
+      optax.MultiSteps(dls, 4),
+      optax.chain(optax.identity(), optax.chain(dls)),
+  ]
+  for tx in nested:
+    state = tx.init(params)
+    assert float(oh.loss_scale(state)) == 2.0**20
+    scaled = oh.scale_loss(jnp.float16(10.0), state)
+    assert scaled.dtype == jnp.float32 and float(scaled) == 10.0 * 2.0**20  # not fp16 inf
+  with pytest.raises(ValueError, match="holds no DynamicLossScaleState"):
+    oh.loss_scale(optax.adam(1e-3).init(params))
+  two = optax.multi_transform({"a": dls, "b": dls}, {"w": "a", "v": "b"})
+  with pytest.raises(ValueError, match="holds 2 DynamicLossScaleStates"):
+    oh.scale_loss(1.0, two.init({"w": jnp.ones(2), "v": jnp.ones(2)}))
+  with pytest.raises(TypeError, match="float"):
+    oh.scale_loss(jnp.int32(3), dls.init(params))
+
+
+def test_value_and_scaled_grad():
+  def loss(p, x):
+    return jnp.sum((p["w"].astype(jnp.float32) * x) ** 2), {"n": x.size}
+  params = {"w": jnp.asarray([0.5, -2.0, 1e-3], jnp.float16)}
+  x = jnp.asarray([1.0, 2.0, 3.0])
+  state = oh.dynamic_loss_scale(optax.sgd(0.1), init_scale=2.0**10).init(params)
+  (value, aux), grads = oh.value_and_scaled_grad(loss, has_aux=True)(state, params, x)
+  (v_ref, _), g_ref = jax.value_and_grad(loss, has_aux=True)(params, x)
+  assert float(value) == float(v_ref) and aux == {"n": 3}
+  assert grads["w"].dtype == jnp.float16
+  assert np.array_equal(np.asarray(grads["w"], np.float32),
+                        np.asarray(g_ref["w"], np.float32) * 2.0**10)
+
+
+def test_flax_nnx_optimizer_skips_bitwise():
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.lin = nnx.Linear(4, 3, rngs=rngs, param_dtype=jnp.float16, dtype=jnp.float16)
+
+    def __call__(self, x):
+      return self.lin(x)
+
+  model = Model(nnx.Rngs(0))
+  opt = nnx.Optimizer(model, oh.dynamic_loss_scale(oh.adam_fp32_master(1e-2), init_scale=2.0**8),
+                      wrt=nnx.Param)
+
+  @nnx.jit
+  def step(model, opt, x):
+    def loss_fn(model):
+      return oh.scale_loss(jnp.mean(model(x).astype(jnp.float32) ** 2), opt.opt_state)
+    grads = nnx.grad(loss_fn)(model)
+    opt.update(model, grads)
+
+  x = jnp.ones((2, 4), jnp.float16)
+  step(model, opt, x)
+  before = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  step(model, opt, x.at[0, 0].set(jnp.inf))
+  after = jax.tree.map(np.asarray, nnx.state(model, nnx.Param))
+  assert _leaves_equal(before, after)
+  assert float(oh.loss_scale(opt.opt_state)) == 2.0**7
+  step(model, opt, x)
+  assert not _leaves_equal(before, jax.tree.map(np.asarray, nnx.state(model, nnx.Param)))
+
+
+BAD_ARGS = [
+    (dict(init_scale=0.0), ValueError, "init_scale must be > 0"),
+    (dict(init_scale=1e39), ValueError, "init_scale must be finite in fp32"),
+    (dict(min_scale=0.0), ValueError, "min_scale must be > 0"),
+    (dict(min_scale=4.0, init_scale=2.0), ValueError, r"min_scale \(4.0\) must be <= init_scale"),
+    (dict(growth_factor=1.0), ValueError, "growth_factor must be > 1"),
+    (dict(backoff_factor=1.0), ValueError, r"backoff_factor must be in \(0, 1\)"),
+    (dict(backoff_factor=0.0), ValueError, r"backoff_factor must be in \(0, 1\)"),
+    (dict(growth_interval=0), ValueError, "growth_interval must be an integer >= 1"),
+    (dict(growth_interval=2.5), ValueError, "growth_interval must be an integer >= 1"),
+    (dict(init_scale="big"), TypeError, "init_scale must be a Python number"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, message", BAD_ARGS)
+def test_bad_arguments(kwargs, error, message):
+  with pytest.raises(error, match=message):
+    oh.dynamic_loss_scale(optax.identity(), **kwargs)
