@@ -4,7 +4,8 @@ Every public function in ``optax_half.__all__`` (a transformation, optimizer
 or schedule factory) must exist in ``torch_bridge`` with the same parameters
 in the same order with the same defaults, once the param-like first argument
 is set aside (``inner`` in JAX, ``optimizer``/``params`` in torch). Torch may
-add keyword-only extensions listed in ``TORCH_ONLY``; anything else is drift.
+add keyword-only extensions listed in ``TORCH_ONLY``; the loss-scaling helpers
+in ``JAX_ONLY`` are scaler methods in torch; anything else is drift.
 """
 
 import inspect
@@ -22,13 +23,19 @@ import torch_bridge  # noqa: E402
 TORCH_ONLY = {
     "fused": "runs the per-tensor step compiled by torch.compile; XLA always compiles",
 }
+# JAX helpers whose torch counterparts are methods of the scaler object.
+JAX_ONLY = {
+    "scale_loss": "torch: scaler.scale(loss)",
+    "loss_scale": "torch: scaler.get_scale() / scaler.counters()",
+    "value_and_scaled_grad": "torch: scaler.scale(loss).backward()",
+}
 JAX_FIRST = {"inner"}
 TORCH_FIRST = {"params", "optimizer"}
 
 
 def _factories(module):
   return {name: getattr(module, name) for name in module.__all__
-          if inspect.isfunction(getattr(module, name))}
+          if inspect.isfunction(getattr(module, name)) and name not in JAX_ONLY}
 
 
 def _normalize(default):
@@ -71,6 +78,13 @@ def test_same_keywords_and_defaults(name):
   for a, b in zip(jp, tp_shared):
     assert _normalize(a.default) == _normalize(b.default), (
         f"{name}({a.name}=...): optax_half default {a.default!r}, torch_bridge {b.default!r}")
+
+
+def test_jax_only_helpers_exist_and_have_torch_methods():
+  for name in JAX_ONLY:
+    assert inspect.isfunction(getattr(optax_half, name))
+  for method in ("scale", "get_scale", "counters", "unscale_", "step", "update"):
+    assert callable(getattr(torch_bridge.DynamicLossScaler, method))
 
 
 def test_normalize_catches_dtype_drift():

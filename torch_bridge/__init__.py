@@ -7,6 +7,8 @@ Wrappers around any torch optimizer:
   master_weights, kahan_summation, stochastic_rounding, round_to_nearest
 Native optimizers:
   adam_fp32_master, adamw_bf16, scale_by_adamw
+Dynamic loss scaling (a GradScaler-like object):
+  dynamic_loss_scale
 Schedules:
   preheat_decay_schedule
 Bit-level primitives shared with JAX: ``torch_bridge.rounding``.
@@ -14,6 +16,7 @@ Bit-level primitives shared with JAX: ``torch_bridge.rounding``.
 
 from torch_bridge import rounding
 from torch_bridge.adam import LowPrecisionAdamW, adam_fp32_master, adamw_bf16, scale_by_adamw
+from torch_bridge.loss_scale import DynamicLossScaler, dynamic_loss_scale
 from torch_bridge.schedules import PreheatDecaySchedule, preheat_decay_schedule
 from torch_bridge.wrappers import (
     LowPrecisionWrapper,
@@ -26,6 +29,7 @@ from torch_bridge.wrappers import (
 __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
+    "dynamic_loss_scale",
     "kahan_summation",
     "master_weights",
     "preheat_decay_schedule",
@@ -33,6 +37,7 @@ __all__ = [
     "rounding",
     "scale_by_adamw",
     "stochastic_rounding",
+    "DynamicLossScaler",
     "LowPrecisionAdamW",
     "LowPrecisionWrapper",
     "PreheatDecaySchedule",

@@ -4,6 +4,7 @@
   value, like ``optax_half`` (which makes them fp32 arrays);
 * the same argument checks as ``optax_half.adam._check_hyperparams``;
 * ``seed_from_key``: the uint32 seed of an integer key;
+* ``step_grad``: the gradient a step uses (the loss scaler's fp32 one, or ``p.grad``);
 * ``load_state_dict_exact``: ``Optimizer.load_state_dict`` without its casts.
   torch casts every floating state tensor to its param's dtype on load, which
   would round an fp32 master or fp32 moments of a bf16 param to bf16. Here each
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 __all__ = ["f32", "check_hyperparams", "seed_from_key", "load_state_dict_exact",
-           "check_param", "check_grad"]
+           "check_param", "check_grad", "step_grad"]
 
 
 def f32(x) -> float:
@@ -65,6 +66,17 @@ def check_grad(grad: torch.Tensor, position: int) -> None:
     raise RuntimeError(
         f"param {position} has a sparse gradient; torch_bridge optimizers need dense "
         "gradients (use torch.optim.SparseAdam for sparse embeddings).")
+
+
+def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
+  """The gradient a step of ``optimizer`` uses for ``p``.
+
+  ``torch_bridge`` optimizers keep a dict ``_unscaled_grads`` that a
+  ``DynamicLossScaler.unscale_`` fills with the fp32 unscaled gradients of
+  16-bit params (``p.grad`` keeps the scaled 16-bit value); otherwise ``p.grad``.
+  """
+  g = optimizer._unscaled_grads.get(p)
+  return p.grad if g is None else g
 
 
 def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:

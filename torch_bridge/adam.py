@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_hyperparams, check_param, f32,
+from torch_bridge._optim import (check_grad, check_hyperparams, check_param, f32, step_grad,
                                  load_state_dict_exact, seed_from_key)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
@@ -171,6 +171,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     self._seed = seed_from_key(key)
     self._fused = bool(fused)
     self._n_params = 0
+    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     defaults = dict(lr=lr0, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=0)
     super().__init__(params, defaults)
 
@@ -232,6 +233,13 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     if closure is not None:
       with torch.enable_grad():
         loss = closure()
+    try:
+      self._step_groups()
+    finally:
+      self._unscaled_grads.clear()
+    return loss
+
+  def _step_groups(self) -> None:
     position = 0
     for group in self.param_groups:
       count = group["count"]
@@ -244,13 +252,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         if p.grad is None or not p.requires_grad:
           continue
         check_grad(p.grad, leaf)
+        grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])
         scalars = self._scalars(group, step + 1, lr, p.device, cache)
         keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, p.device)
                      for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
         buffer = state.get("master", state.get("compensation"))
-        tensors = (p, p.grad, state["mu"], state["nu"], buffer)
+        tensors = (p, grad, state["mu"], state["nu"], buffer)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
           # Flat views: the element index (the random-bit counter) is the
           # row-major index either way.
@@ -258,12 +267,11 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         mode = _mode(self._compensation, p.dtype)
         kernel = adamw_step
         if self._fused:
-          kernel = _compiled_step((mode, self._state_rounding, p.dtype, p.grad.dtype,
+          kernel = _compiled_step((mode, self._state_rounding, p.dtype, grad.dtype,
                                    state["mu"].dtype, state["nu"].dtype))
         kernel(*tensors, scalars, keys, mode, self._state_rounding)
         state["step"] += 1
       group["count"] = count + 1
-    return loss
 
 
 def scale_by_adamw(

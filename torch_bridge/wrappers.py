@@ -33,7 +33,7 @@ import torch
 
 from torch_bridge import rounding
 from torch_bridge._optim import (check_grad, check_param, load_state_dict_exact,
-                                 seed_from_key)
+                                 seed_from_key, step_grad)
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
@@ -69,6 +69,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
               for g in inner.param_groups]
     super().__init__(groups, dict(inner.defaults))
     self._work: dict = {}  # model param -> the tensor the inner optimizer holds
+    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     position = 0
     for group, inner_group in zip(self.param_groups, inner.param_groups):
       stand_ins = []
@@ -199,6 +200,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     finally:
       for p, g in hidden.items():
         p.grad = g
+      self._unscaled_grads.clear()
     return loss
 
   def _step_chunk(self, chunk, hidden) -> None:
@@ -210,7 +212,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
       mode = self._param_mode(p)
       if mode != _MASTER:
         work.data = self._read(p, mode)
-      work.grad = rounding.widen(p.grad).to(work.dtype)
+      work.grad = rounding.widen(step_grad(self, p)).to(work.dtype)
     self.inner.step()
     for leaf, p in chunk:
       work = self._work[p]
