@@ -242,12 +242,15 @@ def value_and_scaled_grad(fun: Callable, argnums=0, has_aux: bool = False) -> Ca
     loss = out[0] if has_aux else out
     return scale_loss(loss, opt_state), out
 
-  argnums_shifted = (argnums + 1 if isinstance(argnums, int)
-                     else tuple(a + 1 for a in argnums))
-  grad_fn = jax.grad(scaled, argnums=argnums_shifted, has_aux=True)
-
   def value_and_grad_fn(opt_state, *args, **kwargs):
-    grads, value = grad_fn(opt_state, *args, **kwargs)
+    # argnums index ``args``; opt_state is argument 0 of ``scaled``.
+    n = len(args)
+    def shift(a):
+      if not -n <= a < n:
+        raise ValueError(f"argnums {a} is out of range for {n} positional arguments.")
+      return a % n + 1
+    shifted = shift(argnums) if isinstance(argnums, int) else tuple(map(shift, argnums))
+    grads, value = jax.grad(scaled, argnums=shifted, has_aux=True)(opt_state, *args, **kwargs)
     return value, grads
 
   return value_and_grad_fn

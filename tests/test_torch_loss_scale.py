@@ -83,6 +83,14 @@ def test_scale_trajectory_equals_grad_scaler(config):
   assert sum(not f for f in flags) >= 20 and len({s for s, _ in reference}) > 5
 
 
+def _full_snapshot(opt, params):
+  """_snapshot plus the host-side group counters (``count``, ``lr``)."""
+  groups = [torch.tensor([g.get("count", -1), g["lr"]], dtype=torch.float64)
+            for o in (opt, getattr(opt, "inner", None)) if o is not None
+            for g in o.param_groups]
+  return _snapshot(opt, params) + groups
+
+
 def _step(scaler, opt, params, grads):
   for p, g in zip(params, grads):
     p.grad = g.clone()
@@ -111,19 +119,24 @@ def test_a_nonfinite_element_anywhere_changes_nothing(name, dtype):
   for grads in _grads_scaled(3, dtype, 2.0**8):
     _step(scaler, opt, params, grads)
   rng = np.random.default_rng(0)
-  for k, grads in enumerate(_grads_scaled(6, dtype, 2.0**8, seed=2)):
-    i = k % len(params)
-    grads[i].view(-1)[rng.integers(grads[i].numel())] = (np.nan, np.inf, -np.inf)[k % 3]
-    before = _snapshot(opt, params)
-    scale = scaler.get_scale()
-    _step(scaler, opt, params, grads)
-    assert _same(_snapshot(opt, params), before), (name, k)
-    assert scaler.get_scale() == scale / 2 and scaler.get_growth_tracker() == 0
-  assert scaler.state_dict()["skipped_steps"] == 6
+  k = 0
+  for i in range(len(params)):
+    for value in (np.nan, np.inf, -np.inf):
+      grads = _grads_scaled(1, dtype, scaler.get_scale(), seed=2 + k)[0]
+      grads[i].view(-1)[rng.integers(grads[i].numel())] = value
+      before = _full_snapshot(opt, params)
+      scale = scaler.get_scale()
+      _step(scaler, opt, params, grads)
+      assert _same(_full_snapshot(opt, params), before), (name, i, value)
+      assert scaler.get_scale() == max(scale / 2, 1.0)  # min_scale 1
+      assert scaler.get_growth_tracker() == 0
+      k += 1
+  assert scaler.state_dict()["skipped_steps"] == k == 3 * len(params)
+  assert scaler.get_scale() == 1.0  # 2^8 backed off 9 times, floored
   assert not scaler.state_dict()["last_finite"]
   assert opt._unscaled_grads == {}  # nothing kept between steps
   before = _snapshot(opt, params)
-  _step(scaler, opt, params, _grads_scaled(1, dtype, scaler.get_scale(), seed=3)[0])
+  _step(scaler, opt, params, _grads_scaled(1, dtype, scaler.get_scale(), seed=99)[0])
   assert not _same(_snapshot(opt, params), before)
 
 
@@ -188,6 +201,9 @@ def test_bitwise_equal_to_optax_half_with_skips(dtype, compensation):
     for name in ("mu", "nu"):
       theirs = np.asarray(getattr(core, name)[str(i)])
       assert ulp_diff(theirs, opt.state[p][name].float().numpy().astype(theirs.dtype)) == 0
+    if compensation == "kahan":
+      c = np.asarray(state.inner_state.compensation[str(i)])
+      assert ulp_diff(c, opt.state[p]["compensation"].float().numpy().astype(c.dtype)) == 0
 
 
 def test_master_weights_fp16_equals_fp32_adam_on_unscaled_grads():
@@ -406,3 +422,60 @@ def test_bad_arguments_same_messages_as_jax(kwargs, error, message):
   """The argument checks are written once per framework; this keeps them equal."""
   with pytest.raises(error, match=message):
     tb.dynamic_loss_scale(**kwargs)
+
+
+def test_several_torch_bridge_optimizers_with_fp16_params():
+  """Two adamw_bf16 optimizers on fp16 params, one scaler: an inf in one
+  skips that one (bitwise) while the other equals a solo run."""
+  gen = torch.Generator().manual_seed(0)
+  a = [torch.randn(6, 3, generator=gen).half().requires_grad_()]
+  b = [torch.randn(5, generator=gen).half().requires_grad_()]
+  solo = [b[0].detach().clone().requires_grad_()]
+  opt_a, opt_b, opt_solo = (tb.adamw_bf16(ps, 1e-2) for ps in (a, b, solo))
+  scaler, solo_scaler = tb.dynamic_loss_scale(2.0**6), tb.dynamic_loss_scale(2.0**6)
+  grads = _grads_scaled(1, torch.float16, 2.0**6, seed=5)[0]
+  a[0].grad = (torch.randn(6, 3, generator=gen) * 2.0**6).half()
+  a[0].grad[1, 1] = float("inf")
+  b[0].grad = solo[0].grad = grads[1][:5].clone()
+  before_a = _full_snapshot(opt_a, a)
+  scaler.step(opt_a)
+  scaler.step(opt_b)
+  scaler.update()
+  solo_scaler.step(opt_solo)
+  solo_scaler.update()
+  assert _same(_full_snapshot(opt_a, a), before_a)
+  assert torch.equal(_bits(b[0]), _bits(solo[0]))
+  assert scaler.get_scale() == 2.0**5 and solo_scaler.get_scale() == 2.0**6
+  assert opt_a._unscaled_grads == {} and opt_b._unscaled_grads == {}
+
+
+def test_min_scale_floor_and_replaced_grads():
+  p = [torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)]
+  opt = tb.adamw_bf16(p, 1e-2)
+  scaler = tb.dynamic_loss_scale(init_scale=4.0, min_scale=2.0)
+  for _ in range(3):
+    p[0].grad = torch.tensor([1.0, float("nan"), 1.0]).bfloat16()
+    scaler.step(opt)
+    scaler.update()
+  assert scaler.get_scale() == 2.0 and scaler.state_dict()["skipped_steps"] == 3
+  p[0].grad = torch.ones(3, dtype=torch.bfloat16)
+  scaler.unscale_(opt)
+  p[0].grad = p[0].grad.clamp(max=0.5)  # a new tensor: not what was unscaled
+  with pytest.raises(RuntimeError, match="changed after scaler.unscale_"):
+    scaler.step(opt)
+
+
+def test_unscale_checks_everything_before_changing_anything():
+  """An fp16 grad the optimizer would step in fp16 (a plain optimizer, or a
+  master_weights wrapper whose master_dtype is fp16) is refused before any
+  other gradient is unscaled."""
+  p32 = torch.zeros(2, requires_grad=True)
+  p16 = torch.zeros(2, dtype=torch.float16, requires_grad=True)
+  for opt in (torch.optim.SGD([p32, p16], lr=0.1),
+              tb.master_weights(torch.optim.SGD([p32, p16], lr=0.1),
+                                master_dtype=torch.float16)):
+    p32.grad = torch.full((2,), 8.0)
+    p16.grad = torch.ones(2, dtype=torch.float16)
+    with pytest.raises(TypeError, match="fp16 gradient"):
+      tb.dynamic_loss_scale(init_scale=4.0).unscale_(opt)
+    assert torch.equal(p32.grad, torch.full((2,), 8.0))

@@ -201,6 +201,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     elif mode == _KAHAN:
       state["compensation"] = torch.zeros_like(p)
 
+  def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
+    """Every param's step widens its gradient: fp32 ones from the loss scaler are welcome."""
+    return True
+
   # -- checkpoints -----------------------------------------------------------
 
   def state_dict(self) -> dict:

@@ -45,6 +45,10 @@ __all__ = ["DynamicLossScaler", "dynamic_loss_scale", "check_loss_scale_args"]
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
 
 
+def _f32(v) -> float:
+  return float(np.float32(v))
+
+
 def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
                           min_scale) -> None:
   """The checks of ``optax_half.loss_scale.check_loss_scale_args``, same messages."""
@@ -72,9 +76,13 @@ def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_inte
     raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
 
 
-def takes_fp32_grads(optimizer) -> bool:
-  """Whether ``optimizer`` steps on fp32 gradients handed over by the scaler."""
-  return isinstance(getattr(optimizer, "_unscaled_grads", None), dict)
+def takes_fp32_grads(optimizer, p=None) -> bool:
+  """Whether ``optimizer`` steps on fp32 gradients handed over by the scaler
+  (for ``p``: whether it widens that param; a wrapper leaves params that are
+  as wide as its ``master_dtype`` to the inner optimizer as they are)."""
+  if not isinstance(getattr(optimizer, "_unscaled_grads", None), dict):
+    return False
+  return p is None or optimizer._takes_fp32_grad(p)
 
 
 class DynamicLossScaler:
@@ -147,9 +155,9 @@ class DynamicLossScaler:
                          "last update().")
     if state["stage"] == _STEPPED:
       raise RuntimeError("unscale_() is being called after step().")
-    side = optimizer._unscaled_grads if takes_fp32_grads(optimizer) else None
-    inv_scale = torch.ones((), dtype=torch.float32, device=self._scale.device) / self._scale
-    found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
+    # Check every gradient before changing any, so an error leaves nothing
+    # half-unscaled.
+    todo = []
     position = 0
     for group in optimizer.param_groups:
       for p in group["params"]:
@@ -161,29 +169,37 @@ class DynamicLossScaler:
           raise RuntimeError(
               f"param {position - 1} has a sparse gradient; dynamic_loss_scale needs dense "
               "gradients.")
-        inv = inv_scale.to(g.device)
-        if g.dtype.itemsize >= 4:
-          g.mul_(inv)  # fp32 math, like GradScaler
-          g32 = g
-        elif side is not None:
-          g32 = rounding.widen(g) * inv
-          side[p] = g32
-          state["versions"][p] = g._version
-        elif g.dtype == torch.bfloat16:
-          g32 = rounding.widen(g) * inv
-          g.copy_(g32)
-        else:
+        hand_over = g.dtype.itemsize < 4 and takes_fp32_grads(optimizer, p)
+        if g.dtype == torch.float16 and not hand_over:
           raise TypeError(
-              f"param {position - 1} has an {g.dtype} gradient and "
-              f"{type(optimizer).__name__} steps in that dtype: unscaling fp16 in fp16 "
-              "underflows. Wrap the optimizer so it steps fp32 masters: "
-              "torch_bridge.master_weights(optimizer), or use a torch_bridge optimizer.")
-        found_inf |= ~torch.isfinite(g32).all().to(found_inf.device)
+              f"param {position - 1} has an fp16 gradient and {type(optimizer).__name__} "
+              "steps in fp16: unscaling fp16 in fp16 underflows. Wrap the optimizer so it "
+              "steps fp32 masters: torch_bridge.master_weights(optimizer), or use a "
+              "torch_bridge optimizer.")
+        todo.append((p, g, hand_over))
+    if todo:
+      self._to(todo[0][1].device)  # the state lives where the gradients are
+    inv_scale = torch.ones((), dtype=torch.float32, device=self._scale.device) / self._scale
+    found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
+    for p, g, hand_over in todo:
+      inv = inv_scale.to(g.device)
+      if g.dtype.itemsize >= 4:
+        g.mul_(inv)  # fp32 math, like GradScaler
+        g32 = g
+      elif hand_over:
+        g32 = rounding.widen(g) * inv
+        optimizer._unscaled_grads[p] = g32
+        state["versions"][p] = (g, g._version)
+      else:  # bf16, stepped in bf16 by a plain optimizer
+        g32 = rounding.widen(g) * inv
+        g.copy_(g32)
+      found_inf |= ~torch.isfinite(g32).all().to(found_inf.device)
     state["found_inf"] = found_inf
     state["stage"] = _UNSCALED
 
   def _step_grads(self, optimizer) -> list:
     side = optimizer._unscaled_grads if takes_fp32_grads(optimizer) else {}
+    # (the fp32 copy where one was handed over, else p.grad, unscaled in place)
     return [side.get(p, p.grad) for group in optimizer.param_groups for p in group["params"]
             if p.grad is not None]
 
@@ -230,8 +246,8 @@ class DynamicLossScaler:
       raise RuntimeError("step() has already been called since the last update().")
     if state["stage"] == _READY:
       self.unscale_(optimizer)
-    for p, version in state["versions"].items():
-      if p.grad is None or p.grad._version != version:
+    for p, (grad, version) in state["versions"].items():
+      if p.grad is not grad or grad._version != version:
         raise RuntimeError(
             "a 16-bit gradient (p.grad) was changed after scaler.unscale_(); the step "
             "uses the fp32 unscaled copy. Clip with scaler.clip_grad_norm_(optimizer, "
@@ -273,17 +289,18 @@ class DynamicLossScaler:
       scale = self._scale
       tracker = self._growth_tracker + 1
       at_interval = tracker == self._growth_interval
-      growth, backoff, floor = (torch.tensor(v, dtype=torch.float32, device=scale.device)
-                                for v in (self._growth_factor, self._backoff_factor,
-                                          self._min_scale))
-      grown = scale * growth
+      # Python floats holding fp32 values: multiplying an fp32 tensor by them
+      # is an fp32 product, and no host-to-device copy (a sync on GPU).
+      grown = scale * _f32(self._growth_factor)
       scale_if_finite = torch.where(at_interval & torch.isfinite(grown), grown, scale)
-      scale_if_not = torch.maximum(scale * backoff, floor)
-      self._scale = torch.where(finite, scale_if_finite, scale_if_not)
-      self._growth_tracker = torch.where(finite & ~at_interval, tracker,
-                                         torch.zeros_like(tracker))
-      self._skipped_steps = self._skipped_steps + found_inf.to(torch.int32)
-      self._last_finite = finite
+      scale_if_not = torch.clamp(scale * _f32(self._backoff_factor), min=_f32(self._min_scale))
+      # In place: a tensor obtained from counters() stays a copy, the state
+      # tensors keep their identity.
+      self._scale.copy_(torch.where(finite, scale_if_finite, scale_if_not))
+      self._growth_tracker.copy_(torch.where(finite & ~at_interval, tracker,
+                                             torch.zeros_like(tracker)))
+      self._skipped_steps.add_(found_inf.to(torch.int32))
+      self._last_finite.copy_(finite)
     finally:
       for s in self._per_optimizer.values():
         opt = s["optimizer"]

@@ -81,6 +81,11 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
 
   # -- construction ----------------------------------------------------------
 
+  def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
+    """Params it widens get their gradient in fp32 (``step_grad``); the others
+    go to the inner optimizer with ``p.grad`` as it is."""
+    return self._work[p] is not p
+
   def _is_low(self, p: torch.Tensor) -> bool:
     return p.dtype.itemsize < self._master_dtype.itemsize
 
