@@ -2,7 +2,8 @@
 
 * host-side fp32 scalars: every hyperparameter enters the math as an fp32
   value, like ``optax_half`` (which makes them fp32 arrays);
-* the same argument checks as ``optax_half.adam._check_hyperparams``;
+* the same argument checks as ``optax_half.adam._check_hyperparams`` and
+  ``optax_half.loss_scale.check_loss_scale_args``;
 * ``seed_from_key``: the uint32 seed of an integer key;
 * ``step_grad``: the gradient a step uses (the loss scaler's fp32 one, or ``p.grad``);
 * ``load_state_dict_exact``: ``Optimizer.load_state_dict`` without its casts.
@@ -15,17 +16,19 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import numpy as np
 import torch
 
-__all__ = ["f32", "check_hyperparams", "seed_from_key", "load_state_dict_exact",
+__all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
            "check_param", "check_grad", "step_grad"]
 
 
 def f32(x) -> float:
   """``x`` rounded to fp32, as a Python float (exact in any later fp32 op)."""
-  return float(np.float32(x))
+  with np.errstate(over="ignore"):  # too large -> inf, which the checks report
+    return float(np.float32(x))
 
 
 def check_hyperparams(learning_rate, b1, b2, eps, weight_decay) -> None:
@@ -41,6 +44,30 @@ def check_hyperparams(learning_rate, b1, b2, eps, weight_decay) -> None:
     raise ValueError(f"eps must be > 0; got {eps}.")
   if concrete(weight_decay) and weight_decay < 0:
     raise ValueError(f"weight_decay must be >= 0; got {weight_decay}.")
+
+
+def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
+                          min_scale) -> None:
+  """The checks of ``optax_half.loss_scale.check_loss_scale_args``, same messages."""
+  for name, v in (("init_scale", init_scale), ("min_scale", min_scale),
+                  ("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+      raise TypeError(f"{name} must be a Python number; got {type(v).__name__}.")
+    if not math.isfinite(f32(v)):
+      raise ValueError(f"{name} must be finite in fp32; got {v}.")
+  if not f32(init_scale) > 0:
+    raise ValueError(f"init_scale must be > 0; got {init_scale}.")
+  if not f32(min_scale) > 0:
+    raise ValueError(f"min_scale must be > 0 (a scale of 0 would stop training); got {min_scale}.")
+  if f32(min_scale) > f32(init_scale):
+    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
+  if not f32(growth_factor) > 1.0:
+    raise ValueError(f"growth_factor must be > 1; got {growth_factor}.")
+  if not 0.0 < f32(backoff_factor) < 1.0:
+    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}.")
+  if (isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer))
+      or not 1 <= growth_interval < 2**31):
+    raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
 
 
 def seed_from_key(key) -> int:

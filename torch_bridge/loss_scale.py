@@ -35,45 +35,14 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-import numpy as np
 import torch
 
 from torch_bridge import rounding
+from torch_bridge._optim import check_loss_scale_args, f32, step_grad
 
 __all__ = ["DynamicLossScaler", "dynamic_loss_scale", "check_loss_scale_args"]
 
 _READY, _UNSCALED, _STEPPED = "ready", "unscaled", "stepped"
-
-
-def _f32(v) -> float:
-  return float(np.float32(v))
-
-
-def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
-                          min_scale) -> None:
-  """The checks of ``optax_half.loss_scale.check_loss_scale_args``, same messages."""
-  def f32(v):
-    with np.errstate(over="ignore"):
-      return float(np.float32(v))
-  for name, v in (("init_scale", init_scale), ("min_scale", min_scale),
-                  ("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-      raise TypeError(f"{name} must be a Python number; got {type(v).__name__}.")
-    if not math.isfinite(f32(v)):
-      raise ValueError(f"{name} must be finite in fp32; got {v}.")
-  if not f32(init_scale) > 0:
-    raise ValueError(f"init_scale must be > 0; got {init_scale}.")
-  if not f32(min_scale) > 0:
-    raise ValueError(f"min_scale must be > 0 (a scale of 0 would stop training); got {min_scale}.")
-  if f32(min_scale) > f32(init_scale):
-    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
-  if not f32(growth_factor) > 1.0:
-    raise ValueError(f"growth_factor must be > 1; got {growth_factor}.")
-  if not 0.0 < f32(backoff_factor) < 1.0:
-    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}.")
-  if (isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer))
-      or not 1 <= growth_interval < 2**31):
-    raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
 
 
 def takes_fp32_grads(optimizer, p=None) -> bool:
@@ -198,9 +167,11 @@ class DynamicLossScaler:
     state["stage"] = _UNSCALED
 
   def _step_grads(self, optimizer) -> list:
-    side = optimizer._unscaled_grads if takes_fp32_grads(optimizer) else {}
-    # (the fp32 copy where one was handed over, else p.grad, unscaled in place)
-    return [side.get(p, p.grad) for group in optimizer.param_groups for p in group["params"]
+    """The unscaled gradients the step will use (handed-over fp32 copies, or
+    ``p.grad`` unscaled in place)."""
+    ours = takes_fp32_grads(optimizer)
+    return [step_grad(optimizer, p) if ours else p.grad
+            for group in optimizer.param_groups for p in group["params"]
             if p.grad is not None]
 
   @torch.no_grad()
@@ -291,9 +262,9 @@ class DynamicLossScaler:
       at_interval = tracker == self._growth_interval
       # Python floats holding fp32 values: multiplying an fp32 tensor by them
       # is an fp32 product, and no host-to-device copy (a sync on GPU).
-      grown = scale * _f32(self._growth_factor)
+      grown = scale * f32(self._growth_factor)
       scale_if_finite = torch.where(at_interval & torch.isfinite(grown), grown, scale)
-      scale_if_not = torch.clamp(scale * _f32(self._backoff_factor), min=_f32(self._min_scale))
+      scale_if_not = torch.clamp(scale * f32(self._backoff_factor), min=f32(self._min_scale))
       # In place: a tensor obtained from counters() stays a copy, the state
       # tensors keep their identity.
       self._scale.copy_(torch.where(finite, scale_if_finite, scale_if_not))
