@@ -108,6 +108,11 @@ def scale_by_adamw(
   param dtype), rounded to nearest or stochastically
   (``state_rounding="stochastic"``, streams ``STREAM_MU``/``STREAM_NU``); the
   update itself uses the unrounded fp32 ``m_t`` and ``v_t``. Updates are fp32.
+
+  Every product that is added is rounded to fp32 first (``rounding.no_fma``:
+  XLA would fuse it into an FMA) and ``1 - b^t`` comes from
+  ``rounding.one_minus_pow`` (no ``pow``), so jitted results equal
+  ``torch_bridge`` bit for bit.
   """
   _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
   seed_from_key(key)  # a bad key fails here, not at init
@@ -130,29 +135,35 @@ def scale_by_adamw(
     b1_, b2_, eps_, wd_ = _f32(b1), _f32(b2), _f32(eps), _f32(weight_decay)
     lr = _f32(learning_rate(state.count) if callable(learning_rate) else learning_rate)
     count = optax.safe_increment(state.count)
-    t = count.astype(jnp.float32)
+    # Products that are later added pass through no_fma: XLA would contract
+    # them into FMAs, torch rounds them first (docs/algorithms.md, section 6).
+    zero = rounding.opaque_zero(count)
     # Reciprocals of the bias corrections, formed once in fp32: XLA rewrites
     # `array / scalar` as `array * (1 / scalar)` anyway, so this is what runs,
     # and torch_bridge computes the same products (docs/algorithms.md).
-    inv_bc1 = 1 / (1 - b1_ ** t)
-    inv_bc2 = 1 / (1 - b2_ ** t)
+    # 1 - b ** t without pow, the same bits in both frameworks.
+    inv_bc1 = 1 / rounding.one_minus_pow(b1_, count, zero)
+    inv_bc2 = 1 / rounding.one_minus_pow(b2_, count, zero)
     one_minus_b1 = 1 - b1_
     one_minus_b2 = 1 - b2_
     leaf_index = leaf_indices(updates)
     # Without weight decay the params are not read: any tree of the same shape will do.
     params_ = params if params is not None else updates
 
+    def rounded(product):
+      return rounding.no_fma(product, zero)
+
     def one(g, m, v, x, i):
       # rounding.widen: exact upcasts that XLA cannot fold into excess precision.
       g = rounding.widen(g)
-      m32 = b1_ * rounding.widen(m) + one_minus_b1 * g
-      v32 = b2_ * rounding.widen(v) + one_minus_b2 * (g * g)
+      m32 = rounded(b1_ * rounding.widen(m)) + rounded(one_minus_b1 * g)
+      v32 = rounded(b2_ * rounding.widen(v)) + rounded(one_minus_b2 * (g * g))
       m_hat = m32 * inv_bc1
       v_hat = v32 * inv_bc2
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
       if not _is_zero(weight_decay):
-        u = u + wd_ * rounding.widen(x)
-      u = -lr * u
+        u = u + rounded(wd_ * rounding.widen(x))
+      u = rounded(-lr * u)  # the caller adds it to the params
       m_new = rounding.round_to(m32, m.dtype, state_rounding, state.seed,
                                 state.count, rounding.STREAM_MU, i)
       v_new = rounding.round_to(v32, v.dtype, state_rounding, state.seed,

@@ -11,6 +11,10 @@ spec they both follow is ``docs/algorithms.md`` ("Rounding primitives").
   PyTorch reproduces the same bits.
 * ``stochastic_round``: unbiased rounding of fp32 values to bf16/fp16 driven by
   those bits.
+* ``no_fma`` / ``opaque_zero``: keep a product rounded to fp32 before it is
+  added, so that XLA cannot contract ``a * b + c`` into a fused multiply-add.
+* ``one_minus_pow``: ``1 - b ** n`` from +, -, * alone, the same bits in
+  every framework (no ``pow``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from jax import lax
 
 __all__ = [
     "widen",
+    "opaque_zero",
+    "no_fma",
+    "one_minus_pow",
     "split_f32",
     "join_f32",
     "mix32",
@@ -101,6 +108,62 @@ def widen(p: jax.Array) -> jax.Array:
   if p.dtype.itemsize >= 4:
     return p.astype(jnp.float32)
   return lax.optimization_barrier(p).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------
+# Reproducible arithmetic: no FMA contraction, no pow.
+# --------------------------------------------------------------------------
+
+def opaque_zero(count: jax.Array) -> jax.Array:
+  """A uint32 zero that the compiler cannot prove is zero: ``count >> 31``.
+
+  ``count`` is a step counter (int32, never negative: ``optax.safe_increment``
+  saturates), read at run time from the optimizer state. Built from a
+  constant, the zero would be folded away and ``no_fma`` would do nothing.
+  """
+  return lax.shift_right_logical(jnp.asarray(count).astype(jnp.uint32), jnp.uint32(31))
+
+
+def no_fma(x: jax.Array, zero: jax.Array) -> jax.Array:
+  """fp32 ``x``, unchanged, but opaque to FMA contraction.
+
+  Inside a fusion XLA (CPU and GPU) contracts ``a * b + c`` into one fused
+  multiply-add, rounded once; PyTorch (eager, and Inductor with
+  ``-ffp-contract=off`` / Triton without fp fusion) rounds the product first.
+  ``no_fma(a * b, zero) + c`` passes the product's bits through an integer
+  ``xor`` with a zero the compiler cannot see (``opaque_zero``), so the
+  product is rounded to fp32 before the addition, as in PyTorch. The cost is
+  one integer op per element and no memory traffic.
+  """
+  bits = lax.bitcast_convert_type(x, jnp.uint32) ^ zero
+  return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def one_minus_pow(b: jax.Array, n: jax.Array, zero: jax.Array) -> jax.Array:
+  """``1 - b ** n`` in fp32 for an int32 ``n >= 0``, without ``pow``.
+
+  ``pow`` differs between XLA, libm and CUDA by an ULP now and then, so the
+  bias corrections of Adam would differ between frameworks. Instead, with
+  ``d(k) = 1 - b ** k``, binary exponentiation runs on ``d`` itself:
+
+      d(2k)  = d(k) * (2 - d(k))
+      d(j+k) = (d(j) + d(k)) - d(j) * d(k)
+
+  starting from ``d(1) = 1 - b`` (exact for ``b >= 0.5``) and ``d(0) = 0``.
+  Every step keeps a small relative error even where ``b ** n`` is close to 1
+  (``1 - fl(b ** n)`` loses up to ``2**-24 / d`` there), and the sequence of
+  fp32 +, -, * is fixed, so ``torch_bridge.rounding.one_minus_pow`` gives the
+  same bits. ``zero``: from ``opaque_zero`` (the product is not fused).
+  """
+  b = jnp.asarray(b, jnp.float32)
+  n = jnp.asarray(n).astype(jnp.uint32)
+  d_pow = 1 - b            # d(2 ** i)
+  d = jnp.zeros([], jnp.float32)
+  for i in range(32):
+    take = ((n >> i) & 1) == 1
+    d = jnp.where(take, (d + d_pow) - no_fma(d * d_pow, zero), d)
+    d_pow = d_pow * (2 - d_pow)
+  return d
 
 
 # --------------------------------------------------------------------------

@@ -224,3 +224,35 @@ def test_bad_arguments_name_the_argument(kwargs, match):
   kwargs = {"learning_rate": 1e-3, **kwargs}
   with pytest.raises(ValueError, match=match):
     oh.adamw_bf16(**kwargs)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: oh.adamw_bf16(1e-3, weight_decay=0.1),
+    lambda: oh.adamw_bf16(1e-3, weight_decay=0.1, compensation="split"),
+    lambda: oh.adam_fp32_master(1e-3, weight_decay=0.1),
+])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_jit_equals_op_by_op_bitwise(make, dtype):
+  """No FMA contraction and no pow: the jitted step has the bits of the op-by-op one."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((64, 33)), dtype),
+            "b": jnp.asarray(rng.standard_normal(33), dtype)}
+  grads = [jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape) * 0.1, dtype),
+                        params) for _ in range(25)]
+  tx = make()
+
+  def run(step):
+    p, s = params, tx.init(params)
+    for g in grads:
+      p, s = step(p, s, g)
+    return p, s
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  jitted = run(jax.jit(step))
+  with jax.disable_jit():
+    eager = run(step)
+  for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
+    assert bitwise_equal(a, b)

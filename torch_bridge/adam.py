@@ -54,10 +54,12 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   """One AdamW step on one tensor, in place, in fp32 (the core + compensation).
 
   ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
-  inv_bc1, inv_bc2, eps, weight_decay)`` (``inv_bc = 1 / (1 - b ** t)``); ``keys``: int32 0-dim tensors, the random
-  keys of the param, mu and nu streams. Written with tensor scalars only, so
-  that ``torch.compile`` turns it into one loop without recompiling when the
-  learning rate or the step change.
+  inv_bc1, inv_bc2, eps, weight_decay)`` (``inv_bc = 1 / (1 - b ** t)`` from
+  ``rounding.one_minus_pow``); ``keys``: int32 0-dim tensors, the random keys
+  of the param, mu and nu streams. Written with tensor scalars only, so that
+  ``torch.compile`` turns it into one loop without recompiling when the
+  learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor
+  compiles with ``-ffp-contract=off``); the JAX side matches with ``no_fma``.
   """
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
   key_p, key_mu, key_nu = keys
@@ -223,9 +225,10 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     if key not in cache:
       b1 = torch.tensor(f32(group["b1"]))
       b2 = torch.tensor(f32(group["b2"]))
-      t32 = torch.tensor(float(t), dtype=torch.float32)
+      bc1 = torch.tensor(rounding.one_minus_pow(b1.item(), t))  # CPU scalars: no sync
+      bc2 = torch.tensor(rounding.one_minus_pow(b2.item(), t))
       cache[key] = tuple(s.to(device) for s in (
-          torch.tensor(f32(lr)), b1, b2, 1 - b1, 1 - b2, 1 / (1 - b1 ** t32), 1 / (1 - b2 ** t32),
+          torch.tensor(f32(lr)), b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2,
           torch.tensor(f32(group["eps"])), torch.tensor(f32(group["weight_decay"]))))
     return cache[key]
 

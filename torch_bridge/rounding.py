@@ -9,11 +9,13 @@ Spec: ``docs/algorithms.md`` ("Rounding primitives").
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 __all__ = [
     "widen",
     "sqrt",
+    "one_minus_pow",
     "split_f32",
     "join_f32",
     "mix32",
@@ -130,6 +132,29 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
   if x.device.type == "cpu" and not torch.compiler.is_compiling():
     return torch.sqrt(x.double()).float()
   return torch.sqrt(x)
+
+
+def one_minus_pow(b: float, n: int) -> float:
+  """``1 - b ** n`` in fp32 for an integer ``n >= 0``, on the host, without ``pow``.
+
+  The mirror of ``optax_half.rounding.one_minus_pow``: binary exponentiation
+  on ``d(k) = 1 - b ** k`` with ``d(2k) = d(k) * (2 - d(k))`` and
+  ``d(j+k) = (d(j) + d(k)) - d(j) * d(k)``, every operation an fp32 numpy
+  scalar op (rounded once, never fused), so the result has the same bits as
+  the jitted JAX one. Returns a Python float holding the fp32 value.
+  """
+  n = int(n)
+  if not 0 <= n < 2 ** 32:
+    raise ValueError(f"one_minus_pow needs 0 <= n < 2**32; got {n}.")
+  one, two = np.float32(1), np.float32(2)
+  d_pow = one - np.float32(b)  # d(2 ** i)
+  d = np.float32(0)
+  while n:
+    if n & 1:
+      d = (d + d_pow) - d * d_pow
+    d_pow = d_pow * (two - d_pow)
+    n >>= 1
+  return float(d)
 
 
 def split_f32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
