@@ -57,3 +57,13 @@ def test_misaligned_cpu_buffers_are_reported():
   misaligned = raw[offset:offset + 64].view(torch.float32)
   with pytest.raises(dlpack.CopyRequired, match="not aligned to 64 bytes"):
     dlpack.to_jax(misaligned)
+
+
+def test_int64_tensor_is_a_copy_and_says_so():
+  """Without jax_enable_x64 JAX stores int64 as int32: a new buffer, never silent."""
+  t = torch.arange(5, dtype=torch.int64)
+  with pytest.raises(dlpack.CopyRequired, match="JAX stores it as int32"):
+    dlpack.to_jax(t)
+  with pytest.warns(dlpack.DLPackCopyWarning, match="int32"):
+    x = dlpack.to_jax(t, allow_copy=True)
+  assert np.array_equal(np.asarray(x), np.arange(5))

@@ -9,7 +9,8 @@ a copy is never silent. Reasons a copy is needed (torch 2.13, jax 0.10, CPU):
 * the tensor's strides are not a permutation of a compact layout (slices,
   broadcast views): JAX imports only compact buffers;
 * the CPU buffer is not aligned the way XLA requires (JAX would copy it);
-* the tensor lives on a device JAX does not see.
+* the tensor lives on a device JAX does not see;
+* a 64-bit tensor while ``jax_enable_x64`` is off (JAX makes it 32-bit).
 
 A torch view of a JAX array aliases immutable JAX memory: read it, never write
 it (``to_torch`` returns it as is; clone before mutating).
@@ -60,8 +61,17 @@ def to_jax(t: torch.Tensor, allow_copy: bool = False) -> jax.Array:
     warnings.warn(f"copied a {t.dtype}{tuple(t.shape)} tensor to JAX: {reason}",
                   DLPackCopyWarning, stacklevel=2)
     return jax.dlpack.from_dlpack(t.contiguous().clone(), copy=True)
-  if t.numel() and not shares_memory(x, t):  # pragma: no cover (copy=False forbids it)
-    raise CopyRequired("JAX copied the tensor although copy=False was asked.")
+  if t.numel() and not shares_memory(x, t):
+    # copy=False does not stop JAX from converting 64-bit tensors to 32 bits
+    # when jax_enable_x64 is off (a new buffer).
+    reason = f"JAX stores it as {x.dtype}" if x.dtype.itemsize != t.element_size() else \
+        "JAX made a new buffer"
+    if not allow_copy:
+      raise CopyRequired(
+          f"a {t.dtype}{tuple(t.shape)} tensor cannot be shared with JAX ({reason}); "
+          "pass allow_copy=True to copy it.")
+    warnings.warn(f"copied a {t.dtype}{tuple(t.shape)} tensor to JAX: {reason}",
+                  DLPackCopyWarning, stacklevel=2)
   return x
 
 
