@@ -4,6 +4,10 @@ import jax
 import numpy as np
 import pytest
 
+# The `parity` fixture users get from the package's pytest11 entry point; named
+# here too so the tests also run from a source tree that is not pip-installed.
+pytest_plugins = ["torch_bridge.pytest_plugin"]
+
 _UINT = {2: np.uint16, 4: np.uint32}
 _INT = {2: np.int16, 4: np.int32}
 

@@ -1,0 +1,655 @@
+"""Cross-framework parity: the same optimizer in optax_half (jitted) and torch_bridge.
+
+    report = compare("adamw_bf16", params, steps=1000, dtype="bf16")
+    print(report.table()); assert report.ok, report.failures()
+
+``compare`` starts both frameworks from the same params, feeds both the same
+gradient at every step and, after every step, measures each buffer the two
+sides share: the params, the moments ``mu``/``nu``, the fp32 ``master`` (for
+``compensation="split"`` the fp32 value the bf16 param and int16 low half
+encode), the Kahan ``compensation``, the step ``count`` and, with
+``loss_scale=``, the scaler's ``loss_scale``, ``growth_tracker`` and
+``skipped_steps``. Per step and leaf it records the max absolute error, the
+max relative error ``|a - b| / max(|a|, |b|)``, the max distance in ULPs of
+the buffer's own dtype (its bits read as ordered integers: +0 and -0 are 0
+apart) and the number of bitwise-equal elements. ``TOLERANCES`` holds the
+bounds every check uses (docs/algorithms.md, section 10).
+
+Arrays cross the boundary through ``torch_bridge.dlpack``: zero-copy, and a
+copy it cannot avoid (a non-contiguous torch leaf, a misaligned buffer) is
+made but listed in ``ParityReport.copies``. Two copies are deliberate, since
+torch writes in place and JAX memory is immutable: torch's params are clones
+of the initial JAX params, and with a loss scaler torch's gradients are clones
+too (``unscale_`` works in place); without one the gradients are shared.
+
+The command line runs every configuration in ``CONFIGS``:
+
+    python -m torch_bridge.parity [--optimizer NAME|all] [--steps N]
+        [--dtype bf16|fp16|fp32|all] [--seed S] [--json PATH]
+
+prints one row per optimizer and dtype and exits with status 1 if any
+tolerance is broken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import warnings
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import torch
+
+import optax_half as oh
+import torch_bridge as tb
+from torch_bridge import dlpack
+
+__all__ = ["CONFIGS", "DTYPES", "TOLERANCES", "ParityReport", "Tolerance", "compare",
+           "default_params", "main"]
+
+
+# ----------------------------------------------------------------------------
+# Tolerances: the one place they live.
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+  """Bounds on one buffer, checked at every recorded step and leaf.
+
+  ``max_rel``: max relative error; ``max_ulp``: max distance in ULPs of the
+  buffer's dtype; ``min_equal``: min fraction of bitwise-equal elements (over
+  the whole buffer, all leaves, at each step). ``None``: not checked.
+  """
+  max_rel: Optional[float] = None
+  max_ulp: Optional[float] = None
+  min_equal: Optional[float] = None
+
+
+TOLERANCES = {
+    # fp32 buffers: master weights, fp32 moments, fp32 params.
+    "fp32": Tolerance(max_rel=1e-6),
+    # bf16/fp16 buffers: 16-bit params, moments and Kahan buffers.
+    "16bit": Tolerance(max_ulp=1, min_equal=0.999),
+    # Equal bits: params written by stochastic rounding (same random bits on
+    # both sides), step counts and the loss scaler's state.
+    "exact": Tolerance(max_ulp=0, min_equal=1.0),
+    # Kahan buffers: reported, not bounded. Where a param rounds the other way
+    # its residual changes sign, so the residual's own ULP or relative error
+    # says nothing; the param's bound covers the pair.
+    "residual": Tolerance(),
+}
+
+
+def _kind(buffer: str, dtype, compensation: Optional[str]) -> str:
+  if buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
+    return "exact"
+  if buffer == "compensation":
+    return "residual"
+  if buffer == "params" and compensation == "stochastic" and np.dtype(dtype).itemsize < 4:
+    return "exact"
+  return "fp32" if np.dtype(dtype).itemsize >= 4 else "16bit"
+
+
+# ----------------------------------------------------------------------------
+# Optimizers: one factory per framework, the same keywords.
+# ----------------------------------------------------------------------------
+
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+_NAMES = ("adam_fp32_master", "adamw_bf16", "scale_by_adamw")
+_DTYPE_KEYWORDS = ("mu_dtype", "nu_dtype")
+
+# name -> (optimizer, hyperparameters, loss-scale keywords or None)
+CONFIGS: dict[str, tuple[str, dict, Optional[dict]]] = {
+    "adam_fp32_master": ("adam_fp32_master", {"weight_decay": 0.1}, None),
+    "adamw_bf16": ("adamw_bf16", {"weight_decay": 0.1}, None),
+    "adamw_bf16/split": ("adamw_bf16", {"weight_decay": 0.1, "compensation": "split"}, None),
+    "adamw_bf16/stochastic": ("adamw_bf16", {"weight_decay": 0.1,
+                                             "compensation": "stochastic"}, None),
+    "adamw_bf16/none": ("adamw_bf16", {"weight_decay": 0.1, "compensation": "none"}, None),
+    "adamw_bf16/fp32-moments": ("adamw_bf16", {"weight_decay": 0.1, "mu_dtype": "float32",
+                                               "nu_dtype": "float32"}, None),
+    "adamw_bf16/nearest-moments": ("adamw_bf16", {"weight_decay": 0.1,
+                                                  "state_rounding": "nearest"}, None),
+    "scale_by_adamw": ("scale_by_adamw", {"weight_decay": 0.1}, None),
+    "adamw_bf16+loss_scale": ("adamw_bf16", {"weight_decay": 0.1},
+                              {"init_scale": 2.0 ** 10, "growth_interval": 20}),
+    "adam_fp32_master+loss_scale": ("adam_fp32_master", {"weight_decay": 0.1},
+                                    {"init_scale": 2.0 ** 10, "growth_interval": 20}),
+}
+
+
+def _framework_hyperparams(hyperparams: dict, dtypes) -> dict:
+  out = dict(hyperparams)
+  out.setdefault("learning_rate", 1e-3)
+  for k in _DTYPE_KEYWORDS:
+    if out.get(k) is not None:
+      out[k] = dtypes(np.dtype(jnp.dtype(out[k])).name)
+  return out
+
+
+def _jax_optimizer(name: str, hyperparams: dict, loss_scale: Optional[dict]):
+  tx = getattr(oh, name)(**_framework_hyperparams(hyperparams, jnp.dtype))
+  return oh.dynamic_loss_scale(tx, **loss_scale) if loss_scale is not None else tx
+
+
+def _torch_optimizer(name: str, params: list, hyperparams: dict, loss_scale: Optional[dict],
+                     torch_options: Optional[dict] = None):
+  hp = _framework_hyperparams(hyperparams, lambda n: getattr(torch, n))
+  optimizer = getattr(tb, name)(params, **hp, **(torch_options or {}))
+  scaler = tb.dynamic_loss_scale(**loss_scale) if loss_scale is not None else None
+  return optimizer, scaler
+
+
+# ----------------------------------------------------------------------------
+# Error measures.
+# ----------------------------------------------------------------------------
+
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _ordered(a: np.ndarray) -> np.ndarray:
+  """Float bits as integers ordered like the values (+0 and -0 both 0)."""
+  width = a.dtype.itemsize * 8
+  u = a.view(_UINT[a.dtype.itemsize]).astype(np.int64) if width < 64 else \
+      a.view(np.int64)
+  sign = (u >> (width - 1)) & 1
+  magnitude = u & ((1 << (width - 1)) - 1)
+  return np.where(sign == 1, -magnitude, magnitude)
+
+
+def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
+  """(max abs, max rel, max ULP, number bitwise equal) of two same-dtype arrays."""
+  if a.size == 0:
+    return 0.0, 0.0, 0.0, 0
+  if a.dtype.kind == "f" or a.dtype.name in ("bfloat16",):
+    n_equal = int(np.sum(a.view(_UINT[a.dtype.itemsize]) == b.view(_UINT[b.dtype.itemsize])))
+    if n_equal == a.size:
+      return 0.0, 0.0, 0.0, n_equal
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    nan_a, nan_b = np.isnan(a64), np.isnan(b64)
+    same = (a64 == b64) | (nan_a & nan_b)  # equal values (incl. +-0, both inf, both NaN)
+    with np.errstate(invalid="ignore", over="ignore"):
+      diff = np.where(same, 0.0, np.abs(a64 - b64))
+      scale = np.maximum(np.abs(a64), np.abs(b64))
+      rel = np.where(same, 0.0, diff / np.where(scale == 0, 1.0, scale))
+      ulp = np.where(same, 0, np.abs(_ordered(a) - _ordered(b))).astype(np.float64)
+    bad = (nan_a != nan_b) | (np.isinf(a64) & ~same) | (np.isinf(b64) & ~same)
+    diff, rel, ulp = (np.where(bad, np.inf, x) for x in (diff, rel, ulp))
+    return float(diff.max()), float(rel.max()), float(ulp.max()), n_equal
+  a64, b64 = a.astype(np.int64), b.astype(np.int64)
+  diff = np.abs(a64 - b64).astype(np.float64)
+  scale = np.maximum(np.abs(a64), np.abs(b64)).astype(np.float64)
+  rel = np.where(diff == 0, 0.0, diff / np.where(scale == 0, 1.0, scale))
+  return float(diff.max()), float(rel.max()), float(diff.max()), int(np.sum(diff == 0))
+
+
+# ----------------------------------------------------------------------------
+# The report.
+# ----------------------------------------------------------------------------
+
+_COLUMNS = ("max_abs", "max_rel", "max_ulp", "n_equal")
+
+
+@dataclasses.dataclass
+class ParityReport:
+  """Per-step, per-leaf errors between optax_half and torch_bridge.
+
+  Attributes:
+    name: the configuration (optimizer name, or a ``CONFIGS`` key).
+    dtype: the param dtype(s), e.g. ``"bfloat16"`` (``"mixed"`` if several).
+    steps: the steps run; ``recorded``: the (1-based) steps measured.
+    hyperparams, loss_scale: what both optimizers were built with.
+    buffers: buffer name -> ``(kind, dtype name)``; kind keys ``tolerances``.
+    leaves: buffer name -> leaf names (tree paths).
+    sizes: buffer name -> elements per leaf.
+    errors: buffer name -> float64 array ``[len(recorded), n_leaves, 4]`` of
+      (max abs, max rel, max ULP, number of bitwise-equal elements).
+    tolerances: kind -> ``Tolerance``.
+    copies: arrays that could not cross the boundary without a copy.
+    counters: the JAX side's scalar state at the last step (``count``,
+      ``loss_scale``, ``growth_tracker``, ``skipped_steps``), for context.
+    seconds: wall time of the run.
+  """
+  name: str
+  dtype: str
+  steps: int
+  hyperparams: dict
+  loss_scale: Optional[dict]
+  recorded: list
+  buffers: dict
+  leaves: dict
+  sizes: dict
+  errors: dict
+  tolerances: dict
+  copies: list
+  counters: dict = dataclasses.field(default_factory=dict)
+  seconds: float = 0.0
+
+  def worst(self, buffer: str) -> dict:
+    """Worst values of a buffer over all recorded steps and leaves.
+
+    ``equal``: the smallest fraction of bitwise-equal elements at any step
+    (over all its leaves); ``equal_final``: that fraction at the last step.
+    """
+    e = self.errors[buffer]
+    total = max(int(np.sum(self.sizes[buffer])), 1)
+    frac = e[:, :, 3].sum(axis=1) / total if e.size else np.ones(len(self.recorded))
+    if not np.sum(self.sizes[buffer]):
+      frac = np.ones_like(frac)
+    return {"max_abs": float(e[:, :, 0].max(initial=0.0)),
+            "max_rel": float(e[:, :, 1].max(initial=0.0)),
+            "max_ulp": float(e[:, :, 2].max(initial=0.0)),
+            "equal": float(frac.min(initial=1.0)),
+            "equal_final": float(frac[-1]) if len(frac) else 1.0}
+
+  def series(self, buffer: str, column: str = "max_ulp") -> np.ndarray:
+    """One error column of a buffer per recorded step, worst over leaves
+    (``n_equal`` is summed over leaves)."""
+    e = self.errors[buffer][:, :, _COLUMNS.index(column)]
+    return e.sum(axis=1) if column == "n_equal" else e.max(axis=1, initial=0.0)
+
+  def failures(self) -> list:
+    """One line per broken tolerance: buffer, measure, worst value and where."""
+    out = []
+    for buffer, (kind, dtype) in self.buffers.items():
+      tol, e = self.tolerances[kind], self.errors[buffer]
+      if not e.size:
+        continue
+      worst = self.worst(buffer)
+      for column, bound in (("max_rel", tol.max_rel), ("max_ulp", tol.max_ulp)):
+        if bound is None:
+          continue
+        values = e[:, :, _COLUMNS.index(column)]
+        if values.max() > bound:
+          s, leaf = np.unravel_index(np.argmax(values), values.shape)
+          out.append(f"{buffer} ({dtype}, {kind}): {column} {values.max():.3g} > {bound:g} "
+                     f"at step {self.recorded[s]}, leaf {self.leaves[buffer][leaf]}")
+      if tol.min_equal is not None and worst["equal"] < tol.min_equal:
+        out.append(f"{buffer} ({dtype}, {kind}): {100 * worst['equal']:.4f}% bitwise equal "
+                   f"< {100 * tol.min_equal:g}%")
+    return out
+
+  @property
+  def ok(self) -> bool:
+    return not self.failures()
+
+  def summary(self) -> dict:
+    """The command line's row: worst param ULP, % bitwise-equal params at the
+    last step, worst relative error of any fp32 buffer, verdict."""
+    params = self.worst("params")
+    fp32 = [self.worst(b)["max_rel"] for b, (k, _) in self.buffers.items() if k == "fp32"]
+    return {"optimizer": self.name, "dtype": self.dtype, "steps": self.steps,
+            "param_max_ulp": params["max_ulp"], "param_equal": params["equal_final"],
+            "fp32_max_rel": max(fp32) if fp32 else None,
+            "verdict": "ok" if self.ok else "FAIL"}
+
+  def table(self) -> str:
+    """Worst error per buffer over all steps and leaves, one line each."""
+    lines = [f"{self.name} [{self.dtype}], {self.steps} steps: "
+             + ("ok" if self.ok else "FAIL"),
+             f"  {'buffer':<16}{'dtype':<10}{'kind':<9}{'max abs':>11}{'max rel':>11}"
+             f"{'max ULP':>9}{'bitwise':>11}"]
+    for buffer, (kind, dtype) in self.buffers.items():
+      w = self.worst(buffer)
+      lines.append(f"  {buffer:<16}{dtype:<10}{kind:<9}{w['max_abs']:>11.3g}"
+                   f"{w['max_rel']:>11.3g}{w['max_ulp']:>9.3g}{100 * w['equal']:>10.4f}%")
+    lines += [f"  FAIL {f}" for f in self.failures()]
+    lines += [f"  copied: {c}" for c in self.copies]
+    return "\n".join(lines)
+
+  def to_dict(self) -> dict:
+    """JSON-ready: the summary, worst values per buffer and per-step series."""
+    return {**self.summary(), "hyperparams": self.hyperparams, "loss_scale": self.loss_scale,
+            "counters": self.counters, "seconds": self.seconds, "copies": list(self.copies), "failures": self.failures(),
+            "tolerances": {k: dataclasses.asdict(v) for k, v in self.tolerances.items()},
+            "recorded": list(self.recorded),
+            "buffers": {b: {"kind": k, "dtype": d, **self.worst(b),
+                            "max_ulp_per_step": self.series(b, "max_ulp").tolist(),
+                            "max_rel_per_step": self.series(b, "max_rel").tolist()}
+                        for b, (k, d) in self.buffers.items()}}
+
+
+# ----------------------------------------------------------------------------
+# Moving arrays.
+# ----------------------------------------------------------------------------
+
+def _jax_leaf(x, name: str, copies: list) -> jax.Array:
+  """A leaf of the user's tree as a JAX array; torch tensors go through DLPack."""
+  if isinstance(x, torch.Tensor):
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always", dlpack.DLPackCopyWarning)
+      out = dlpack.to_jax(x, allow_copy=True)
+    copies += [f"{name}: {w.message}" for w in caught
+               if issubclass(w.category, dlpack.DLPackCopyWarning)]
+    return out
+  return jnp.asarray(x)
+
+
+def _numpy(x, name: str, copies: list) -> np.ndarray:
+  """Host view of a JAX array or (through DLPack) a torch tensor."""
+  if isinstance(x, torch.Tensor):
+    x = _jax_leaf(x, name, copies)
+  return np.asarray(x)
+
+
+def _is_float(x) -> bool:
+  return hasattr(x, "dtype") and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def default_params(seed: int = 0, dtype: str = "bfloat16") -> dict:
+  """The CLI's random tree: a matrix, a vector, a 3-d block, a 1-element vector
+  and a scalar (16,791 elements), N(0, 1) rounded to ``dtype``."""
+  rng = np.random.default_rng(seed)
+  shapes = {"w": (256, 64), "b": (64,), "block": (7, 5, 3), "one": (1,), "scalar": ()}
+  return {k: jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(dtype)
+          for k, s in shapes.items()}
+
+
+# ----------------------------------------------------------------------------
+# compare
+# ----------------------------------------------------------------------------
+
+def _jax_buffers(state, treedef, positions) -> dict:
+  """Buffer name -> list (one entry per float leaf) of the JAX state's arrays."""
+  out: dict = {}
+
+  def per_leaf(name, tree):
+    flat = treedef.flatten_up_to(tree)
+    out[name] = [flat[i] if isinstance(flat[i], jax.Array) else None for i in positions]
+
+  def visit(s):
+    if isinstance(s, oh.ScaleByAdamWState):
+      per_leaf("mu", s.mu)
+      per_leaf("nu", s.nu)
+      out["count"] = [s.count] * len(positions)
+    elif isinstance(s, oh.KahanSummationState):
+      per_leaf("compensation", s.compensation)
+    elif isinstance(s, oh.MasterWeightsState):
+      per_leaf("master", s.master)
+    elif isinstance(s, oh.DynamicLossScaleState):
+      out["loss_scale"] = [s.scale]
+      out["growth_tracker"] = [s.growth_tracker]
+      out["skipped_steps"] = [s.skipped_steps]
+    if isinstance(s, (tuple, list)):
+      for child in s:
+        visit(child)
+
+  visit(state)
+  return out
+
+
+def _torch_buffers(optimizer, scaler, params: list) -> dict:
+  out: dict = {}
+  for i, p in enumerate(params):
+    state = optimizer.state[p]
+    for name in ("mu", "nu", "compensation", "master"):
+      out.setdefault(name, [None] * len(params))[i] = state.get(name)
+    # A host-side int64 counter (JAX would store it as int32: no DLPack here).
+    step = state.get("step")
+    out.setdefault("count", [None] * len(params))[i] = \
+        None if step is None else np.asarray(int(step), np.int64)
+  if scaler is not None:
+    c = scaler.counters()
+    out["loss_scale"] = [c["scale"]]
+    out["growth_tracker"] = [c["growth_tracker"]]
+    out["skipped_steps"] = [c["skipped_steps"]]
+  return out
+
+
+def _random_grads(seed: int, nonfinite_every: Optional[int]):
+  rng = np.random.default_rng([seed, 1])
+
+  def grads(step, params, scale=1.0):
+    def one(p):
+      if not _is_float(p):
+        return None
+      g = rng.standard_normal(np.shape(p)).astype(np.float32) * np.float32(0.1 * scale)
+      if nonfinite_every and step % nonfinite_every == nonfinite_every - 1 and g.size:
+        g.reshape(-1)[rng.integers(g.size)] = np.nan
+      return g
+    return jax.tree.map(one, params)
+  return grads
+
+
+def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed: int = 0,
+            loss_scale=None, nonfinite_every: Optional[int] = None, record_every: int = 1,
+            tolerances: Optional[dict] = None, torch_options: Optional[dict] = None,
+            **hyperparams) -> ParityReport:
+  """Runs optimizer ``name`` in optax_half (jitted) and torch_bridge side by side.
+
+  Args:
+    name: ``"adam_fp32_master"``, ``"adamw_bf16"`` or ``"scale_by_adamw"``.
+    params: a pytree of arrays (JAX, numpy or torch tensors, e.g. a Flax
+      ``nnx.state(model, nnx.Param)`` or a torch ``state_dict()``). Float
+      leaves are optimized; other leaves are ignored.
+    grads: ``None`` (N(0, 0.1^2) per step from ``seed``, times the current loss
+      scale with ``loss_scale``), a sequence of trees like ``params``, or a
+      callable ``grads(step, params) -> tree`` given the 0-based step and the
+      current JAX params (so gradients can come from a model). Gradients are
+      cast to each param's dtype; both sides get the same values.
+    steps: number of optimizer steps.
+    dtype: cast every float leaf to this dtype first ("bf16", "fp16",
+      "fp32" or a dtype); ``None`` keeps the leaves' dtypes.
+    seed: seed of the random gradients.
+    loss_scale: ``None``, ``True`` or a dict of ``dynamic_loss_scale``
+      keywords: wraps the JAX optimizer in ``optax_half.dynamic_loss_scale``
+      and steps torch through ``torch_bridge.dynamic_loss_scale``; gradients
+      are then the *scaled* gradients.
+    nonfinite_every: with random gradients, put a NaN into one element of
+      every ``nonfinite_every``-th step (to exercise skipped steps).
+    record_every: measure every this many steps (and always the last).
+    tolerances: overrides of ``TOLERANCES`` (kind -> ``Tolerance``).
+    torch_options: torch-only keywords, e.g. ``{"fused": True}``.
+    **hyperparams: the optimizer's keywords, the same for both frameworks
+      (``learning_rate`` defaults to 1e-3; dtype keywords may be strings).
+
+  Returns:
+    A ``ParityReport``.
+  """
+  if name not in _NAMES:
+    raise ValueError(f"compare() knows {_NAMES}; got {name!r}.")
+  if steps < 1 or record_every < 1:
+    raise ValueError(f"steps and record_every must be >= 1; got {steps}, {record_every}.")
+  if isinstance(hyperparams.get("key"), jax.Array):
+    raise ValueError("compare() needs an integer key: torch_bridge cannot take a JAX key.")
+  if loss_scale is True:
+    loss_scale = {}
+  loss_scale = dict(loss_scale) if loss_scale else None
+  started = time.perf_counter()
+  copies: list = []
+
+  # The params, as JAX arrays, in the requested dtype.
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
+  leaves = [_jax_leaf(x, n, copies) for (_, x), n in zip(paths_leaves, names)]
+  if dtype is not None:
+    target = jnp.dtype(DTYPES.get(dtype, dtype))
+    leaves = [x.astype(target) if _is_float(x) else x for x in leaves]
+  positions = [i for i, x in enumerate(leaves) if _is_float(x)]
+  if not positions:
+    raise ValueError("compare() needs at least one float leaf in params.")
+  jparams = jax.tree.unflatten(treedef, leaves)
+  leaf_names = [names[i] or "<root>" for i in positions]
+  dtypes = sorted({leaves[i].dtype.name for i in positions})
+  dtype_label = dtypes[0] if len(dtypes) == 1 else "mixed"
+
+  # Both optimizers. torch owns mutable clones of the params.
+  tx = _jax_optimizer(name, hyperparams, loss_scale)
+  state = tx.init(jparams)
+  tparams = [dlpack.to_torch(leaves[i]).clone().requires_grad_(True) for i in positions]
+  optimizer, scaler = _torch_optimizer(name, tparams, hyperparams, loss_scale, torch_options)
+
+  @jax.jit
+  def jax_step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  if grads is None:
+    random = _random_grads(seed, nonfinite_every)
+    if loss_scale is not None:
+      def next_grads(t, p):
+        return random(t, p, float(oh.loss_scale(state)))
+    else:
+      next_grads = random
+  elif callable(grads):
+    next_grads = grads
+  else:
+    sequence = list(grads)
+    if len(sequence) < steps:
+      raise ValueError(f"grads holds {len(sequence)} trees for {steps} steps.")
+    def next_grads(t, p):
+      return sequence[t]
+
+  compensation = hyperparams.get("compensation", "kahan" if name == "adamw_bf16" else None)
+  recorded: list = []
+  errors: dict = {}
+  buffers: dict = {}
+  buffer_leaves: dict = {}
+  sizes: dict = {}
+  counters: dict = {}
+
+  def measure(step):
+    jb = _jax_buffers(state, treedef, positions)
+    tbuf = _torch_buffers(optimizer, scaler, tparams)
+    jb["params"] = [leaves[i] for i in positions]
+    tbuf["params"] = tparams
+    if compensation == "split":  # compare the fp32 masters the halves encode
+      for b in (jb, tbuf):
+        b["master"] = [
+            None if lo is None else oh.rounding.join_f32(
+                _jax_leaf(p.detach() if isinstance(p, torch.Tensor) else p, "param", copies),
+                _jax_leaf(lo, "master", copies))
+            for p, lo in zip(b["params"], b["master"])]
+    recorded.append(step)
+    for buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
+      if jb.get(buffer):
+        counters[buffer] = np.asarray(jb[buffer][0]).item()
+    for buffer in ["params"] + [b for b in jb if b != "params"]:
+      if buffer not in tbuf:
+        continue
+      rows, names_, ns = [], [], []
+      pairs = list(zip(jb[buffer], tbuf[buffer]))
+      for k, (a, b) in enumerate(pairs):
+        if a is None or b is None:
+          continue
+        a_np = _numpy(a, buffer, copies)
+        b_np = _numpy(b.detach() if isinstance(b, torch.Tensor) else b, buffer, copies)
+        if buffer == "count":
+          a_np, b_np = a_np.astype(np.int64), b_np.astype(np.int64)
+        if a_np.dtype != b_np.dtype or a_np.shape != b_np.shape:
+          raise AssertionError(
+              f"{buffer}[{k}]: JAX has {a_np.dtype}{a_np.shape}, torch {b_np.dtype}{b_np.shape}")
+        rows.append(_stats(a_np, b_np))
+        names_.append(leaf_names[k] if len(pairs) == len(positions) else buffer)
+        ns.append(a_np.size)
+        buffers.setdefault(buffer, (_kind(buffer, a_np.dtype, compensation), a_np.dtype.name))
+      if rows:
+        errors.setdefault(buffer, []).append(rows)
+        buffer_leaves[buffer], sizes[buffer] = names_, ns
+
+  for t in range(steps):
+    g_tree = next_grads(t, jax.tree.unflatten(treedef, leaves))
+    g_flat = treedef.flatten_up_to(g_tree)
+    jgrads = list(leaves)
+    for i in positions:
+      g = _jax_leaf(g_flat[i], names[i], copies)
+      if g.shape != leaves[i].shape:
+        raise ValueError(f"gradient {names[i] or '<root>'} has shape {g.shape}, "
+                         f"param {leaves[i].shape}.")
+      jgrads[i] = g.astype(leaves[i].dtype)
+    jtree, state = jax_step(jax.tree.unflatten(treedef, leaves), state,
+                            jax.tree.unflatten(treedef, jgrads))
+    leaves = treedef.flatten_up_to(jtree)
+    for k, i in enumerate(positions):
+      g = dlpack.to_torch(jgrads[i])
+      tparams[k].grad = g.clone() if scaler is not None else g
+    if scaler is not None:
+      scaler.step(optimizer)
+      scaler.update()
+    else:
+      optimizer.step()
+    for p in tparams:
+      p.grad = None
+    if (t + 1) % record_every == 0 or t + 1 == steps:
+      measure(t + 1)
+
+  return ParityReport(
+      name=name, dtype=dtype_label, steps=steps, hyperparams=dict(hyperparams),
+      loss_scale=loss_scale, recorded=recorded, buffers=buffers, leaves=buffer_leaves,
+      sizes=sizes, errors={b: np.asarray(e, np.float64) for b, e in errors.items()},
+      tolerances={**TOLERANCES, **(tolerances or {})}, copies=sorted(set(copies)),
+      counters=counters, seconds=time.perf_counter() - started)
+
+
+# ----------------------------------------------------------------------------
+# Command line.
+# ----------------------------------------------------------------------------
+
+def run_config(config: str, dtype: str, steps: int, seed: int = 0, params=None) -> ParityReport:
+  """One ``CONFIGS`` entry on ``default_params`` (or ``params``) in ``dtype``."""
+  name, hyperparams, loss_scale = CONFIGS[config]
+  params = default_params(seed) if params is None else params
+  report = compare(name, params, steps=steps, dtype=dtype, seed=seed, loss_scale=loss_scale,
+                   nonfinite_every=97 if loss_scale is not None else None, **hyperparams)
+  report.name = config
+  return report
+
+
+def _format_row(s: dict) -> str:
+  rel = "-" if s["fp32_max_rel"] is None else f"{s['fp32_max_rel']:.2g}"
+  return (f"{s['optimizer']:<30}{s['dtype']:<10}{s['steps']:>6}{s['param_max_ulp']:>10.3g}"
+          f"{100 * s['param_equal']:>11.4f}%{rel:>12}  {s['verdict']}")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(
+      prog="python -m torch_bridge.parity",
+      description="Run optax_half (jitted) and torch_bridge side by side and compare "
+                  "every step. Exits 1 if a tolerance (torch_bridge.parity.TOLERANCES) "
+                  "is broken.")
+  parser.add_argument("--optimizer", default="all", help="a name from CONFIGS, or all: "
+                      + ", ".join(CONFIGS))
+  parser.add_argument("--steps", type=int, default=1000)
+  parser.add_argument("--dtype", default="all", choices=[*DTYPES, "all"])
+  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--json", default=None, help="write every report here")
+  parser.add_argument("--verbose", action="store_true", help="print each buffer")
+  args = parser.parse_args(argv)
+  if args.optimizer != "all" and args.optimizer not in CONFIGS:
+    parser.error(f"unknown optimizer {args.optimizer!r}; choose from: {', '.join(CONFIGS)}")
+  if args.steps < 1:
+    parser.error("--steps must be >= 1")
+  configs = list(CONFIGS) if args.optimizer == "all" else [args.optimizer]
+  dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
+
+  print(f"{'optimizer':<30}{'dtype':<10}{'steps':>6}{'worst ULP':>10}{'bitwise':>12}"
+        f"{'fp32 rel':>12}  verdict", flush=True)
+  reports = []
+  for config in configs:
+    for dtype in dtypes:
+      report = run_config(config, dtype, args.steps, args.seed)
+      reports.append(report)
+      print(_format_row(report.summary()), flush=True)
+      if args.verbose or not report.ok:
+        print(report.table(), flush=True)
+  failed = sum(not r.ok for r in reports)
+  print(f"\n{len(reports) - failed}/{len(reports)} within tolerance "
+        "(params: worst ULP over all steps, % bitwise-equal elements at the last step; "
+        "fp32 rel: worst relative error of any fp32 buffer).")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump([r.to_dict() for r in reports], f, indent=1)
+    print(f"wrote {args.json}")
+  return 1 if failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
