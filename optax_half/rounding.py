@@ -119,11 +119,15 @@ def opaque_zero(count: jax.Array) -> jax.Array:
 
   ``count`` is a step counter (int32, never negative: ``optax.safe_increment``
   saturates), read at run time from the optimizer state. Built from a
-  constant, the zero would be folded away and ``no_fma`` would do nothing.
+  constant, the zero would be folded away and ``no_fma`` would do nothing:
+  that also happens when the state is created inside the same jitted
+  function (``init`` inside ``jit`` followed by unrolled steps, or a
+  ``lax.scan`` of length 1 or with ``unroll=True``). Pass the state in.
   """
   return lax.shift_right_logical(jnp.asarray(count).astype(jnp.uint32), jnp.uint32(31))
 
 
+@jax.custom_jvp
 def no_fma(x: jax.Array, zero: jax.Array) -> jax.Array:
   """fp32 ``x``, unchanged, but opaque to FMA contraction.
 
@@ -137,6 +141,13 @@ def no_fma(x: jax.Array, zero: jax.Array) -> jax.Array:
   """
   bits = lax.bitcast_convert_type(x, jnp.uint32) ^ zero
   return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+@no_fma.defjvp
+def _no_fma_jvp(primals, tangents):
+  # The identity: derivatives pass through (bit casts alone would give zero).
+  x, zero = primals
+  return no_fma(x, zero), tangents[0]
 
 
 def one_minus_pow(b: jax.Array, n: jax.Array, zero: jax.Array) -> jax.Array:
@@ -162,7 +173,7 @@ def one_minus_pow(b: jax.Array, n: jax.Array, zero: jax.Array) -> jax.Array:
   for i in range(32):
     take = ((n >> i) & 1) == 1
     d = jnp.where(take, (d + d_pow) - no_fma(d * d_pow, zero), d)
-    d_pow = d_pow * (2 - d_pow)
+    d_pow = no_fma(d_pow * (2 - d_pow), zero)  # added to d at the next bit
   return d
 
 

@@ -1,12 +1,15 @@
 """Shared helpers: numeric comparisons in ULPs, random trees."""
 
+import importlib.util
+
 import jax
 import numpy as np
 import pytest
 
-# The `parity` fixture users get from the package's pytest11 entry point; named
-# here too so the tests also run from a source tree that is not pip-installed.
-pytest_plugins = ["torch_bridge.pytest_plugin"]
+# The `parity` fixture, loaded the way users opt in to it. Only with torch
+# installed: without it the JAX-only tests still run (the torch ones skip).
+if importlib.util.find_spec("torch") is not None:
+  pytest_plugins = ["torch_bridge.pytest_plugin"]
 
 _UINT = {2: np.uint16, 4: np.uint32}
 _INT = {2: np.int16, 4: np.int32}

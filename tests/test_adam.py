@@ -256,3 +256,21 @@ def test_jit_equals_op_by_op_bitwise(make, dtype):
     eager = run(step)
   for a, b in zip(jax.tree.leaves(jitted), jax.tree.leaves(eager)):
     assert bitwise_equal(a, b)
+
+
+def test_gradients_flow_through_the_update():
+  """no_fma is the identity for derivatives: hypergradients match optax.adamw's."""
+  p = {"w": jnp.linspace(-1, 1, 8)}
+  g = {"w": jnp.linspace(0.3, -0.2, 8)}
+
+  def loss(lr, make):
+    tx = make(lr)
+    s, q = tx.init(p), p
+    for _ in range(2):
+      u, s = tx.update(g, s, q)
+      q = optax.apply_updates(q, u)
+    return jnp.sum(q["w"] ** 2)
+
+  ours = jax.grad(loss)(1e-2, lambda lr: oh.scale_by_adamw(lr, weight_decay=0.1))
+  ref = jax.grad(loss)(1e-2, lambda lr: optax.adamw(lr, weight_decay=0.1))
+  assert ours != 0 and abs(ours - ref) <= 1e-4 * abs(ref), (ours, ref)

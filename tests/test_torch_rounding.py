@@ -73,3 +73,12 @@ def test_one_minus_pow_is_accurate_and_the_same_in_both(b):
 def test_one_minus_pow_rejects_bad_exponents():
   with pytest.raises(ValueError, match="0 <= n"):
     tr.one_minus_pow(0.9, -1)
+
+
+def test_one_minus_pow_with_a_traced_b():
+  """b as a run-time value (e.g. optax.inject_hyperparams): still torch's bits."""
+  f = jax.jit(lambda b, n: jr.one_minus_pow(b, n, jr.opaque_zero(n)))
+  for b in (0.9, 0.98, 0.999, 0.9999):
+    for n in (1, 2, 3, 10, 977, 12345, 2**31 - 1):
+      ours = np.float32(f(jnp.float32(b), jnp.int32(n)))
+      assert ours == np.float32(tr.one_minus_pow(float(np.float32(b)), n)), (b, n)

@@ -131,8 +131,15 @@ def _framework_hyperparams(hyperparams: dict, dtypes) -> dict:
   out.setdefault("learning_rate", 1e-3)
   for k in _DTYPE_KEYWORDS:
     if out.get(k) is not None:
-      out[k] = dtypes(np.dtype(jnp.dtype(out[k])).name)
+      out[k] = dtypes(_dtype_name(out[k]))
   return out
+
+
+def _dtype_name(d) -> str:
+  """"bf16", "bfloat16", jnp.bfloat16 or torch.bfloat16 -> "bfloat16"."""
+  if isinstance(d, torch.dtype):
+    return str(d).removeprefix("torch.")
+  return jnp.dtype(DTYPES.get(d, d) if isinstance(d, str) else d).name
 
 
 def _jax_optimizer(name: str, hyperparams: dict, loss_scale: Optional[dict]):
@@ -165,21 +172,31 @@ def _ordered(a: np.ndarray) -> np.ndarray:
   return np.where(sign == 1, -magnitude, magnitude)
 
 
+def _is_float_dtype(dtype) -> bool:
+  return jnp.issubdtype(dtype, jnp.floating)  # also ml_dtypes' bfloat16, float8_*
+
+
 def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
-  """(max abs, max rel, max ULP, number bitwise equal) of two same-dtype arrays."""
+  """(max abs, max rel, max ULP, number bitwise equal) of two same-dtype arrays.
+
+  The relative error is ``|a - b| / max(|a|, |b|, tiny)`` with ``tiny`` the
+  dtype's smallest normal number, so that an ULP among subnormals near 0 is
+  not a relative error of 1.
+  """
   if a.size == 0:
     return 0.0, 0.0, 0.0, 0
-  if a.dtype.kind == "f" or a.dtype.name in ("bfloat16",):
-    n_equal = int(np.sum(a.view(_UINT[a.dtype.itemsize]) == b.view(_UINT[b.dtype.itemsize])))
-    if n_equal == a.size:
-      return 0.0, 0.0, 0.0, n_equal
+  n_equal = int(np.sum(a.view(_UINT[a.dtype.itemsize]) == b.view(_UINT[b.dtype.itemsize])))
+  if n_equal == a.size:
+    return 0.0, 0.0, 0.0, n_equal
+  if _is_float_dtype(a.dtype):
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     nan_a, nan_b = np.isnan(a64), np.isnan(b64)
     same = (a64 == b64) | (nan_a & nan_b)  # equal values (incl. +-0, both inf, both NaN)
+    tiny = float(jnp.finfo(a.dtype).smallest_normal)
     with np.errstate(invalid="ignore", over="ignore"):
       diff = np.where(same, 0.0, np.abs(a64 - b64))
-      scale = np.maximum(np.abs(a64), np.abs(b64))
-      rel = np.where(same, 0.0, diff / np.where(scale == 0, 1.0, scale))
+      scale = np.maximum(np.maximum(np.abs(a64), np.abs(b64)), tiny)
+      rel = np.where(same, 0.0, diff / scale)
       ulp = np.where(same, 0, np.abs(_ordered(a) - _ordered(b))).astype(np.float64)
     bad = (nan_a != nan_b) | (np.isinf(a64) & ~same) | (np.isinf(b64) & ~same)
     diff, rel, ulp = (np.where(bad, np.inf, x) for x in (diff, rel, ulp))
@@ -188,7 +205,7 @@ def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
   diff = np.abs(a64 - b64).astype(np.float64)
   scale = np.maximum(np.abs(a64), np.abs(b64)).astype(np.float64)
   rel = np.where(diff == 0, 0.0, diff / np.where(scale == 0, 1.0, scale))
-  return float(diff.max()), float(rel.max()), float(diff.max()), int(np.sum(diff == 0))
+  return float(diff.max()), float(rel.max()), float(diff.max()), n_equal
 
 
 # ----------------------------------------------------------------------------
@@ -233,17 +250,27 @@ class ParityReport:
   counters: dict = dataclasses.field(default_factory=dict)
   seconds: float = 0.0
 
+  def _keys(self, buffer: str) -> list:
+    """``buffer`` itself, or its per-dtype entries (``params[bfloat16]``, ...)."""
+    if buffer in self.errors:
+      return [buffer]
+    keys = [k for k in self.errors if k.startswith(buffer + "[")]
+    if not keys:
+      raise KeyError(f"no buffer {buffer!r}; have {sorted(self.errors)}")
+    return keys
+
   def worst(self, buffer: str) -> dict:
     """Worst values of a buffer over all recorded steps and leaves.
 
-    ``equal``: the smallest fraction of bitwise-equal elements at any step
-    (over all its leaves); ``equal_final``: that fraction at the last step.
+    ``buffer``: a key of ``buffers``, or a name such as ``"params"`` whose
+    dtypes have separate entries (then all of them). ``equal``: the smallest
+    fraction of bitwise-equal elements at any step (over all its leaves);
+    ``equal_final``: that fraction at the last step.
     """
-    e = self.errors[buffer]
-    total = max(int(np.sum(self.sizes[buffer])), 1)
-    frac = e[:, :, 3].sum(axis=1) / total if e.size else np.ones(len(self.recorded))
-    if not np.sum(self.sizes[buffer]):
-      frac = np.ones_like(frac)
+    keys = self._keys(buffer)
+    e = np.concatenate([self.errors[k] for k in keys], axis=1)
+    total = int(sum(np.sum(self.sizes[k]) for k in keys))
+    frac = e[:, :, 3].sum(axis=1) / total if total else np.ones(e.shape[0])
     return {"max_abs": float(e[:, :, 0].max(initial=0.0)),
             "max_rel": float(e[:, :, 1].max(initial=0.0)),
             "max_ulp": float(e[:, :, 2].max(initial=0.0)),
@@ -253,7 +280,8 @@ class ParityReport:
   def series(self, buffer: str, column: str = "max_ulp") -> np.ndarray:
     """One error column of a buffer per recorded step, worst over leaves
     (``n_equal`` is summed over leaves)."""
-    e = self.errors[buffer][:, :, _COLUMNS.index(column)]
+    e = np.concatenate([self.errors[k] for k in self._keys(buffer)], axis=1)
+    e = e[:, :, _COLUMNS.index(column)]
     return e.sum(axis=1) if column == "n_equal" else e.max(axis=1, initial=0.0)
 
   def failures(self) -> list:
@@ -306,15 +334,33 @@ class ParityReport:
     return "\n".join(lines)
 
   def to_dict(self) -> dict:
-    """JSON-ready: the summary, worst values per buffer and per-step series."""
-    return {**self.summary(), "hyperparams": self.hyperparams, "loss_scale": self.loss_scale,
-            "counters": self.counters, "seconds": self.seconds, "copies": list(self.copies), "failures": self.failures(),
-            "tolerances": {k: dataclasses.asdict(v) for k, v in self.tolerances.items()},
-            "recorded": list(self.recorded),
-            "buffers": {b: {"kind": k, "dtype": d, **self.worst(b),
-                            "max_ulp_per_step": self.series(b, "max_ulp").tolist(),
-                            "max_rel_per_step": self.series(b, "max_rel").tolist()}
-                        for b, (k, d) in self.buffers.items()}}
+    """Strict JSON: the summary, worst values per buffer and per-step series.
+    Infinite or NaN errors are written as strings, non-JSON hyperparameters
+    (dtypes, schedules) by ``str``."""
+    return _jsonable({
+        **self.summary(), "hyperparams": self.hyperparams, "loss_scale": self.loss_scale,
+        "counters": self.counters, "seconds": self.seconds, "copies": list(self.copies),
+        "failures": self.failures(),
+        "tolerances": {k: dataclasses.asdict(v) for k, v in self.tolerances.items()},
+        "recorded": list(self.recorded),
+        "buffers": {b: {"kind": k, "dtype": d, **self.worst(b),
+                        "max_ulp_per_step": self.series(b, "max_ulp").tolist(),
+                        "max_rel_per_step": self.series(b, "max_rel").tolist()}
+                    for b, (k, d) in self.buffers.items()}})
+
+
+def _jsonable(x):
+  if isinstance(x, dict):
+    return {str(k): _jsonable(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_jsonable(v) for v in x]
+  if isinstance(x, np.generic):
+    x = x.item()
+  if isinstance(x, float) and not np.isfinite(x):
+    return str(x)
+  if x is None or isinstance(x, (str, int, float, bool)):
+    return x
+  return str(x)
 
 
 # ----------------------------------------------------------------------------
@@ -322,7 +368,10 @@ class ParityReport:
 # ----------------------------------------------------------------------------
 
 def _jax_leaf(x, name: str, copies: list) -> jax.Array:
-  """A leaf of the user's tree as a JAX array; torch tensors go through DLPack."""
+  """A leaf of the user's tree as a JAX array; float torch tensors go through DLPack
+  (other torch leaves are not optimized: a plain host copy)."""
+  if isinstance(x, torch.Tensor) and not x.is_floating_point():
+    return jnp.asarray(x.detach().cpu().numpy())
   if isinstance(x, torch.Tensor):
     with warnings.catch_warnings(record=True) as caught:
       warnings.simplefilter("always", dlpack.DLPackCopyWarning)
@@ -404,6 +453,15 @@ def _torch_buffers(optimizer, scaler, params: list) -> dict:
   return out
 
 
+def _split_master(param, master, copies: list):
+  """The fp32 master of a bf16 param stored as an int16 low half, joined; any
+  other master (fp32, e.g. for fp16 params) as it is."""
+  if master is None or master.dtype not in (jnp.int16, torch.int16):
+    return master
+  hi = param.detach() if isinstance(param, torch.Tensor) else param
+  return oh.rounding.join_f32(_jax_leaf(hi, "param", copies), _jax_leaf(master, "master", copies))
+
+
 def _random_grads(seed: int, nonfinite_every: Optional[int]):
   rng = np.random.default_rng([seed, 1])
 
@@ -411,7 +469,8 @@ def _random_grads(seed: int, nonfinite_every: Optional[int]):
     def one(p):
       if not _is_float(p):
         return None
-      g = rng.standard_normal(np.shape(p)).astype(np.float32) * np.float32(0.1 * scale)
+      g = np.asarray(rng.standard_normal(np.shape(p)), np.float32) * np.float32(0.1 * scale)
+      g = np.asarray(g, np.float32)  # a 0-d array, not a numpy scalar, so it can be written
       if nonfinite_every and step % nonfinite_every == nonfinite_every - 1 and g.size:
         g.reshape(-1)[rng.integers(g.size)] = np.nan
       return g
@@ -462,7 +521,7 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     raise ValueError("compare() needs an integer key: torch_bridge cannot take a JAX key.")
   if loss_scale is True:
     loss_scale = {}
-  loss_scale = dict(loss_scale) if loss_scale else None
+  loss_scale = None if loss_scale is None or loss_scale is False else dict(loss_scale)
   started = time.perf_counter()
   copies: list = []
 
@@ -471,9 +530,10 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
   names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
   leaves = [_jax_leaf(x, n, copies) for (_, x), n in zip(paths_leaves, names)]
   if dtype is not None:
-    target = jnp.dtype(DTYPES.get(dtype, dtype))
+    target = jnp.dtype(_dtype_name(dtype))
     leaves = [x.astype(target) if _is_float(x) else x for x in leaves]
   positions = [i for i, x in enumerate(leaves) if _is_float(x)]
+  float_set = set(positions)
   if not positions:
     raise ValueError("compare() needs at least one float leaf in params.")
   jparams = jax.tree.unflatten(treedef, leaves)
@@ -521,21 +581,17 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     tbuf = _torch_buffers(optimizer, scaler, tparams)
     jb["params"] = [leaves[i] for i in positions]
     tbuf["params"] = tparams
-    if compensation == "split":  # compare the fp32 masters the halves encode
-      for b in (jb, tbuf):
-        b["master"] = [
-            None if lo is None else oh.rounding.join_f32(
-                _jax_leaf(p.detach() if isinstance(p, torch.Tensor) else p, "param", copies),
-                _jax_leaf(lo, "master", copies))
-            for p, lo in zip(b["params"], b["master"])]
+    for side in (jb, tbuf):  # split: compare the fp32 master the two halves encode
+      side["master"] = [_split_master(p, m, copies) for p, m in
+                        zip(side["params"], side.get("master", [None] * len(positions)))]
     recorded.append(step)
     for buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
       if jb.get(buffer):
         counters[buffer] = np.asarray(jb[buffer][0]).item()
+    rows: dict = {}  # (buffer, dtype) -> [(leaf name, stats, size)]
     for buffer in ["params"] + [b for b in jb if b != "params"]:
       if buffer not in tbuf:
         continue
-      rows, names_, ns = [], [], []
       pairs = list(zip(jb[buffer], tbuf[buffer]))
       for k, (a, b) in enumerate(pairs):
         if a is None or b is None:
@@ -547,13 +603,21 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
         if a_np.dtype != b_np.dtype or a_np.shape != b_np.shape:
           raise AssertionError(
               f"{buffer}[{k}]: JAX has {a_np.dtype}{a_np.shape}, torch {b_np.dtype}{b_np.shape}")
-        rows.append(_stats(a_np, b_np))
-        names_.append(leaf_names[k] if len(pairs) == len(positions) else buffer)
-        ns.append(a_np.size)
-        buffers.setdefault(buffer, (_kind(buffer, a_np.dtype, compensation), a_np.dtype.name))
-      if rows:
-        errors.setdefault(buffer, []).append(rows)
-        buffer_leaves[buffer], sizes[buffer] = names_, ns
+        name = leaf_names[k] if len(pairs) == len(positions) else buffer
+        rows.setdefault((buffer, a_np.dtype.name), []).append(
+            (name, _stats(a_np, b_np), a_np.size))
+    # One entry per buffer, or per buffer and dtype when a tree mixes dtypes
+    # (each dtype has its own tolerance).
+    per_buffer: dict = {}
+    for buffer, dtype_name in rows:
+      per_buffer.setdefault(buffer, []).append(dtype_name)
+    for (buffer, dtype_name), entries in rows.items():
+      key = buffer if len(per_buffer[buffer]) == 1 else f"{buffer}[{dtype_name}]"
+      buffers.setdefault(key, (_kind(buffer, np.dtype(jnp.dtype(dtype_name)), compensation),
+                               dtype_name))
+      errors.setdefault(key, []).append([e[1] for e in entries])
+      buffer_leaves[key] = [e[0] for e in entries]
+      sizes[key] = [e[2] for e in entries]
 
   for t in range(steps):
     g_tree = next_grads(t, jax.tree.unflatten(treedef, leaves))
@@ -567,7 +631,9 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
       jgrads[i] = g.astype(leaves[i].dtype)
     jtree, state = jax_step(jax.tree.unflatten(treedef, leaves), state,
                             jax.tree.unflatten(treedef, jgrads))
-    leaves = treedef.flatten_up_to(jtree)
+    # Only float leaves are optimized (scale_by_adamw alone would move the rest).
+    leaves = [new if i in float_set else old
+              for i, (new, old) in enumerate(zip(treedef.flatten_up_to(jtree), leaves))]
     for k, i in enumerate(positions):
       g = dlpack.to_torch(jgrads[i])
       tparams[k].grad = g.clone() if scaler is not None else g
@@ -646,7 +712,7 @@ def main(argv=None) -> int:
         "fp32 rel: worst relative error of any fp32 buffer).")
   if args.json:
     with open(args.json, "w") as f:
-      json.dump([r.to_dict() for r in reports], f, indent=1)
+      json.dump([r.to_dict() for r in reports], f, indent=1, allow_nan=False)
     print(f"wrote {args.json}")
   return 1 if failed else 0
 

@@ -1,7 +1,11 @@
 """pytest fixture ``parity``: JAX/torch parity checks on your own param trees.
 
-Installed with the package (entry point ``pytest11``), so any test can ask
-for it::
+Opt in from your ``conftest.py`` (an opt-in, not an auto-loaded entry point,
+so that pytest runs that do not ask for it never import torch or JAX)::
+
+    pytest_plugins = ["torch_bridge.pytest_plugin"]
+
+then any test can ask for it::
 
     def test_my_model_agrees(parity):
       params = nnx.state(model, nnx.Param)           # or a torch state_dict()
@@ -12,7 +16,8 @@ for it::
 ``parity(...)`` takes the arguments of ``torch_bridge.parity.compare``, runs
 it and fails the test with the report's table when a tolerance
 (``torch_bridge.parity.TOLERANCES``, or ``tolerances=``) is broken; it returns
-the ``ParityReport``. torch and JAX are imported only when the fixture is used.
+the ``ParityReport``. (``python -m pytest -p torch_bridge.pytest_plugin``
+loads it for one run.)
 """
 
 from __future__ import annotations
