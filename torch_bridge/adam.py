@@ -225,8 +225,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     if key not in cache:
       b1 = torch.tensor(f32(group["b1"]))
       b2 = torch.tensor(f32(group["b2"]))
-      bc1 = torch.tensor(rounding.one_minus_pow(b1.item(), t))  # CPU scalars: no sync
-      bc2 = torch.tensor(rounding.one_minus_pow(b2.item(), t))
+      bc1 = torch.tensor(rounding.one_minus_pow(f32(group["b1"]), t))
+      bc2 = torch.tensor(rounding.one_minus_pow(f32(group["b2"]), t))
       cache[key] = tuple(s.to(device) for s in (
           torch.tensor(f32(lr)), b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2,
           torch.tensor(f32(group["eps"])), torch.tensor(f32(group["weight_decay"]))))

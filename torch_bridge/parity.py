@@ -48,6 +48,7 @@ import optax
 import torch
 
 import optax_half as oh
+from optax_half._util import is_float
 import torch_bridge as tb
 from torch_bridge import dlpack
 
@@ -172,10 +173,6 @@ def _ordered(a: np.ndarray) -> np.ndarray:
   return np.where(sign == 1, -magnitude, magnitude)
 
 
-def _is_float_dtype(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating)  # also ml_dtypes' bfloat16, float8_*
-
-
 def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
   """(max abs, max rel, max ULP, number bitwise equal) of two same-dtype arrays.
 
@@ -188,7 +185,7 @@ def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
   n_equal = int(np.sum(a.view(_UINT[a.dtype.itemsize]) == b.view(_UINT[b.dtype.itemsize])))
   if n_equal == a.size:
     return 0.0, 0.0, 0.0, n_equal
-  if _is_float_dtype(a.dtype):
+  if jnp.issubdtype(a.dtype, jnp.floating):  # also ml_dtypes' bfloat16, float8_*
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     nan_a, nan_b = np.isnan(a64), np.isnan(b64)
     same = (a64 == b64) | (nan_a & nan_b)  # equal values (incl. +-0, both inf, both NaN)
@@ -389,10 +386,6 @@ def _numpy(x, name: str, copies: list) -> np.ndarray:
   return np.asarray(x)
 
 
-def _is_float(x) -> bool:
-  return hasattr(x, "dtype") and jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
-
-
 def default_params(seed: int = 0, dtype: str = "bfloat16") -> dict:
   """The CLI's random tree: a matrix, a vector, a 3-d block, a 1-element vector
   and a scalar (16,791 elements), N(0, 1) rounded to ``dtype``."""
@@ -467,7 +460,7 @@ def _random_grads(seed: int, nonfinite_every: Optional[int]):
 
   def grads(step, params, scale=1.0):
     def one(p):
-      if not _is_float(p):
+      if not is_float(p):
         return None
       g = np.asarray(rng.standard_normal(np.shape(p)), np.float32) * np.float32(0.1 * scale)
       g = np.asarray(g, np.float32)  # a 0-d array, not a numpy scalar, so it can be written
@@ -531,8 +524,8 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
   leaves = [_jax_leaf(x, n, copies) for (_, x), n in zip(paths_leaves, names)]
   if dtype is not None:
     target = jnp.dtype(_dtype_name(dtype))
-    leaves = [x.astype(target) if _is_float(x) else x for x in leaves]
-  positions = [i for i, x in enumerate(leaves) if _is_float(x)]
+    leaves = [x.astype(target) if is_float(x) else x for x in leaves]
+  positions = [i for i, x in enumerate(leaves) if is_float(x)]
   float_set = set(positions)
   if not positions:
     raise ValueError("compare() needs at least one float leaf in params.")
