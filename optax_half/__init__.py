@@ -6,8 +6,10 @@ Named optimizers built from them:
   adam_fp32_master, adamw_bf16
 Dynamic loss scaling (fp16):
   dynamic_loss_scale, with scale_loss, loss_scale, value_and_scaled_grad
+ScaledAdam (icefall) and its schedule:
+  scaled_adam, scaled_adam_stats, eden
 Schedules:
-  preheat_decay_schedule
+  preheat_decay_schedule, eden
 """
 
 from optax_half import rounding
@@ -19,7 +21,13 @@ from optax_half.loss_scale import (
     scale_loss,
     value_and_scaled_grad,
 )
-from optax_half.schedules import preheat_decay_schedule
+from optax_half.scaled_adam import (
+    ScaledAdamClippingState,
+    ScaledAdamState,
+    scaled_adam,
+    scaled_adam_stats,
+)
+from optax_half.schedules import eden, preheat_decay_schedule
 from optax_half.wrappers import (
     KahanSummationState,
     MasterWeightsState,
@@ -37,6 +45,7 @@ __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
     "dynamic_loss_scale",
+    "eden",
     "kahan_summation",
     "loss_scale",
     "master_weights",
@@ -45,6 +54,8 @@ __all__ = [
     "rounding",
     "scale_by_adamw",
     "scale_loss",
+    "scaled_adam",
+    "scaled_adam_stats",
     "stochastic_rounding",
     "value_and_scaled_grad",
     "DynamicLossScaleState",
@@ -52,5 +63,7 @@ __all__ = [
     "MasterWeightsState",
     "RoundToNearestState",
     "ScaleByAdamWState",
+    "ScaledAdamClippingState",
+    "ScaledAdamState",
     "StochasticRoundingState",
 ]

@@ -2,14 +2,15 @@
 
 ``preheat_decay_schedule`` is the built-in schedule of arogozhnikov's
 adamw_bfloat16 (its ``LR`` class): a linear "preheat" followed by a power-law
-decay, written as an optax schedule.
+decay, written as an optax schedule. ``eden`` is icefall's schedule for
+ScaledAdam: a slow decay in both the step and the epoch, after a linear warm-up.
 """
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 
-__all__ = ["preheat_decay_schedule"]
+__all__ = ["eden", "preheat_decay_schedule"]
 
 
 def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
@@ -40,5 +41,81 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
     # A product with the fp32 reciprocal: XLA turns `/ scalar` into it anyway.
     x = (step + 1) * (jnp.float32(1) / jnp.float32(preheat_steps))
     return jnp.float32(learning_rate) * jnp.minimum(x, x ** jnp.float32(decay_power))
+
+  return schedule
+
+
+def check_eden_args(learning_rate, lr_batches, lr_epochs, warmup_batches, warmup_start,
+                    steps_per_epoch) -> None:
+  """Argument checks shared (same messages) with ``torch_bridge.eden``."""
+  if isinstance(learning_rate, (int, float)) and learning_rate < 0:
+    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
+  for name, v in (("lr_batches", lr_batches), ("lr_epochs", lr_epochs)):
+    if not v > 0:
+      raise ValueError(f"{name} must be > 0; got {v}.")
+  if warmup_batches < 0:
+    raise ValueError(f"warmup_batches must be >= 0; got {warmup_batches}.")
+  if not 0 <= warmup_start <= 1:
+    raise ValueError(f"warmup_start must be in [0, 1]; got {warmup_start}.")
+  if steps_per_epoch is not None and (
+      isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
+      or steps_per_epoch < 1):
+    raise ValueError(
+        "steps_per_epoch must be a positive integer (the epoch is count // steps_per_epoch), "
+        f"or None to leave the epoch factor out; got {steps_per_epoch!r}.")
+
+
+def eden(learning_rate, lr_batches: float = 7500, lr_epochs: float = 3.5,
+         warmup_batches: float = 500.0, warmup_start: float = 0.5, *, steps_per_epoch):
+  r"""icefall's Eden schedule, ``count -> lr`` in fp32.
+
+  .. math::
+     \mathrm{lr} = \mathrm{lr}_0
+        \left(\frac{b^2 + B^2}{B^2}\right)^{-1/4}
+        \left(\frac{e^2 + E^2}{E^2}\right)^{-1/4} w,\qquad
+     w = \begin{cases} s + (1 - s)\, b / W & b < W \\ 1 & b \ge W \end{cases}
+
+  with ``b = count`` (the step, starting at 0 like icefall's batch counter),
+  ``e = count // steps_per_epoch`` (icefall's integer epoch, starting at 0),
+  ``B = lr_batches``, ``E = lr_epochs``, ``W = warmup_batches`` and ``s =
+  warmup_start``. Every operation is one fp32 op; ``x ** -1/4`` is taken as
+  ``1 / sqrt(sqrt(x))`` and ``a / c`` for constants ``c`` as ``a * fl(1 /
+  c)``, so ``torch_bridge.eden`` gives the same bits.
+
+  Args:
+    learning_rate: the base rate (icefall's ``base_lr``; Zipformer used 0.045).
+    lr_batches: ``B``, the step scale of the decay.
+    lr_epochs: ``E``, the epoch scale of the decay.
+    warmup_batches: ``W``, the length of the linear warm-up (0: none).
+    warmup_start: ``s``, the warm-up's starting factor.
+    steps_per_epoch: optimizer steps per epoch (keyword, required); ``None``
+      keeps ``e = 0``, i.e. leaves the epoch factor out.
+
+  Returns:
+    An optax schedule.
+  """
+  check_eden_args(learning_rate, lr_batches, lr_epochs, warmup_batches, warmup_start,
+                  steps_per_epoch)
+  f = lambda v: jnp.asarray(v, jnp.float32)
+  B2 = f(lr_batches) * f(lr_batches)
+  E2 = f(lr_epochs) * f(lr_epochs)
+  inv_B2, inv_E2 = 1 / B2, 1 / E2
+  W = f(warmup_batches)
+  inv_W = 1 / W if warmup_batches > 0 else f(0.0)
+  s = f(warmup_start)
+
+  def decay(x2, c2, inv_c2):
+    return 1 / jnp.sqrt(jnp.sqrt((x2 + c2) * inv_c2))
+
+  def schedule(count):
+    count = jnp.asarray(count, jnp.int32)
+    b = count.astype(jnp.float32)
+    if steps_per_epoch is None:
+      e = f(0.0)
+    else:
+      e = (count // steps_per_epoch).astype(jnp.float32)
+    factor = decay(b * b, B2, inv_B2) * decay(e * e, E2, inv_E2)
+    warmup = jnp.where(b >= W, f(1.0), s + (1 - s) * (b * inv_W))
+    return (f(learning_rate) * factor) * warmup
 
   return schedule

@@ -29,13 +29,19 @@ JAX_ONLY = {
     "loss_scale": "torch: scaler.get_scale() / scaler.counters()",
     "value_and_scaled_grad": "torch: scaler.scale(loss).backward()",
 }
+# Readers of an optimizer's statistics: JAX finds them in a state pytree and
+# names leaves by the params tree; torch reads them from the optimizer object.
+READERS = {
+    "scaled_adam_stats": "JAX: (opt_state, params); torch: (optimizer, group=0)",
+}
 JAX_FIRST = {"inner"}
 TORCH_FIRST = {"params", "optimizer"}
 
 
 def _factories(module):
   return {name: getattr(module, name) for name in module.__all__
-          if inspect.isfunction(getattr(module, name)) and name not in JAX_ONLY}
+          if inspect.isfunction(getattr(module, name))
+          and name not in JAX_ONLY and name not in READERS}
 
 
 def _normalize(default):
@@ -78,6 +84,12 @@ def test_same_keywords_and_defaults(name):
   for a, b in zip(jp, tp_shared):
     assert _normalize(a.default) == _normalize(b.default), (
         f"{name}({a.name}=...): optax_half default {a.default!r}, torch_bridge {b.default!r}")
+
+
+def test_readers_exist_in_both():
+  for name in READERS:
+    assert inspect.isfunction(getattr(optax_half, name))
+    assert inspect.isfunction(getattr(torch_bridge, name))
 
 
 def test_jax_only_helpers_exist_and_have_torch_methods():

@@ -39,6 +39,11 @@ OPTIMIZERS = {
     "kahan_summation(Adam)": lambda ps: tb.kahan_summation(_adam(ps)),
     "stochastic_rounding(Adam)": lambda ps: tb.stochastic_rounding(_adam(ps), key=5),
     "round_to_nearest(Adam)": lambda ps: tb.round_to_nearest(_adam(ps)),
+    "scaled_adam": lambda ps: tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3),
+    "kahan_summation(scaled_adam)": lambda ps: tb.kahan_summation(
+        tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3)),
+    "master_weights(scaled_adam)": lambda ps: tb.master_weights(
+        tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3)),
 }
 
 

@@ -106,6 +106,7 @@ def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor
   return p.grad if g is None else g
 
 
+@torch.no_grad()
 def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
   """Loads ``state`` and ``param_groups`` into ``optimizer`` bit for bit.
 

@@ -24,10 +24,15 @@ so no fp32 copy of the model is kept between steps. Params of 32 bits or more
 are. Spec: ``docs/algorithms.md`` ("Wrappers").
 
 The wrapped optimizer is stepped once per chunk, so it must treat params
-independently (Adam, AdamW, SGD, RMSprop, ... do; LBFGS does not).
+independently (Adam, AdamW, SGD, RMSprop, ... do; LBFGS does not), or say
+otherwise with a true ``steps_all_params_together`` attribute (ScaledAdam
+does: its clipping norm spans all params), which makes one chunk of all
+params, at the cost of fp32 ``x`` for the whole model during ``step``.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -112,6 +117,9 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
       elif mode == _KAHAN:
         state["compensation"] = torch.zeros_like(p)
       work = torch.empty(0, dtype=torch.float32, device=p.device)
+    # A stand-in for a trainable param is one too: optimizers that skip
+    # params with requires_grad=False (torch_bridge's) must step it.
+    work.requires_grad_(p.requires_grad)
     # State the inner optimizer already holds for p moves to the stand-in.
     moved = self.inner.state.pop(p, None)
     if moved:
@@ -193,11 +201,14 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     for p in hidden:
       p.grad = None
     try:
+      # An optimizer that couples its params (ScaledAdam's clipping norm) is
+      # stepped once, on all of them.
+      limit = math.inf if getattr(self.inner, "steps_all_params_together", False) else CHUNK_NUMEL
       chunk, numel = [], 0
       for item in todo:
         chunk.append(item)
         numel += item[1].numel()
-        if numel >= CHUNK_NUMEL:
+        if numel >= limit:
           self._step_chunk(chunk, hidden)
           chunk, numel = [], 0
       if chunk:

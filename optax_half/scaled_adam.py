@@ -1,0 +1,477 @@
+"""ScaledAdam (icefall, Daniel Povey 2022), as an optax transformation.
+
+Adam whose step for each tensor is proportional to the tensor's own RMS
+(``param_rms``), which also learns each tensor's overall scale (a "size
+update" every ``size_update_period`` steps, within ``[param_min_rms,
+param_max_rms]``), with momentum kept as a parameter change ``delta`` and an
+optional gradient clipping against ``clipping_scale`` times the median of the
+recent gradient norms. Ported from the older icefall version (seed 002); the
+spec with every formula, the order of operations and the dtypes is
+``docs/algorithms.md`` section 11, and ``torch_bridge/scaled_adam.py`` is the
+same algorithm line for line.
+
+Differences from the seed, all documented in the spec:
+
+* clipping scales the gradient used by every part of the update, as the
+  seed's docstring says (the seed's code clipped only the copy used by the
+  size update);
+* the math is fp32 whatever the param dtype (the state keeps the param
+  dtype, as in the seed);
+* ``1 - b ** n`` comes from ``rounding.one_minus_pow`` (the same bits in
+  torch), and ``array / scalar`` is a product with the fp32 reciprocal.
+
+The seed stacks same-shaped params to launch fewer kernels; under ``jax.jit``
+all leaves are already one XLA program, so the leaves are processed one by
+one, which is the same per-tensor math.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import MaskedNode
+
+from optax_half import rounding
+from optax_half._util import is_float
+
+__all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
+
+logger = logging.getLogger(__name__)
+
+QUARTILES = 5  # min, 25%, median, 75%, max of the stored gradient norms
+
+
+class ScaledAdamClippingState(NamedTuple):
+  """The gradient-clipping statistics of ``scaled_adam`` (one set per tree).
+
+  Attributes:
+    model_norms: fp32 ``(clipping_update_period,)``, the norm of the
+      param_rms-weighted gradient at step ``t`` in slot ``t % period``.
+    model_norm_threshold: fp32, ``clipping_scale`` x the median of
+      ``model_norms``, set every ``period`` steps (0 before the first).
+    num_clipped: int32, steps clipped since the statistics were last taken.
+    quartiles: fp32 ``(5,)``, the norm quartiles (min, 25%, 50%, 75%, max)
+      taken at the last multiple of ``period``.
+    percent_clipped: fp32, the percentage of the ``period`` steps before that
+      which were clipped.
+    clipping_factor: fp32, the factor (<= 1) the last step's gradients were
+      multiplied by.
+    grad_norm: fp32, the last step's weighted gradient norm.
+    dominant_index: int32, position (among the float leaves, in flatten order)
+      of the leaf with the largest share of the squared norm, last step.
+    dominant_share: fp32, that share (in [0, 1]).
+  """
+  model_norms: jax.Array
+  model_norm_threshold: jax.Array
+  num_clipped: jax.Array
+  quartiles: jax.Array
+  percent_clipped: jax.Array
+  clipping_factor: jax.Array
+  grad_norm: jax.Array
+  dominant_index: jax.Array
+  dominant_share: jax.Array
+
+
+class ScaledAdamState(NamedTuple):
+  """State of ``scaled_adam``; per-leaf buffers are in the param dtype (as in the seed).
+
+  Attributes:
+    count: int32 steps taken (the seed's ``step``).
+    delta: per leaf, the momentum-filtered parameter change.
+    exp_avg_sq: per leaf, the second moment of the gradient.
+    param_rms: per leaf with more than one element, the scalar RMS of the
+      param, refreshed at every size update; ``MaskedNode()`` for scalars.
+    scale_exp_avg_sq: per non-scalar leaf, the second moment of the scale gradient.
+    scale_grads: per non-scalar leaf, ``(size_update_period,)`` scale gradients
+      ``sum(p * g)`` of the current period.
+    clipping: the ``ScaledAdamClippingState``.
+  """
+  count: jax.Array
+  delta: Any
+  exp_avg_sq: Any
+  param_rms: Any
+  scale_exp_avg_sq: Any
+  scale_grads: Any
+  clipping: ScaledAdamClippingState
+
+
+def _f32(x) -> jax.Array:
+  return jnp.asarray(x, jnp.float32)
+
+
+def _concrete(v) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
+                           param_min_rms, param_max_rms, scalar_max, size_update_period,
+                           clipping_update_period) -> None:
+  """Argument checks shared (same messages) with ``torch_bridge.scaled_adam``."""
+  if _concrete(learning_rate) and learning_rate < 0:
+    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
+  if clipping_scale is not None and not (_concrete(clipping_scale) and clipping_scale > 0):
+    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}.")
+  for name, v in (("b1", b1), ("b2", b2)):
+    if not (_concrete(v) and 0.0 <= v < 1.0):
+      raise ValueError(f"{name} must be a number in [0, 1); got {v!r}.")
+  for name, v in (("scalar_lr_scale", scalar_lr_scale), ("eps", eps),
+                  ("param_min_rms", param_min_rms), ("param_max_rms", param_max_rms),
+                  ("scalar_max", scalar_max)):
+    if not (_concrete(v) and v > 0):
+      raise ValueError(f"{name} must be a number > 0; got {v!r}.")
+  if param_min_rms > param_max_rms:
+    raise ValueError(
+        f"param_min_rms ({param_min_rms}) must be <= param_max_rms ({param_max_rms}).")
+  for name, v in (("size_update_period", size_update_period),
+                  ("clipping_update_period", clipping_update_period)):
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2**31:
+      raise ValueError(f"{name} must be an integer >= 1; got {v!r}.")
+
+
+def quartile_indices(period: int) -> list[int]:
+  """Indices into the sorted norms that the seed reports: ``min(P-1, (P//4) n)``."""
+  return [min(period - 1, (period // 4) * n) for n in range(QUARTILES)]
+
+
+def _is_scalar(p) -> bool:
+  """The seed's scalar path: params with at most one element (``numel() == 1``)."""
+  return p.size <= 1
+
+
+def leaf_names(params) -> list[str]:
+  """Dotted names of the float leaves, in flatten order (``"layer.w"``, ``"blocks.0.b"``)."""
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    if is_float(leaf):
+      out.append(jax.tree_util.keystr(path, simple=True, separator="."))
+  return out
+
+
+def scaled_adam(
+    learning_rate=3e-2,
+    clipping_scale: Optional[float] = None,
+    b1: float = 0.9,
+    b2: float = 0.98,
+    scalar_lr_scale: float = 0.1,
+    eps: float = 1e-8,
+    param_min_rms: float = 1e-5,
+    param_max_rms: float = 3.0,
+    scalar_max: float = 10.0,
+    size_update_period: int = 4,
+    clipping_update_period: int = 100,
+    show_dominant_parameters: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  r"""ScaledAdam: Adam with updates proportional to each tensor's RMS, and a learnt scale.
+
+  At step ``t`` (0-based; ``lr = learning_rate(t)``), with ``g`` the fp32
+  gradient times the clipping factor ``c_t``, for a tensor ``p`` with more
+  than one element and ``rms = param_rms``:
+
+  .. math::
+     \delta &\leftarrow b_1 \delta \\
+     s_{t \bmod S} &= \textstyle\sum p \odot g
+        \quad\text{(scale gradient; } S = \text{size\_update\_period)} \\
+     &\text{if } t \bmod S = S - 1:\ rms = \sqrt{\mathrm{mean}(p^2)},\
+        \text{and if } t > 0: \\
+     &\quad w \leftarrow b_2^S w + (1 - b_2^S)\,\mathrm{mean}(s^2),\quad
+        k = (t + 1) / S \\
+     &\quad \sigma = -\eta_s \sqrt{1 - b_2^{S k}}\,\textstyle\sum s / (\sqrt{w} + \epsilon)
+        \quad (0 \text{ if } rms < rms_{min};\ -\eta_s S \text{ if } rms > rms_{max}) \\
+     &\quad \delta \leftarrow \delta + (1 - b_1)\,(p\,\sigma) \\
+     v &\leftarrow b_2 v + (1 - b_2) g^2,\quad
+        \hat v = v / (1 - b_2^{t+1}) \text{ while } 1 - b_2^{t+1} < 0.99,\ \text{else } v \\
+     \delta &\leftarrow \delta + (g / (\sqrt{\hat v} + \epsilon))
+        \cdot (-\eta (1 - b_1) \max(rms, rms_{min})),\qquad p \leftarrow p + \delta
+
+  with ``eta_s = lr * scalar_lr_scale``. A tensor with one element takes the
+  scalar path: ``v`` as above, ``delta += -eta_s (1 - b1) g / (sqrt(v / (1 -
+  b2^(t+1))) + eps)`` (always bias corrected), and ``p = clip(p, +-scalar_max)
+  + delta``. There is no first-moment bias correction: ``delta`` starts at 0.
+
+  Clipping (``clipping_scale`` not None): the norm ``N_t`` of the gradient
+  weighted by ``param_rms`` (scalars: unweighted) is stored in slot ``t mod
+  P`` of ``model_norms`` (``P = clipping_update_period``, from step 1 on);
+  every ``P`` steps the quartiles are taken and ``threshold = clipping_scale
+  * median``; from step ``P`` on, ``c_t = min(1, threshold / (N_t + 1e-20))``.
+  ``c_t`` scales the gradient used everywhere above.
+
+  Args:
+    learning_rate: a float or an optax schedule ``count -> lr`` (e.g. ``eden``).
+    clipping_scale: clip to this multiple of the median norm; None: no clipping.
+    b1, b2: momentum of ``delta`` and decay of the second moments.
+    scalar_lr_scale: lr factor of the size updates and of one-element params.
+    eps: added to square roots of second moments.
+    param_min_rms, param_max_rms: limits on the RMS the size update may reach.
+    scalar_max: one-element params are clipped to ``[-scalar_max, scalar_max]``.
+    size_update_period: steps between size updates.
+    clipping_update_period: steps between clipping statistics.
+    show_dominant_parameters: log (``jax.debug.callback``, logger
+      ``optax_half.scaled_adam``) the statistics every ``clipping_update_period``
+      steps and, when a step is scaled by less than 0.1, which param dominates
+      the norm. Logging is also on when that logger is enabled for INFO at
+      trace time; otherwise no callback is compiled in. The statistics are in
+      the state either way (``scaled_adam_stats``).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
+    Its updates are in the param dtype (``delta``).
+  """
+  check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
+                         param_min_rms, param_max_rms, scalar_max, size_update_period,
+                         clipping_update_period)
+  S = size_update_period
+  P = clipping_update_period
+
+  def init(params):
+    leaves = jax.tree.leaves(params)
+    for i, p in enumerate(leaves):
+      if not is_float(p):
+        raise ValueError(
+            f"scaled_adam: leaf {i} of the params has dtype {jnp.asarray(p).dtype}; only "
+            "float params can be optimized (mask integer leaves with optax.masked, or "
+            "wrap scaled_adam in optax_half.master_weights / kahan_summation, which do).")
+
+    def rms(p):
+      p32 = rounding.widen(p)
+      return jnp.sqrt(jnp.mean(p32 * p32)).astype(p.dtype)
+
+    zeros = lambda p: jnp.zeros(p.shape, p.dtype)
+    nonscalar = lambda f: (lambda p: MaskedNode() if _is_scalar(p) else f(p))
+    params = jax.tree.map(jnp.asarray, params)
+    clipping = ScaledAdamClippingState(
+        model_norms=jnp.zeros([P], jnp.float32),
+        model_norm_threshold=jnp.zeros([], jnp.float32),
+        num_clipped=jnp.zeros([], jnp.int32),
+        quartiles=jnp.zeros([QUARTILES], jnp.float32),
+        percent_clipped=jnp.zeros([], jnp.float32),
+        clipping_factor=jnp.ones([], jnp.float32),
+        grad_norm=jnp.zeros([], jnp.float32),
+        dominant_index=jnp.zeros([], jnp.int32),
+        dominant_share=jnp.zeros([], jnp.float32))
+    return ScaledAdamState(
+        count=jnp.zeros([], jnp.int32),
+        delta=jax.tree.map(zeros, params),
+        exp_avg_sq=jax.tree.map(zeros, params),
+        param_rms=jax.tree.map(nonscalar(rms), params),
+        scale_exp_avg_sq=jax.tree.map(nonscalar(lambda p: jnp.zeros([], p.dtype)), params),
+        scale_grads=jax.tree.map(nonscalar(lambda p: jnp.zeros([S], p.dtype)), params),
+        clipping=clipping)
+
+  def update(updates, state, params=None, **extra_args):
+    del extra_args
+    if params is None:
+      raise ValueError("scaled_adam needs the current params: call tx.update(grads, state, params).")
+    grads, treedef = jax.tree.flatten(updates)
+    try:
+      ps = treedef.flatten_up_to(params)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          "scaled_adam: the gradient tree does not match the params tree.\n"
+          f"  grads:  {treedef}\n  params: {jax.tree.structure(params)}") from e
+    names = leaf_names(jax.tree.unflatten(treedef, ps))
+    deltas = treedef.flatten_up_to(state.delta)
+    vs = treedef.flatten_up_to(state.exp_avg_sq)
+    rmss = treedef.flatten_up_to(state.param_rms)
+    ws = treedef.flatten_up_to(state.scale_exp_avg_sq)
+    sgs = treedef.flatten_up_to(state.scale_grads)
+
+    t = state.count
+    lr = _f32(learning_rate(t) if callable(learning_rate) else learning_rate)
+    b1_, b2_, eps_ = _f32(b1), _f32(b2), _f32(eps)
+    one_minus_b1 = 1 - b1_
+    zero = rounding.opaque_zero(t)
+    g32 = [rounding.widen(g) for g in grads]
+    p32 = [rounding.widen(p) for p in ps]
+    rms_old = [None if isinstance(r, MaskedNode) else rounding.widen(r) for r in rmss]
+
+    # -- gradient clipping (the seed's _get_clipping_scale) ------------------
+    clipping = state.clipping
+    if clipping_scale is not None:
+      factor, clipping = _clip(g32, rms_old, t, clipping)
+      g32 = [g * factor for g in g32]
+      if show_dominant_parameters or logger.isEnabledFor(logging.INFO):
+        _log(t, clipping, names)
+
+    # -- per-tensor steps (the seed's _step_one_batch) -----------------------
+    # 1 - b2 ** (t + 1): bias correction of the second moments, fp32, no pow.
+    bc2 = rounding.one_minus_pow(b2_, t + 1, zero)
+    inv_bc2 = 1 / bc2
+    is_size_step = (t % S) == (S - 1)
+    do_size_update = is_size_step & (t > 0)
+    # b2 ** S, for the once-per-period second moment of the scale gradients.
+    b2_corr = 1 - rounding.one_minus_pow(b2_, S, zero)
+    size_bc2 = rounding.one_minus_pow(b2_corr, (t + 1) // S, zero)
+    size_lr = lr * _f32(scalar_lr_scale)
+    new = {k: [] for k in ("u", "delta", "v", "rms", "w", "sg")}
+    for p, p_, g, d, v, r_old, w, sg in zip(ps, p32, g32, deltas, vs, rmss, ws, sgs):
+      # Stored buffers are read back as stored (rounded to their dtype), as the
+      # seed's in-place updates are; for fp32 params every round is exact.
+      delta = b1_ * rounding.widen(d)
+      v_new = (b2_ * rounding.widen(v) + (1 - b2_) * (g * g)).astype(v.dtype)
+      v32 = rounding.widen(v_new)
+      if _is_scalar(p):
+        lr_s = -size_lr * one_minus_b1
+        denom = jnp.sqrt(v32 * inv_bc2) + eps_
+        delta = delta + lr_s * (g / denom)
+        delta = delta.astype(d.dtype)
+        clamped = jnp.abs(p_) > _f32(scalar_max)
+        p_clamped = jnp.clip(p_, -_f32(scalar_max), _f32(scalar_max))
+        u = jnp.where(clamped, (p_clamped + rounding.widen(delta)) - p_, rounding.widen(delta))
+        new["u"].append(u.astype(p.dtype))
+        new["rms"].append(MaskedNode())
+        new["w"].append(MaskedNode())
+        new["sg"].append(MaskedNode())
+      else:
+        # Size update: learn the tensor's scale, in log space, every S steps.
+        sg_new = sg.at[t % S].set(jnp.sum(p_ * g).astype(sg.dtype))
+        sg32 = rounding.widen(sg_new)
+        rms_new = jnp.where(is_size_step, jnp.sqrt(jnp.mean(p_ * p_)).astype(r_old.dtype), r_old)
+        w_new = (b2_corr * rounding.widen(w) + (1 - b2_corr) * jnp.mean(sg32 * sg32)
+                 ).astype(w.dtype)
+        w_new = jnp.where(do_size_update, w_new, w)
+        scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32)
+                      / (jnp.sqrt(rounding.widen(w_new)) + eps_))
+        rms32 = rounding.widen(rms_new)
+        scale_step = jnp.where(rms32 < _f32(param_min_rms), 0.0, scale_step)
+        scale_step = jnp.where(rms32 > _f32(param_max_rms), -size_lr * S, scale_step)
+        scale_step = jnp.where(do_size_update, scale_step, 0.0)  # delta + 0 = delta
+        delta = delta + one_minus_b1 * (p_ * scale_step)
+        # The Adam-like step, scaled by the tensor's RMS.
+        v_hat = jnp.where(bc2 < _f32(0.99), v32 * inv_bc2, v32)
+        denom = jnp.sqrt(v_hat) + eps_
+        alpha = (-lr * one_minus_b1) * jnp.maximum(rms32, _f32(param_min_rms))
+        delta = (delta + (g / denom) * alpha).astype(d.dtype)
+        new["u"].append(delta.astype(p.dtype))
+        new["rms"].append(rms_new)
+        new["w"].append(w_new)
+        new["sg"].append(sg_new)
+      new["delta"].append(delta.astype(d.dtype))
+      new["v"].append(v_new)
+
+    tree = lambda xs: jax.tree.unflatten(treedef, xs)
+    new_state = ScaledAdamState(
+        count=optax.safe_increment(t),
+        delta=tree(new["delta"]),
+        exp_avg_sq=tree(new["v"]),
+        param_rms=tree(new["rms"]),
+        scale_exp_avg_sq=tree(new["w"]),
+        scale_grads=tree(new["sg"]),
+        clipping=clipping)
+    return tree(new["u"]), new_state
+
+  def _clip(g32, rms_old, t, c: ScaledAdamClippingState):
+    """The clipping factor of step ``t`` and the new statistics (all arrays)."""
+    sumsq = [jnp.sum(g * g) if r is None else jnp.sum((g * r) * (g * r))
+             for g, r in zip(g32, rms_old)]
+    tot_sumsq = jnp.zeros([], jnp.float32)
+    for s in sumsq:  # in leaf order, the same sequence of fp32 adds as torch_bridge
+      tot_sumsq = tot_sumsq + s
+    tot_norm = jnp.sqrt(tot_sumsq)
+    slot = t % P
+    model_norms = jnp.where(t > 0, c.model_norms.at[slot].set(tot_norm), c.model_norms)
+    take_stats = (t > 0) & (slot == 0)
+    quartiles = jnp.sort(model_norms)[jnp.array(quartile_indices(P))]
+    threshold = jnp.where(take_stats, _f32(clipping_scale) * quartiles[2],
+                          c.model_norm_threshold)
+    percent = (c.num_clipped.astype(jnp.float32) * 100) * (1 / _f32(P))
+    num_clipped = jnp.where(take_stats, 0, c.num_clipped)
+    factor = jnp.where(t >= P, jnp.minimum(1.0, threshold / (tot_norm + _f32(1e-20))),
+                       _f32(1.0))
+    num_clipped = num_clipped + (factor < 1).astype(jnp.int32)
+    if sumsq:
+      shares = jnp.stack(sumsq)
+      dominant = jnp.argmax(shares).astype(jnp.int32)
+      share = shares[dominant] / tot_sumsq
+    else:
+      dominant, share = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32)
+    return factor, ScaledAdamClippingState(
+        model_norms=model_norms,
+        model_norm_threshold=threshold,
+        num_clipped=num_clipped,
+        quartiles=jnp.where(take_stats, quartiles, c.quartiles),
+        percent_clipped=jnp.where(take_stats, percent, c.percent_clipped),
+        clipping_factor=factor,
+        grad_norm=tot_norm,
+        dominant_index=dominant,
+        dominant_share=share)
+
+  def _log(t, c: ScaledAdamClippingState, names):
+    """Logs at the seed's cadence from inside jit (``jax.debug.callback`` in a cond)."""
+    def host_log(t, c):
+      t = int(t)
+      _log_stats(t, _stats_dict(c, names), clipping_scale, show_dominant_parameters,
+                 take_stats=t > 0 and t % P == 0)
+
+    due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
+    jax.lax.cond(due, lambda: jax.debug.callback(host_log, t, c), lambda: None)
+
+  return optax.GradientTransformationExtraArgs(init, update)
+
+
+def _stats_dict(c: ScaledAdamClippingState, names) -> dict:
+  index = int(c.dominant_index)
+  return {
+      "grad_norm_quartiles": [float(q) for q in c.quartiles],
+      "model_norm_threshold": float(c.model_norm_threshold),
+      "percent_clipped": float(c.percent_clipped),
+      "num_clipped": int(c.num_clipped),
+      "clipping_factor": float(c.clipping_factor),
+      "grad_norm": float(c.grad_norm),
+      "dominant_parameter": names[index] if 0 <= index < len(names) else None,
+      "dominant_share": float(c.dominant_share),
+  }
+
+
+def _log_stats(step: int, stats: dict, clipping_scale, show_dominant: bool,
+               take_stats: bool, log=logger) -> None:
+  """The seed's log lines, shared with ``torch_bridge.scaled_adam``."""
+  if take_stats:
+    quartiles = " ".join("%.3e" % q for q in stats["grad_norm_quartiles"])
+    log.info(f"Clipping_scale={clipping_scale}, grad-norm quartiles {quartiles}, "
+             f"threshold={stats['model_norm_threshold']:.3e}, "
+             f"percent-clipped={stats['percent_clipped']:.1f}")
+  if stats["clipping_factor"] < 0.1:
+    log.warning(f"Scaling gradients by {stats['clipping_factor']}, "
+                f"model_norm_threshold={stats['model_norm_threshold']}")
+    if show_dominant:
+      log.info(f"Parameter dominating tot_sumsq {stats['dominant_parameter']} with "
+               f"proportion {stats['dominant_share']:.2f} (step {step})")
+
+
+def _find_state(opt_state) -> Optional[ScaledAdamState]:
+  if isinstance(opt_state, ScaledAdamState):
+    return opt_state
+  if isinstance(opt_state, dict):
+    children = list(opt_state.values())
+  elif isinstance(opt_state, (tuple, list)):
+    children = list(opt_state)
+  else:
+    return None
+  for child in children:
+    found = _find_state(child)
+    if found is not None:
+      return found
+  return None
+
+
+def scaled_adam_stats(opt_state, params) -> dict:
+  """The clipping statistics of the ``scaled_adam`` found in ``opt_state`` (host values).
+
+  Reads the device arrays (a host sync: call it when logging, not inside a
+  jitted step). ``params`` (or any tree of the same structure) names the
+  dominant parameter by its dotted tree path.
+
+  Returns:
+    A dict: ``grad_norm_quartiles`` (5 floats: min, 25%, median, 75%, max, as of
+    the last multiple of ``clipping_update_period``), ``model_norm_threshold``,
+    ``percent_clipped``, ``num_clipped``, ``clipping_factor`` and ``grad_norm``
+    of the last step, ``dominant_parameter`` (name) and ``dominant_share``.
+  """
+  state = _find_state(opt_state)
+  if state is None:
+    raise ValueError("scaled_adam_stats: no ScaledAdamState in this optimizer state.")
+  return _stats_dict(jax.device_get(state.clipping), leaf_names(params))

@@ -1,0 +1,397 @@
+"""ScaledAdam (icefall, seed 002): ``optax_half/scaled_adam.py`` in torch.
+
+The same algorithm, names, defaults and order of operations as
+``optax_half.scaled_adam`` (spec: ``docs/algorithms.md`` section 11), as a
+``torch.optim.Optimizer``. Params may be given as ``parameters()``, param
+groups, or ``named_parameters()`` (the names label the dominant parameter in
+the statistics; without them a param is named by its position in its group).
+
+Per param group, as in the seed: one clipping norm over the group's params,
+and a group step counter; per param: ``delta``, ``exp_avg_sq`` and, for
+params with more than one element, ``param_rms``, ``scale_exp_avg_sq`` and
+``scale_grads``, all in the param dtype, created at the param's first step.
+The math is fp32; every hyperparameter enters as an fp32 value and ``1 - b **
+n`` comes from ``rounding.one_minus_pow``, as in JAX. Nothing reads a device
+value back to the host unless logging is on.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+from torch_bridge import rounding
+from torch_bridge._optim import (check_grad, check_param, f32, load_state_dict_exact,
+                                 step_grad)
+
+__all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
+
+logger = logging.getLogger(__name__)
+
+QUARTILES = 5
+
+
+def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
+                           param_min_rms, param_max_rms, scalar_max, size_update_period,
+                           clipping_update_period) -> None:
+  """The checks of ``optax_half.scaled_adam.check_scaled_adam_args``, same messages."""
+  def concrete(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+  if concrete(learning_rate) and learning_rate < 0:
+    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
+  if clipping_scale is not None and not (concrete(clipping_scale) and clipping_scale > 0):
+    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}.")
+  for name, v in (("b1", b1), ("b2", b2)):
+    if not (concrete(v) and 0.0 <= v < 1.0):
+      raise ValueError(f"{name} must be a number in [0, 1); got {v!r}.")
+  for name, v in (("scalar_lr_scale", scalar_lr_scale), ("eps", eps),
+                  ("param_min_rms", param_min_rms), ("param_max_rms", param_max_rms),
+                  ("scalar_max", scalar_max)):
+    if not (concrete(v) and v > 0):
+      raise ValueError(f"{name} must be a number > 0; got {v!r}.")
+  if param_min_rms > param_max_rms:
+    raise ValueError(
+        f"param_min_rms ({param_min_rms}) must be <= param_max_rms ({param_max_rms}).")
+  for name, v in (("size_update_period", size_update_period),
+                  ("clipping_update_period", clipping_update_period)):
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2**31:
+      raise ValueError(f"{name} must be an integer >= 1; got {v!r}.")
+
+
+def quartile_indices(period: int) -> list[int]:
+  """Indices into the sorted norms that the seed reports: ``min(P-1, (P//4) n)``."""
+  return [min(period - 1, (period // 4) * n) for n in range(QUARTILES)]
+
+
+def _is_scalar(p: torch.Tensor) -> bool:
+  return p.numel() <= 1
+
+
+def _np32(x) -> np.float32:
+  return np.float32(x)
+
+
+class ScaledAdam(torch.optim.Optimizer):
+  r"""ScaledAdam; see ``scaled_adam`` and ``optax_half.scaled_adam`` for the math.
+
+  Param groups carry ``lr`` (so ``torch.optim.lr_scheduler`` works; a
+  callable ``learning_rate`` is evaluated at the group's step instead) and
+  every other hyperparameter of the factory. ``group_state[i]`` holds group
+  ``i``'s step and clipping statistics; ``state_dict()`` saves it.
+  """
+
+  def __init__(self, params, learning_rate=3e-2, clipping_scale=None, b1: float = 0.9,
+               b2: float = 0.98, scalar_lr_scale: float = 0.1, eps: float = 1e-8,
+               param_min_rms: float = 1e-5, param_max_rms: float = 3.0,
+               scalar_max: float = 10.0, size_update_period: int = 4,
+               clipping_update_period: int = 100, show_dominant_parameters: bool = False):
+    check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
+                           param_min_rms, param_max_rms, scalar_max, size_update_period,
+                           clipping_update_period)
+    self._schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
+    lr0 = float(learning_rate(0)) if self._schedule is not None else float(learning_rate)
+    self.show_dominant_parameters = bool(show_dominant_parameters)
+    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
+    self.group_state: list = []
+    self._n_params = 0
+    defaults = dict(lr=lr0, clipping_scale=clipping_scale, b1=b1, b2=b2,
+                    scalar_lr_scale=scalar_lr_scale, eps=eps, param_min_rms=param_min_rms,
+                    param_max_rms=param_max_rms, scalar_max=scalar_max,
+                    size_update_period=size_update_period,
+                    clipping_update_period=clipping_update_period)
+    super().__init__(params, defaults)
+
+  # One clipping norm over all params of a group: the low-precision wrappers
+  # must step this optimizer with every param at once, not in chunks.
+  steps_all_params_together = True
+
+  def add_param_group(self, param_group: dict) -> None:
+    super().add_param_group(param_group)
+    group = self.param_groups[-1]
+    check_scaled_adam_args(group["lr"], group["clipping_scale"], group["b1"], group["b2"],
+                           group["scalar_lr_scale"], group["eps"], group["param_min_rms"],
+                           group["param_max_rms"], group["scalar_max"],
+                           group["size_update_period"], group["clipping_update_period"])
+    for p in group["params"]:
+      check_param(p, self._n_params)
+      self._n_params += 1
+    self.group_state.append({"step": 0})
+
+  def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
+    return True
+
+  @torch.no_grad()
+  def _init_state(self, group: dict, p: torch.Tensor) -> dict:
+    state = self.state[p]
+    state["step"] = torch.tensor(0, dtype=torch.int64)
+    state["delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    if not _is_scalar(p):
+      p32 = rounding.widen(p)
+      state["param_rms"] = rounding.sqrt((p32 * p32).mean()).to(p.dtype)
+      state["scale_exp_avg_sq"] = torch.zeros((), dtype=p.dtype, device=p.device)
+      state["scale_grads"] = torch.zeros(group["size_update_period"], dtype=p.dtype,
+                                         device=p.device)
+    return state
+
+  @staticmethod
+  def _init_clipping(period: int, device) -> dict:
+    z = lambda *shape, dtype=torch.float32: torch.zeros(shape, dtype=dtype, device=device)
+    return {"model_norms": z(period), "model_norm_threshold": z(),
+            "num_clipped": z(dtype=torch.int32), "quartiles": z(QUARTILES),
+            "percent_clipped": z(), "clipping_factor": torch.ones((), device=device),
+            "grad_norm": z(), "dominant_index": z(dtype=torch.int32), "dominant_share": z()}
+
+  # -- checkpoints -----------------------------------------------------------
+
+  def state_dict(self) -> dict:
+    out = super().state_dict()
+    out["group_state"] = self.group_state
+    return out
+
+  def load_state_dict(self, state_dict: dict) -> None:
+    saved = state_dict.get("group_state")
+    if saved is None or len(saved) != len(self.param_groups):
+      raise ValueError("state_dict is not from a ScaledAdam with the same param groups "
+                       "(its 'group_state' is missing or has another length).")
+    load_state_dict_exact(self, state_dict)
+    self.group_state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()}
+                        for g in saved]
+
+  # -- the step --------------------------------------------------------------
+
+  @torch.compiler.disable
+  @torch.no_grad()
+  def step(self, closure=None):
+    """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
+    loss = None
+    if closure is not None:
+      with torch.enable_grad():
+        loss = closure()
+    try:
+      position = 0
+      for group, gstate in zip(self.param_groups, self.group_state):
+        self._step_group(group, gstate, position)
+        position += len(group["params"])
+    finally:
+      self._unscaled_grads.clear()
+    return loss
+
+  def _step_group(self, group: dict, gstate: dict, position: int) -> None:
+    t = gstate["step"]
+    lr = float(self._schedule(t)) if self._schedule is not None else group["lr"]
+    group["lr"] = lr
+    todo = []
+    for i, p in enumerate(group["params"]):
+      if p.grad is None or not p.requires_grad:
+        continue
+      check_grad(p.grad, position + i)
+      state = self.state[p] if self.state[p] else self._init_state(group, p)
+      todo.append((i, p, state))
+    if not todo:
+      return
+    grads = [rounding.widen(step_grad(self, p)) for _, p, _ in todo]
+    if group["clipping_scale"] is not None:
+      factor = self._clip(group, gstate, t, todo, grads)
+      grads = [g * factor for g in grads]
+    for (_, p, state), g in zip(todo, grads):
+      self._step_one(group, lr, p, g, state)
+      state["step"] += 1
+    gstate["step"] = t + 1
+
+  def _clip(self, group: dict, gstate: dict, t: int, todo, grads) -> torch.Tensor:
+    """The seed's ``_get_clipping_scale``: the factor (a 0-dim fp32 tensor) and stats."""
+    P = group["clipping_update_period"]
+    device = grads[0].device
+    if "model_norms" not in gstate:
+      gstate.update(self._init_clipping(P, device))
+    c = gstate
+    sumsq = []
+    for (_, p, state), g in zip(todo, grads):
+      if _is_scalar(p):
+        sumsq.append((g * g).sum())
+      else:
+        gr = g * rounding.widen(state["param_rms"])
+        sumsq.append((gr * gr).sum())
+    tot_sumsq = torch.zeros((), dtype=torch.float32, device=device)
+    for s in sumsq:  # in param order, the same sequence of fp32 adds as optax_half
+      tot_sumsq = tot_sumsq + s
+    tot_norm = rounding.sqrt(tot_sumsq)
+    slot = t % P
+    if t > 0:
+      c["model_norms"][slot] = tot_norm
+    take_stats = t > 0 and slot == 0
+    if take_stats:
+      quartiles = torch.sort(c["model_norms"]).values[quartile_indices(P)]
+      c["model_norm_threshold"] = f32(group["clipping_scale"]) * quartiles[2]
+      c["percent_clipped"] = (c["num_clipped"].float() * 100) * f32(_np32(1) / _np32(P))
+      c["quartiles"] = quartiles
+      c["num_clipped"] = torch.zeros_like(c["num_clipped"])
+    if t >= P:
+      factor = torch.clamp(c["model_norm_threshold"] / (tot_norm + f32(1e-20)), max=1.0)
+    else:
+      factor = torch.ones((), dtype=torch.float32, device=device)
+    c["num_clipped"] = c["num_clipped"] + (factor < 1).to(torch.int32)
+    shares = torch.stack(sumsq)
+    dominant = torch.argmax(shares)
+    c["dominant_index"] = self._index_of(todo, dominant)
+    c["dominant_share"] = shares[dominant] / tot_sumsq
+    c["clipping_factor"] = factor
+    c["grad_norm"] = tot_norm
+    if self.show_dominant_parameters or logger.isEnabledFor(logging.INFO):
+      # Reading the factor is a host sync: only when logging is asked for.
+      if take_stats or float(factor) < 0.1:
+        _log_stats(t, _stats_dict(c, _names(group)), group["clipping_scale"],
+                   self.show_dominant_parameters, take_stats)
+    return factor
+
+  @staticmethod
+  def _index_of(todo, dominant: torch.Tensor) -> torch.Tensor:
+    """Position in the group of the ``dominant``-th stepped param (device-side)."""
+    positions = torch.tensor([i for i, _, _ in todo], dtype=torch.int32,
+                             device=dominant.device)
+    return positions[dominant]
+
+  def _step_one(self, group: dict, lr: float, p: torch.Tensor, g: torch.Tensor,
+                state: dict) -> None:
+    """The seed's ``_step_one_batch`` for one param, in place; fp32 math."""
+    t = int(state["step"])
+    S = group["size_update_period"]
+    b1, b2, eps = _np32(group["b1"]), _np32(group["b2"]), _np32(group["eps"])
+    one_minus_b1 = _np32(1) - b1
+    lr32 = _np32(lr)
+    size_lr = lr32 * _np32(group["scalar_lr_scale"])
+    bc2 = _np32(rounding.one_minus_pow(b2, t + 1))
+    inv_bc2 = _np32(1) / bc2
+    min_rms, max_rms = _np32(group["param_min_rms"]), _np32(group["param_max_rms"])
+    p32 = rounding.widen(p)
+    delta_buf, v_buf = state["delta"], state["exp_avg_sq"]
+
+    delta = float(b1) * rounding.widen(delta_buf)
+    v_buf.copy_(float(b2) * rounding.widen(v_buf) + float(_np32(1) - b2) * (g * g))
+    v32 = rounding.widen(v_buf)
+    if _is_scalar(p):
+      lr_s = -size_lr * one_minus_b1
+      denom = rounding.sqrt(v32 * float(inv_bc2)) + float(eps)
+      delta = delta + float(lr_s) * (g / denom)
+      delta_buf.copy_(delta)
+      scalar_max = f32(group["scalar_max"])
+      p.clamp_(min=-scalar_max, max=scalar_max)
+      p.add_(delta_buf)
+      return
+    # Size update: learn the tensor's scale, in log space, every S steps.
+    is_size_step = t % S == S - 1
+    sg = state["scale_grads"]
+    sg[t % S] = (p32 * g).sum()
+    rms_buf = state["param_rms"]
+    if is_size_step:
+      rms_buf.copy_(rounding.sqrt((p32 * p32).mean()))
+      if t > 0:
+        b2_corr = _np32(1) - _np32(rounding.one_minus_pow(b2, S))
+        size_bc2 = _np32(rounding.one_minus_pow(b2_corr, (t + 1) // S))
+        sg32 = rounding.widen(sg)
+        w_buf = state["scale_exp_avg_sq"]
+        w_buf.copy_(float(b2_corr) * rounding.widen(w_buf)
+                    + float(_np32(1) - b2_corr) * (sg32 * sg32).mean())
+        scale_step = (float(-size_lr * np.sqrt(size_bc2)) * sg32.sum()
+                      / (rounding.sqrt(rounding.widen(w_buf)) + float(eps)))
+        rms32 = rounding.widen(rms_buf)
+        scale_step = torch.where(rms32 < float(min_rms), 0.0, scale_step)
+        scale_step = torch.where(rms32 > float(max_rms), float(-size_lr * _np32(S)), scale_step)
+        delta = delta + float(one_minus_b1) * (p32 * scale_step)
+    # The Adam-like step, scaled by the tensor's RMS.
+    v_hat = v32 * float(inv_bc2) if bc2 < _np32(0.99) else v32
+    denom = rounding.sqrt(v_hat) + float(eps)
+    alpha = float(-lr32 * one_minus_b1) * torch.clamp(rounding.widen(rms_buf), min=float(min_rms))
+    delta = delta + (g / denom) * alpha
+    delta_buf.copy_(delta)
+    p.add_(delta_buf)
+
+
+def _names(group: dict) -> list:
+  names = group.get("param_names")
+  return list(names) if names is not None else [str(i) for i in range(len(group["params"]))]
+
+
+def _stats_dict(c: dict, names) -> dict:
+  index = int(c["dominant_index"])
+  return {
+      "grad_norm_quartiles": [float(q) for q in c["quartiles"]],
+      "model_norm_threshold": float(c["model_norm_threshold"]),
+      "percent_clipped": float(c["percent_clipped"]),
+      "num_clipped": int(c["num_clipped"]),
+      "clipping_factor": float(c["clipping_factor"]),
+      "grad_norm": float(c["grad_norm"]),
+      "dominant_parameter": names[index] if 0 <= index < len(names) else None,
+      "dominant_share": float(c["dominant_share"]),
+  }
+
+
+def _log_stats(step: int, stats: dict, clipping_scale, show_dominant: bool,
+               take_stats: bool, log=logger) -> None:
+  """The seed's log lines (the same text as ``optax_half.scaled_adam``)."""
+  if take_stats:
+    quartiles = " ".join("%.3e" % q for q in stats["grad_norm_quartiles"])
+    log.info(f"Clipping_scale={clipping_scale}, grad-norm quartiles {quartiles}, "
+             f"threshold={stats['model_norm_threshold']:.3e}, "
+             f"percent-clipped={stats['percent_clipped']:.1f}")
+  if stats["clipping_factor"] < 0.1:
+    log.warning(f"Scaling gradients by {stats['clipping_factor']}, "
+                f"model_norm_threshold={stats['model_norm_threshold']}")
+    if show_dominant:
+      log.info(f"Parameter dominating tot_sumsq {stats['dominant_parameter']} with "
+               f"proportion {stats['dominant_share']:.2f} (step {step})")
+
+
+def _find(optimizer) -> ScaledAdam:
+  seen = optimizer
+  while not isinstance(seen, ScaledAdam):
+    seen = getattr(seen, "inner", None)
+    if seen is None:
+      raise ValueError("scaled_adam_stats: this optimizer is not (and does not wrap) a ScaledAdam.")
+  return seen
+
+
+def scaled_adam_stats(optimizer, group: int = 0) -> dict:
+  """The clipping statistics of param group ``group`` (host values; a device sync).
+
+  The same dict as ``optax_half.scaled_adam_stats``; ``optimizer`` may be a
+  ``ScaledAdam`` or a torch_bridge wrapper around one.
+  """
+  opt = _find(optimizer)
+  c = opt.group_state[group]
+  if "model_norms" not in c:
+    c = {**ScaledAdam._init_clipping(opt.param_groups[group]["clipping_update_period"],
+                                     "cpu"), **c}
+  return _stats_dict(c, _names(opt.param_groups[group]))
+
+
+def scaled_adam(
+    params,
+    learning_rate=3e-2,
+    clipping_scale: Optional[float] = None,
+    b1: float = 0.9,
+    b2: float = 0.98,
+    scalar_lr_scale: float = 0.1,
+    eps: float = 1e-8,
+    param_min_rms: float = 1e-5,
+    param_max_rms: float = 3.0,
+    scalar_max: float = 10.0,
+    size_update_period: int = 4,
+    clipping_update_period: int = 100,
+    show_dominant_parameters: bool = False,
+) -> ScaledAdam:
+  """ScaledAdam for torch: ``optax_half.scaled_adam`` as a ``torch.optim.Optimizer``.
+
+  Args:
+    params: ``model.parameters()``, ``model.named_parameters()`` (names show
+      up in the statistics) or a list of param-group dicts.
+    learning_rate: a float or a schedule ``count -> lr`` (e.g. ``eden(...)``).
+    The rest: as ``optax_half.scaled_adam``.
+  """
+  return ScaledAdam(params, learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
+                    param_min_rms, param_max_rms, scalar_max, size_update_period,
+                    clipping_update_period, show_dominant_parameters)
