@@ -150,7 +150,7 @@ def _no_fma_jvp(primals, tangents):
   return no_fma(x, zero), tangents[0]
 
 
-def one_minus_pow(b: jax.Array, n: jax.Array, zero: jax.Array) -> jax.Array:
+def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Array:
   """``1 - b ** n`` in fp32 for an int32 ``n >= 0``, without ``pow``.
 
   ``pow`` differs between XLA, libm and CUDA by an ULP now and then, so the
@@ -165,10 +165,17 @@ def one_minus_pow(b: jax.Array, n: jax.Array, zero: jax.Array) -> jax.Array:
   (``1 - fl(b ** n)`` loses up to ``2**-24 / d`` there), and the sequence of
   fp32 +, -, * is fixed, so ``torch_bridge.rounding.one_minus_pow`` gives the
   same bits. ``zero``: from ``opaque_zero`` (the product is not fused).
+
+  ``one_minus_b``, if given, is ``d(1)`` itself (``b`` is then ignored): pass
+  ``f32(1 - b)`` computed in float64 when ``b`` is a Python float close to 1,
+  since ``1 - f32(b)`` carries ``b``'s rounding (for ``b = 0.98``, 1e-6 of
+  ``1 - b``).
   """
-  b = jnp.asarray(b, jnp.float32)
   n = jnp.asarray(n).astype(jnp.uint32)
-  d_pow = 1 - b            # d(2 ** i)
+  if one_minus_b is None:
+    d_pow = 1 - jnp.asarray(b, jnp.float32)  # d(2 ** i)
+  else:
+    d_pow = jnp.asarray(one_minus_b, jnp.float32)
   d = jnp.zeros([], jnp.float32)
   for i in range(32):
     take = ((n >> i) & 1) == 1

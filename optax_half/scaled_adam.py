@@ -281,8 +281,11 @@ def scaled_adam(
 
     t = state.count
     lr = _f32(learning_rate(t) if callable(learning_rate) else learning_rate)
+    # Coefficients as the seed forms them: in float64 from the Python floats,
+    # then rounded once to fp32 (1 - f32(0.98) would be 1e-6 off 0.02).
     b1_, b2_, eps_ = _f32(b1), _f32(b2), _f32(eps)
-    one_minus_b1 = 1 - b1_
+    one_minus_b1, one_minus_b2 = _f32(1 - b1), _f32(1 - b2)
+    b2_corr, one_minus_b2_corr = _f32(b2 ** S), _f32(1 - b2 ** S)  # b2 ** S: per size update
     zero = rounding.opaque_zero(t)
     g32 = [rounding.widen(g) for g in grads]
     p32 = [rounding.widen(p) for p in ps]
@@ -298,20 +301,20 @@ def scaled_adam(
 
     # -- per-tensor steps (the seed's _step_one_batch) -----------------------
     # 1 - b2 ** (t + 1): bias correction of the second moments, fp32, no pow.
-    bc2 = rounding.one_minus_pow(b2_, t + 1, zero)
+    bc2 = rounding.one_minus_pow(b2, t + 1, zero, one_minus_b=one_minus_b2)
     inv_bc2 = 1 / bc2
     is_size_step = (t % S) == (S - 1)
     do_size_update = is_size_step & (t > 0)
-    # b2 ** S, for the once-per-period second moment of the scale gradients.
-    b2_corr = 1 - rounding.one_minus_pow(b2_, S, zero)
-    size_bc2 = rounding.one_minus_pow(b2_corr, (t + 1) // S, zero)
+    # 1 - (b2 ** S) ** k, k = (t + 1) // S: the scale gradients' bias correction.
+    size_bc2 = rounding.one_minus_pow(b2_corr, (t + 1) // S, zero,
+                                      one_minus_b=one_minus_b2_corr)
     size_lr = lr * _f32(scalar_lr_scale)
     new = {k: [] for k in ("u", "delta", "v", "rms", "w", "sg")}
     for p, p_, g, d, v, r_old, w, sg in zip(ps, p32, g32, deltas, vs, rmss, ws, sgs):
       # Stored buffers are read back as stored (rounded to their dtype), as the
       # seed's in-place updates are; for fp32 params every round is exact.
       delta = b1_ * rounding.widen(d)
-      v_new = (b2_ * rounding.widen(v) + (1 - b2_) * (g * g)).astype(v.dtype)
+      v_new = (b2_ * rounding.widen(v) + one_minus_b2 * (g * g)).astype(v.dtype)
       v32 = rounding.widen(v_new)
       if _is_scalar(p):
         lr_s = -size_lr * one_minus_b1
@@ -330,7 +333,7 @@ def scaled_adam(
         sg_new = sg.at[t % S].set(jnp.sum(p_ * g).astype(sg.dtype))
         sg32 = rounding.widen(sg_new)
         rms_new = jnp.where(is_size_step, jnp.sqrt(jnp.mean(p_ * p_)).astype(r_old.dtype), r_old)
-        w_new = (b2_corr * rounding.widen(w) + (1 - b2_corr) * jnp.mean(sg32 * sg32)
+        w_new = (b2_corr * rounding.widen(w) + one_minus_b2_corr * jnp.mean(sg32 * sg32)
                  ).astype(w.dtype)
         w_new = jnp.where(do_size_update, w_new, w)
         scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32)

@@ -134,7 +134,7 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
   return torch.sqrt(x)
 
 
-def one_minus_pow(b: float, n: int) -> float:
+def one_minus_pow(b: float, n: int, one_minus_b=None) -> float:
   """``1 - b ** n`` in fp32 for an integer ``n >= 0``, on the host, without ``pow``.
 
   The mirror of ``optax_half.rounding.one_minus_pow``: binary exponentiation
@@ -142,12 +142,13 @@ def one_minus_pow(b: float, n: int) -> float:
   ``d(j+k) = (d(j) + d(k)) - d(j) * d(k)``, every operation an fp32 numpy
   scalar op (rounded once, never fused), so the result has the same bits as
   the jitted JAX one. Returns a Python float holding the fp32 value.
+  ``one_minus_b``: ``d(1)`` given directly, as in JAX.
   """
   n = int(n)
   if not 0 <= n < 2 ** 32:
     raise ValueError(f"one_minus_pow needs 0 <= n < 2**32; got {n}.")
   one, two = np.float32(1), np.float32(2)
-  d_pow = one - np.float32(b)  # d(2 ** i)
+  d_pow = one - np.float32(b) if one_minus_b is None else np.float32(one_minus_b)  # d(2 ** i)
   d = np.float32(0)
   while n:
     if n & 1:

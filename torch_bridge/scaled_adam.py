@@ -260,18 +260,21 @@ class ScaledAdam(torch.optim.Optimizer):
     """The seed's ``_step_one_batch`` for one param, in place; fp32 math."""
     t = int(state["step"])
     S = group["size_update_period"]
+    # Coefficients as the seed forms them: float64, then rounded once to fp32.
     b1, b2, eps = _np32(group["b1"]), _np32(group["b2"]), _np32(group["eps"])
-    one_minus_b1 = _np32(1) - b1
+    one_minus_b1, one_minus_b2 = _np32(1 - group["b1"]), _np32(1 - group["b2"])
+    b2_corr = _np32(group["b2"] ** S)
+    one_minus_b2_corr = _np32(1 - group["b2"] ** S)
     lr32 = _np32(lr)
     size_lr = lr32 * _np32(group["scalar_lr_scale"])
-    bc2 = _np32(rounding.one_minus_pow(b2, t + 1))
+    bc2 = _np32(rounding.one_minus_pow(b2, t + 1, one_minus_b=one_minus_b2))
     inv_bc2 = _np32(1) / bc2
     min_rms, max_rms = _np32(group["param_min_rms"]), _np32(group["param_max_rms"])
     p32 = rounding.widen(p)
     delta_buf, v_buf = state["delta"], state["exp_avg_sq"]
 
     delta = float(b1) * rounding.widen(delta_buf)
-    v_buf.copy_(float(b2) * rounding.widen(v_buf) + float(_np32(1) - b2) * (g * g))
+    v_buf.copy_(float(b2) * rounding.widen(v_buf) + float(one_minus_b2) * (g * g))
     v32 = rounding.widen(v_buf)
     if _is_scalar(p):
       lr_s = -size_lr * one_minus_b1
@@ -290,12 +293,12 @@ class ScaledAdam(torch.optim.Optimizer):
     if is_size_step:
       rms_buf.copy_(rounding.sqrt((p32 * p32).mean()))
       if t > 0:
-        b2_corr = _np32(1) - _np32(rounding.one_minus_pow(b2, S))
-        size_bc2 = _np32(rounding.one_minus_pow(b2_corr, (t + 1) // S))
+        size_bc2 = _np32(rounding.one_minus_pow(b2_corr, (t + 1) // S,
+                                                one_minus_b=one_minus_b2_corr))
         sg32 = rounding.widen(sg)
         w_buf = state["scale_exp_avg_sq"]
         w_buf.copy_(float(b2_corr) * rounding.widen(w_buf)
-                    + float(_np32(1) - b2_corr) * (sg32 * sg32).mean())
+                    + float(one_minus_b2_corr) * (sg32 * sg32).mean())
         scale_step = (float(-size_lr * np.sqrt(size_bc2)) * sg32.sum()
                       / (rounding.sqrt(rounding.widen(w_buf)) + float(eps)))
         rms32 = rounding.widen(rms_buf)
