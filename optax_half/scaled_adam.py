@@ -107,6 +107,10 @@ def _concrete(v) -> bool:
   return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+_STATIC = (". (Only learning_rate may be an array or a schedule: with "
+           "optax.inject_hyperparams, list the others in static_args.)")
+
+
 def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                            param_min_rms, param_max_rms, scalar_max, size_update_period,
                            clipping_update_period) -> None:
@@ -117,19 +121,19 @@ def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scal
     raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}.")
   for name, v in (("b1", b1), ("b2", b2)):
     if not (_concrete(v) and 0.0 <= v < 1.0):
-      raise ValueError(f"{name} must be a number in [0, 1); got {v!r}.")
+      raise ValueError(f"{name} must be a Python number in [0, 1); got {v!r}" + _STATIC)
   for name, v in (("scalar_lr_scale", scalar_lr_scale), ("eps", eps),
                   ("param_min_rms", param_min_rms), ("param_max_rms", param_max_rms),
                   ("scalar_max", scalar_max)):
     if not (_concrete(v) and v > 0):
-      raise ValueError(f"{name} must be a number > 0; got {v!r}.")
+      raise ValueError(f"{name} must be a Python number > 0; got {v!r}" + _STATIC)
   if param_min_rms > param_max_rms:
     raise ValueError(
         f"param_min_rms ({param_min_rms}) must be <= param_max_rms ({param_max_rms}).")
   for name, v in (("size_update_period", size_update_period),
                   ("clipping_update_period", clipping_update_period)):
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2**31:
-      raise ValueError(f"{name} must be an integer >= 1; got {v!r}.")
+      raise ValueError(f"{name} must be an integer >= 1; got {v!r}" + _STATIC)
 
 
 def quartile_indices(period: int) -> list[int]:

@@ -358,6 +358,37 @@ def test_statistics_equal_between_frameworks(parity_runs):
   print(f"windows with clipping: {clipped}/{len(jstats)}; dominant: {sorted(names)}")
 
 
+def test_no_host_callback_unless_logging_is_asked_for():
+  params = {k: jnp.asarray(v) for k, v in _tiny_tree(1.0).items()}
+  grads = jax.tree.map(jnp.ones_like, params)
+  for show, expected in ((False, False), (True, True)):
+    tx = oh.scaled_adam(clipping_scale=2.0, show_dominant_parameters=show)
+    hlo = jax.jit(tx.update).lower(grads, tx.init(params), params).as_text()
+    assert ("callback" in hlo) == expected, show
+
+
+def test_inject_hyperparams_learning_rate():
+  """The learning rate can be injected (an array in the state); the other
+  hyperparameters are Python numbers, static_args, with a clear error if not."""
+  params = {k: jnp.asarray(v) for k, v in _tiny_tree(1.0).items()}
+  grads = _grads(params, 5)
+  static = ("clipping_scale", "b1", "b2", "scalar_lr_scale", "eps", "param_min_rms",
+            "param_max_rms", "scalar_max", "size_update_period", "clipping_update_period",
+            "show_dominant_parameters")
+  tx = optax.inject_hyperparams(oh.scaled_adam, static_args=static)(learning_rate=0.03)
+  ref = oh.scaled_adam(0.03)
+  s, r, p, q = tx.init(params), ref.init(params), params, params
+  for g in grads:
+    g = {k: jnp.asarray(v) for k, v in g.items()}
+    u, s = jax.jit(tx.update)(g, s, p)
+    v, r = jax.jit(ref.update)(g, r, q)
+    p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+  for k in params:
+    assert np.array_equal(np.asarray(p[k]), np.asarray(q[k]))
+  with pytest.raises(ValueError, match="static_args"):
+    optax.inject_hyperparams(oh.scaled_adam)(learning_rate=0.03).init(params)
+
+
 def test_jit_equals_op_by_op():
   params = _tiny_tree(1.0)
   grads = _grads(params, 12, spikes=(5,))
