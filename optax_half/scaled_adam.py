@@ -118,7 +118,8 @@ def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scal
   if _concrete(learning_rate) and learning_rate < 0:
     raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
   if clipping_scale is not None and not (_concrete(clipping_scale) and clipping_scale > 0):
-    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}.")
+    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}"
+                     + _STATIC)
   for name, v in (("b1", b1), ("b2", b2)):
     if not (_concrete(v) and 0.0 <= v < 1.0):
       raise ValueError(f"{name} must be a Python number in [0, 1); got {v!r}" + _STATIC)
@@ -222,7 +223,8 @@ def scaled_adam(
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
-    Its updates are in the param dtype (``delta``).
+    Its updates are ``delta`` in the param dtype, and fp32 for one-element
+    leaves (the clamp to ``scalar_max``).
   """
   check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                          param_min_rms, param_max_rms, scalar_max, size_update_period,
@@ -276,6 +278,8 @@ def scaled_adam(
       raise ValueError(
           "scaled_adam: the gradient tree does not match the params tree.\n"
           f"  grads:  {treedef}\n  params: {jax.tree.structure(params)}") from e
+    ps = [jnp.asarray(p) for p in ps]  # Python scalars are leaves too
+    grads = [jnp.asarray(g) for g in grads]
     names = leaf_names(jax.tree.unflatten(treedef, ps))
     deltas = treedef.flatten_up_to(state.delta)
     vs = treedef.flatten_up_to(state.exp_avg_sq)
@@ -327,8 +331,10 @@ def scaled_adam(
         delta = delta.astype(d.dtype)
         clamped = jnp.abs(p_) > _f32(scalar_max)
         p_clamped = jnp.clip(p_, -_f32(scalar_max), _f32(scalar_max))
+        # fp32 update (whatever the param dtype): apply_updates then lands on
+        # round(clip(p) + delta) even for a 16-bit p far beyond scalar_max.
         u = jnp.where(clamped, (p_clamped + rounding.widen(delta)) - p_, rounding.widen(delta))
-        new["u"].append(u.astype(p.dtype))
+        new["u"].append(u)
         new["rms"].append(MaskedNode())
         new["w"].append(MaskedNode())
         new["sg"].append(MaskedNode())
@@ -465,12 +471,13 @@ def _find_state(opt_state) -> Optional[ScaledAdamState]:
   return None
 
 
-def scaled_adam_stats(opt_state, params) -> dict:
+def scaled_adam_stats(opt_state) -> dict:
   """The clipping statistics of the ``scaled_adam`` found in ``opt_state`` (host values).
 
   Reads the device arrays (a host sync: call it when logging, not inside a
-  jitted step). ``params`` (or any tree of the same structure) names the
-  dominant parameter by its dotted tree path.
+  jitted step). The dominant parameter is named by its dotted tree path in
+  the tree ``scaled_adam`` itself saw (its state's ``delta``), so leaves
+  masked out by ``optax.masked`` or the wrappers are never named.
 
   Returns:
     A dict: ``grad_norm_quartiles`` (5 floats: min, 25%, median, 75%, max, as of
@@ -481,4 +488,4 @@ def scaled_adam_stats(opt_state, params) -> dict:
   state = _find_state(opt_state)
   if state is None:
     raise ValueError("scaled_adam_stats: no ScaledAdamState in this optimizer state.")
-  return _stats_dict(jax.device_get(state.clipping), leaf_names(params))
+  return _stats_dict(jax.device_get(state.clipping), leaf_names(state.delta))

@@ -32,7 +32,7 @@ JAX_ONLY = {
 # Readers of an optimizer's statistics: JAX finds them in a state pytree and
 # names leaves by the params tree; torch reads them from the optimizer object.
 READERS = {
-    "scaled_adam_stats": "JAX: (opt_state, params); torch: (optimizer, group=0)",
+    "scaled_adam_stats": "JAX: (opt_state); torch: (optimizer, group=0)",
 }
 JAX_FIRST = {"inner"}
 TORCH_FIRST = {"params", "optimizer"}

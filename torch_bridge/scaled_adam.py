@@ -34,8 +34,8 @@ logger = logging.getLogger(__name__)
 QUARTILES = 5
 
 
-_STATIC = (". (Only learning_rate may be an array or a schedule: with "
-           "optax.inject_hyperparams, list the others in static_args.)")
+_STATIC = (". (Only learning_rate may be a schedule; the other hyperparameters are "
+           "Python numbers.)")
 
 
 def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
@@ -47,7 +47,8 @@ def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scal
   if concrete(learning_rate) and learning_rate < 0:
     raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
   if clipping_scale is not None and not (concrete(clipping_scale) and clipping_scale > 0):
-    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}.")
+    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}"
+                     + _STATIC)
   for name, v in (("b1", b1), ("b2", b2)):
     if not (concrete(v) and 0.0 <= v < 1.0):
       raise ValueError(f"{name} must be a Python number in [0, 1); got {v!r}" + _STATIC)
@@ -153,7 +154,9 @@ class ScaledAdam(torch.optim.Optimizer):
 
   def state_dict(self) -> dict:
     out = super().state_dict()
-    out["group_state"] = self.group_state
+    # A dict per group, so that later steps do not rewrite a saved state_dict's
+    # counters (tensors are shared, as torch's own state_dict shares them).
+    out["group_state"] = [dict(g) for g in self.group_state]
     return out
 
   def load_state_dict(self, state_dict: dict) -> None:
@@ -162,8 +165,12 @@ class ScaledAdam(torch.optim.Optimizer):
       raise ValueError("state_dict is not from a ScaledAdam with the same param groups "
                        "(its 'group_state' is missing or has another length).")
     load_state_dict_exact(self, state_dict)
-    self.group_state = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items()}
-                        for g in saved]
+    def device(i):
+      params = self.param_groups[i]["params"]
+      return params[0].device if params else None
+    self.group_state = [
+        {k: (v.to(device(i) or v.device, copy=True) if torch.is_tensor(v) else v)
+         for k, v in g.items()} for i, g in enumerate(saved)]
 
   # -- the step --------------------------------------------------------------
 
@@ -201,8 +208,9 @@ class ScaledAdam(torch.optim.Optimizer):
     if group["clipping_scale"] is not None:
       factor = self._clip(group, gstate, t, todo, grads)
       grads = [g * factor for g in grads]
+    cache: dict = {}
     for (_, p, state), g in zip(todo, grads):
-      self._step_one(group, lr, p, g, state)
+      self._step_one(group, lr, p, g, state, cache)
       state["step"] += 1
     gstate["step"] = t + 1
 
@@ -229,7 +237,8 @@ class ScaledAdam(torch.optim.Optimizer):
       c["model_norms"][slot] = tot_norm
     take_stats = t > 0 and slot == 0
     if take_stats:
-      quartiles = torch.sort(c["model_norms"]).values[quartile_indices(P)]
+      index = self._device_tensor(("quartiles", P), quartile_indices(P), torch.int64, device)
+      quartiles = torch.sort(c["model_norms"]).values.index_select(0, index)
       c["model_norm_threshold"] = f32(group["clipping_scale"]) * quartiles[2]
       c["percent_clipped"] = (c["num_clipped"].float() * 100) * f32(_np32(1) / _np32(P))
       c["quartiles"] = quartiles
@@ -239,10 +248,13 @@ class ScaledAdam(torch.optim.Optimizer):
     else:
       factor = torch.ones((), dtype=torch.float32, device=device)
     c["num_clipped"] = c["num_clipped"] + (factor < 1).to(torch.int32)
+    # argmax and max on the device; indexing with a 0-d tensor would be a host read.
     shares = torch.stack(sumsq)
-    dominant = torch.argmax(shares)
-    c["dominant_index"] = self._index_of(todo, dominant)
-    c["dominant_share"] = shares[dominant] / tot_sumsq
+    dominant = torch.argmax(shares).view(1)
+    positions = self._device_tensor(("positions", tuple(i for i, _, _ in todo)),
+                                    [i for i, _, _ in todo], torch.int32, device)
+    c["dominant_index"] = positions.index_select(0, dominant)[0]
+    c["dominant_share"] = shares.max() / tot_sumsq
     c["clipping_factor"] = factor
     c["grad_norm"] = tot_norm
     if self.show_dominant_parameters or logger.isEnabledFor(logging.INFO):
@@ -252,27 +264,42 @@ class ScaledAdam(torch.optim.Optimizer):
                    self.show_dominant_parameters, take_stats)
     return factor
 
-  @staticmethod
-  def _index_of(todo, dominant: torch.Tensor) -> torch.Tensor:
-    """Position in the group of the ``dominant``-th stepped param (device-side)."""
-    positions = torch.tensor([i for i, _, _ in todo], dtype=torch.int32,
-                             device=dominant.device)
-    return positions[dominant]
+  def _device_tensor(self, key, values, dtype, device) -> torch.Tensor:
+    """A small constant index tensor, copied to ``device`` once and cached."""
+    cache = self.__dict__.setdefault("_constants", {})
+    key = (key, str(device))
+    if key not in cache:
+      cache[key] = torch.tensor(values, dtype=dtype, device=device)
+    return cache[key]
+
+  def _coefficients(self, group: dict, t: int, lr: float, cache: dict) -> dict:
+    """The fp32 scalars of a step at count ``t``, formed once per group step."""
+    key = (t, lr)
+    if key not in cache:
+      S = group["size_update_period"]
+      k = {"b1": _np32(group["b1"]), "b2": _np32(group["b2"]), "eps": _np32(group["eps"]),
+           "one_minus_b1": _np32(1 - group["b1"]), "one_minus_b2": _np32(1 - group["b2"]),
+           "b2_corr": _np32(group["b2"] ** S), "one_minus_b2_corr": _np32(1 - group["b2"] ** S),
+           "lr": _np32(lr)}
+      k["size_lr"] = k["lr"] * _np32(group["scalar_lr_scale"])
+      k["bc2"] = _np32(rounding.one_minus_pow(k["b2"], t + 1, one_minus_b=k["one_minus_b2"]))
+      k["inv_bc2"] = _np32(1) / k["bc2"]
+      k["size_bc2"] = _np32(rounding.one_minus_pow(k["b2_corr"], (t + 1) // S,
+                                                  one_minus_b=k["one_minus_b2_corr"]))
+      cache[key] = k
+    return cache[key]
 
   def _step_one(self, group: dict, lr: float, p: torch.Tensor, g: torch.Tensor,
-                state: dict) -> None:
+                state: dict, cache: dict) -> None:
     """The seed's ``_step_one_batch`` for one param, in place; fp32 math."""
     t = int(state["step"])
     S = group["size_update_period"]
     # Coefficients as the seed forms them: float64, then rounded once to fp32.
-    b1, b2, eps = _np32(group["b1"]), _np32(group["b2"]), _np32(group["eps"])
-    one_minus_b1, one_minus_b2 = _np32(1 - group["b1"]), _np32(1 - group["b2"])
-    b2_corr = _np32(group["b2"] ** S)
-    one_minus_b2_corr = _np32(1 - group["b2"] ** S)
-    lr32 = _np32(lr)
-    size_lr = lr32 * _np32(group["scalar_lr_scale"])
-    bc2 = _np32(rounding.one_minus_pow(b2, t + 1, one_minus_b=one_minus_b2))
-    inv_bc2 = _np32(1) / bc2
+    k = self._coefficients(group, t, lr, cache)
+    b1, b2, eps = k["b1"], k["b2"], k["eps"]
+    one_minus_b1, one_minus_b2 = k["one_minus_b1"], k["one_minus_b2"]
+    b2_corr, one_minus_b2_corr = k["b2_corr"], k["one_minus_b2_corr"]
+    lr32, size_lr, bc2, inv_bc2 = k["lr"], k["size_lr"], k["bc2"], k["inv_bc2"]
     min_rms, max_rms = _np32(group["param_min_rms"]), _np32(group["param_max_rms"])
     p32 = rounding.widen(p)
     delta_buf, v_buf = state["delta"], state["exp_avg_sq"]
@@ -297,8 +324,7 @@ class ScaledAdam(torch.optim.Optimizer):
     if is_size_step:
       rms_buf.copy_(rounding.sqrt((p32 * p32).mean()))
       if t > 0:
-        size_bc2 = _np32(rounding.one_minus_pow(b2_corr, (t + 1) // S,
-                                                one_minus_b=one_minus_b2_corr))
+        size_bc2 = k["size_bc2"]
         sg32 = rounding.widen(sg)
         w_buf = state["scale_exp_avg_sq"]
         w_buf.copy_(float(b2_corr) * rounding.widen(w_buf)
