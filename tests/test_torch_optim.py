@@ -482,3 +482,17 @@ def test_wrappers_keep_no_fp32_copy_and_chunks_do_not_change_results(wrap, monke
     assert stand_ins[3] is params[3]
     out.append(_snapshot(opt, params))
   assert _same(*out)
+
+
+def test_wrapped_torch_bridge_optimizer_keeps_its_schedule_count():
+  """A wrapper copies the user's hyperparameters into the wrapped optimizer
+  before each step, but not its step count: a scheduled adamw_bf16 inside
+  kahan_summation follows its schedule (the count was reset to 0 before)."""
+  p = [torch.ones(4, dtype=torch.bfloat16, requires_grad=True)]
+  schedule = tb.preheat_decay_schedule(1e-2, preheat_steps=10)
+  opt = tb.kahan_summation(tb.adamw_bf16(p, schedule))
+  for _ in range(5):
+    p[0].grad = torch.ones(4, dtype=torch.bfloat16)
+    opt.step()
+  assert opt.inner.param_groups[0]["count"] == 5
+  assert opt.inner.param_groups[0]["lr"] == schedule(4)

@@ -172,10 +172,13 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     else:
       p.copy_(x_new)
 
+  # Group entries the inner optimizer keeps itself (a step count), not hyperparameters.
+  _NOT_SYNCED = frozenset({"params", "count"})
+
   def _sync_hyperparams(self) -> None:
     for group, inner_group in zip(self.param_groups, self.inner.param_groups):
       for k, v in group.items():
-        if k != "params":
+        if k not in self._NOT_SYNCED:
           inner_group[k] = v
 
   @torch.compiler.disable
