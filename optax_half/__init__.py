@@ -17,6 +17,7 @@ from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, sca
 from optax_half.loss_scale import (
     DynamicLossScaleState,
     dynamic_loss_scale,
+    find_loss_scale_state,
     loss_scale,
     scale_loss,
     value_and_scaled_grad,
@@ -46,6 +47,7 @@ __all__ = [
     "adamw_bf16",
     "dynamic_loss_scale",
     "eden",
+    "find_loss_scale_state",
     "kahan_summation",
     "loss_scale",
     "master_weights",

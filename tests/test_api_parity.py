@@ -28,6 +28,7 @@ JAX_ONLY = {
     "scale_loss": "torch: scaler.scale(loss)",
     "loss_scale": "torch: scaler.get_scale() / scaler.counters()",
     "value_and_scaled_grad": "torch: scaler.scale(loss).backward()",
+    "find_loss_scale_state": "torch: the scaler object is the state (scaler.state_dict())",
 }
 # Readers of an optimizer's statistics: JAX finds them in a state pytree and
 # names leaves by the params tree; torch reads them from the optimizer object.
