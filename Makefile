@@ -18,8 +18,10 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# The main job: stale bf16 weights and their cures, JAX and torch (examples/demo.py).
+# Flags go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--quick" or "--framework jax".
 demo: $(STAMP)
-	$(PY) examples/train_mlp.py $(DEMO_ARGS)
+	$(PY) examples/demo.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache demo_out

@@ -10,6 +10,7 @@ between Python versions; within one version they are the same everywhere.
 
 from __future__ import annotations
 
+import argparse
 import os
 import sysconfig
 
@@ -62,3 +63,17 @@ def eval_batches(data: np.ndarray, n: int, batch: int, context: int) -> list:
   """``n`` fixed, evenly spaced batches of ``data`` (the same in every run)."""
   starts = np.linspace(0, len(data) - context - 2, n * batch).astype(np.int64)
   return [windows(data, s, context) for s in starts.reshape(n, batch)]
+
+
+def example_setup(argv=None, quick_steps: int = 80, steps: int = 600, context: int = 64):
+  """The examples' shared setup: ``(steps, train bytes, 4 val batches of 16 x context)``.
+
+  ``--steps N`` sets the step count; ``--quick`` makes it ``quick_steps``.
+  """
+  parser = argparse.ArgumentParser()
+  parser.add_argument("--steps", type=int, help=f"default {steps}; {quick_steps} with --quick")
+  parser.add_argument("--quick", action="store_true", help="a few seconds, for the tests")
+  args = parser.parse_args(argv)
+  train, val = split(corpus())
+  return (args.steps or (quick_steps if args.quick else steps), train,
+          eval_batches(val, 4, 16, context))

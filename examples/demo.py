@@ -77,23 +77,30 @@ class Result:
   data_order: str  # a hash of the batch offsets: equal in runs that saw the same data
 
 
-class StepTimer:
-  """Wall time of training steps, leaving out step 0 (compilation, warm-up) and evaluations.
+class Progress:
+  """What the demo does around each training step: evaluations, the bar, the clock.
 
-  ``sync`` waits for the work queued so far: JAX (and torch on GPU) return
-  before the step has run, so the clock is read only after a sync.
+  The clock counts training steps only, leaving out step 0 (compilation,
+  warm-up) and evaluations. ``sync`` waits for the work queued so far: JAX
+  (and torch on GPU) return before the step has run, so the clock is read
+  only after a sync, and only at evaluation points.
   """
 
-  def __init__(self, sync):
-    self.sync, self.seconds, self.mark = sync, 0.0, None
+  def __init__(self, args, bar, evaluate, sync):
+    self.args, self.bar, self.evaluate, self.sync = args, bar, evaluate, sync
+    self.val_curve, self.seconds, self.mark = [(0, evaluate())], 0.0, 0.0
 
-  def start(self):
-    self.sync()
-    self.mark = time.perf_counter()
-
-  def stop(self):
-    self.sync()
-    self.seconds += time.perf_counter() - self.mark
+  def after_step(self, step: int) -> None:
+    if step == 0:
+      self.sync()
+      self.mark = time.perf_counter()
+    if (step + 1) % self.args.eval_every == 0 or step + 1 == self.args.steps:
+      self.sync()
+      self.seconds += time.perf_counter() - self.mark
+      self.val_curve.append((step + 1, self.evaluate()))
+      self.bar.set_postfix(val=f"{self.val_curve[-1][1]:.3f}")
+      self.mark = time.perf_counter()
+    self.bar.update()
 
 
 # ---------------------------------------------------------------------- JAX
@@ -155,26 +162,19 @@ def train_jax(run: str, args, data, bar) -> Result:
     return float(np.mean([eval_step(x, y) for x, y in val]))
 
   starts = charlm_data.batch_starts(len(train), args.steps, args.batch, cfg.context, args.seed)
-  losses, val_curve = [], [(0, evaluate())]
-  timer = StepTimer(lambda: jax.block_until_ready(losses[-1]))
+  losses = []
+  progress = Progress(args, bar, evaluate, sync=lambda: jax.block_until_ready(losses[-1]))
   for step in range(args.steps):
     x, y = charlm_data.windows(train, starts[step], cfg.context)
     losses.append(train_step(x, y))  # no host sync in the loop
-    if step == 0:
-      timer.start()
-    if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-      timer.stop()
-      val_curve.append((step + 1, evaluate()))
-      bar.set_postfix(val=f"{val_curve[-1][1]:.3f}")
-      timer.start()
-    bar.update()
+    progress.after_step(step)
 
   state = nnx.state(optimizer, nnx.optimizer.OptState)
   n_params = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
   state_bytes = sum(a.nbytes for a in jax.tree.leaves(state) if a.ndim > 0)
   skipped = int(oh.find_loss_scale_state(optimizer.opt_state).skipped_steps) if loss_scaling else 0
-  return _result("jax", run, jax.device_get(losses), val_curve, state_bytes / n_params,
-                 timer.seconds, args.steps, skipped, starts)
+  return _result("jax", run, jax.device_get(losses), progress, state_bytes / n_params,
+                 skipped, starts)
 
 
 # -------------------------------------------------------------------- torch
@@ -221,8 +221,8 @@ def train_torch(run: str, args, data, bar, init_params) -> Result:
     return float(np.mean([charlm_torch.loss_fn(model, *batch(x, y)).item() for x, y in val]))
 
   starts = charlm_data.batch_starts(len(train), args.steps, args.batch, cfg.context, args.seed)
-  losses, val_curve = [], [(0, evaluate())]
-  timer = StepTimer(lambda: losses[-1].item())
+  losses = []
+  progress = Progress(args, bar, evaluate, sync=lambda: losses[-1].item())
   for step in range(args.steps):
     x, y = batch(*charlm_data.windows(train, starts[step], cfg.context))
     loss = charlm_torch.loss_fn(model, x, y)
@@ -235,20 +235,13 @@ def train_torch(run: str, args, data, bar, init_params) -> Result:
       scaler.step(optimizer)
       scaler.update()
     losses.append(loss.detach())
-    if step == 0:
-      timer.start()
-    if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-      timer.stop()
-      val_curve.append((step + 1, evaluate()))
-      bar.set_postfix(val=f"{val_curve[-1][1]:.3f}")
-      timer.start()
-    bar.update()
+    progress.after_step(step)
 
   n_params = sum(p.numel() for p in model.parameters())
   state_bytes = _tensor_bytes(optimizer.state_dict())  # a wrapper's holds its inner's
   skipped = int(scaler.state_dict()["skipped_steps"]) if scaler is not None else 0
-  return _result("torch", run, torch.stack(losses).tolist(), val_curve, state_bytes / n_params,
-                 timer.seconds, args.steps, skipped, starts)
+  return _result("torch", run, torch.stack(losses).tolist(), progress, state_bytes / n_params,
+                 skipped, starts)
 
 
 # ------------------------------------------------------------------- report
@@ -267,11 +260,12 @@ def _tensor_bytes(obj) -> int:
   return 0
 
 
-def _result(framework, run, losses, val_curve, bytes_per_param, seconds, steps, skipped, starts):
+def _result(framework, run, losses, progress, bytes_per_param, skipped, starts):
   losses = [float(v) for v in losses]
   tail = max(1, len(losses) // 10)
-  return Result(framework, run, losses, val_curve, float(np.mean(losses[-tail:])),
-                val_curve[-1][1], bytes_per_param, 1e3 * seconds / max(1, steps - 1), skipped,
+  ms_per_step = 1e3 * progress.seconds / max(1, len(losses) - 1)
+  return Result(framework, run, losses, progress.val_curve, float(np.mean(losses[-tail:])),
+                progress.val_curve[-1][1], bytes_per_param, ms_per_step, skipped,
                 hashlib.sha256(np.ascontiguousarray(starts).tobytes()).hexdigest()[:16])
 
 

@@ -15,7 +15,6 @@ steps overflow, are skipped, and the scale backs off until gradients fit.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -33,15 +32,9 @@ import optax_half as oh  # noqa: E402
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--steps", type=int, default=None, help="default 600; 80 with --quick")
-  parser.add_argument("--quick", action="store_true")
-  args = parser.parse_args(argv)
-  steps = args.steps or (80 if args.quick else 600)
+  steps, train, val_batches = charlm_data.example_setup(argv)
 
-  cfg = charlm_flax.Config(d_model=64, layers=2)
-  train, val = charlm_data.split(charlm_data.corpus())
-  val_batches = charlm_data.eval_batches(val, 4, 16, cfg.context)
+  cfg = charlm_flax.Config()  # d_model 64, 2 layers, context 64
 
   graphdef, params = nnx.split(charlm_flax.create(cfg, jnp.float16))  # fp16 weights
 

@@ -14,7 +14,6 @@ optimizer state untouched) while the scale backs off.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -32,16 +31,10 @@ import torch_bridge as tb  # noqa: E402
 
 
 def main(argv=None) -> dict:
-  parser = argparse.ArgumentParser()
-  parser.add_argument("--steps", type=int, default=None, help="default 600; 80 with --quick")
-  parser.add_argument("--quick", action="store_true")
-  args = parser.parse_args(argv)
-  steps = args.steps or (80 if args.quick else 600)
+  steps, train, val_batches = charlm_data.example_setup(argv)
 
   torch.manual_seed(0)
-  cfg = Config(d_model=64, layers=2)
-  train, val = charlm_data.split(charlm_data.corpus())
-  val_batches = charlm_data.eval_batches(val, 4, 16, cfg.context)
+  cfg = Config()  # d_model 64, 2 layers, context 64
 
   def batch(x, y):
     return torch.from_numpy(x), torch.from_numpy(y).long()
@@ -55,7 +48,7 @@ def main(argv=None) -> dict:
   # The first optimizer.step is skipped (its gradients overflow), which torch's
   # scheduler reports as "lr_scheduler.step() before optimizer.step()"; the
   # same happens with torch.amp.GradScaler. The schedule itself is right.
-  warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+  warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)`")
 
   @torch.no_grad()
   def evaluate():
