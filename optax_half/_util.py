@@ -37,6 +37,28 @@ def seed_from_key(key) -> jax.Array:
       f"(jax.random.key(...)); got {type(key).__name__} {key.dtype}{key.shape}.")
 
 
+def check_trees(name: str, updates, params) -> None:
+  """A clear error when the gradient tree does not fit the params tree.
+
+  Checks the structure, then every leaf's shape, and names the first
+  mismatching leaf by its tree path (trace-time only: shapes are static).
+  """
+  if params is None:
+    raise ValueError(
+        f"{name} needs the current params: call tx.update(grads, state, params).")
+  if jax.tree.structure(updates) != jax.tree.structure(params):
+    raise ValueError(
+        f"{name}: the gradient tree does not match the params tree.\n"
+        f"  grads:  {jax.tree.structure(updates)}\n"
+        f"  params: {jax.tree.structure(params)}")
+  for (path, g), p in zip(jax.tree_util.tree_flatten_with_path(updates)[0],
+                          jax.tree.leaves(params)):
+    if np.shape(g) != np.shape(p):
+      raise ValueError(
+          f"{name}: the gradient of params{jax.tree_util.keystr(path)} has shape "
+          f"{tuple(np.shape(g))}; the param has shape {tuple(np.shape(p))}.")
+
+
 def leaf_indices(params):
   """Index of every float leaf among the float leaves, in flatten order.
 

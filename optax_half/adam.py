@@ -23,7 +23,7 @@ import optax
 
 from optax_half import rounding
 from optax_half import wrappers
-from optax_half._util import leaf_indices, seed_from_key, unzip
+from optax_half._util import check_trees, leaf_indices, seed_from_key, unzip
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
@@ -132,6 +132,8 @@ def scale_by_adamw(
   def update(updates, state, params=None):
     if params is None and not _is_zero(weight_decay):
       raise ValueError("scale_by_adamw with weight_decay needs params.")
+    if params is not None:
+      check_trees("scale_by_adamw", updates, params)
     b1_, b2_, eps_, wd_ = _f32(b1), _f32(b2), _f32(eps), _f32(weight_decay)
     lr = _f32(learning_rate(state.count) if callable(learning_rate) else learning_rate)
     count = optax.safe_increment(state.count)

@@ -36,7 +36,7 @@ import optax
 from optax import MaskedNode
 
 from optax_half import rounding
-from optax_half._util import is_float
+from optax_half._util import check_trees, is_float
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
 
@@ -269,15 +269,9 @@ def scaled_adam(
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
-    if params is None:
-      raise ValueError("scaled_adam needs the current params: call tx.update(grads, state, params).")
+    check_trees("scaled_adam", updates, params)
     grads, treedef = jax.tree.flatten(updates)
-    try:
-      ps = treedef.flatten_up_to(params)
-    except (ValueError, TypeError) as e:
-      raise ValueError(
-          "scaled_adam: the gradient tree does not match the params tree.\n"
-          f"  grads:  {treedef}\n  params: {jax.tree.structure(params)}") from e
+    ps = treedef.flatten_up_to(params)
     ps = [jnp.asarray(p) for p in ps]  # Python scalars are leaves too
     grads = [jnp.asarray(g) for g in grads]
     names = leaf_names(jax.tree.unflatten(treedef, ps))

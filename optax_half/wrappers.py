@@ -35,7 +35,7 @@ import optax
 from optax import MaskedNode
 
 from optax_half import rounding
-from optax_half._util import is_float, leaf_indices, seed_from_key, unzip
+from optax_half._util import check_trees, is_float, leaf_indices, seed_from_key, unzip
 
 __all__ = [
     "master_weights",
@@ -96,17 +96,6 @@ _DIRECT = "direct"  # wide enough: inner runs on it as is, no buffer
 _LOW = "low"        # 16-bit: inner runs on x, a buffer keeps the rest
 
 
-def _check_trees(name: str, updates, params) -> None:
-  if params is None:
-    raise ValueError(
-        f"{name} needs the current params: call tx.update(grads, state, params).")
-  if jax.tree.structure(updates) != jax.tree.structure(params):
-    raise ValueError(
-        f"{name}: the gradient tree does not match the params tree.\n"
-        f"  grads:  {jax.tree.structure(updates)}\n"
-        f"  params: {jax.tree.structure(params)}")
-
-
 def _lowp_wrapper(
     name: str,
     inner: optax.GradientTransformation,
@@ -147,7 +136,7 @@ def _lowp_wrapper(
     return buffers, inner.init(view(params, buffers, rl))
 
   def step(grads, buffers, inner_state, params, ctx, **extra_args):
-    _check_trees(name, grads, params)
+    check_trees(name, grads, params)
     params = jax.tree.map(jnp.asarray, params)
     if buffers is None:  # wrappers without per-leaf buffers
       buffers = jax.tree.map(lambda _: MaskedNode(), params)

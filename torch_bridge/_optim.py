@@ -10,7 +10,8 @@
   torch casts every floating state tensor to its param's dtype on load, which
   would round an fp32 master or fp32 moments of a bf16 param to bf16. Here each
   saved tensor is copied into the live buffer of the same dtype, bit for bit,
-  and a dtype or shape mismatch is an error.
+  and a dtype or shape mismatch is an error. Everything is checked before
+  anything is written; a ``"kind"`` entry names the optimizer that saved it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import numpy as np
 import torch
 
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
-           "check_param", "check_grad", "step_grad"]
+           "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
+           "step_grad"]
 
 
 def f32(x) -> float:
@@ -106,14 +108,41 @@ def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor
   return p.grad if g is None else g
 
 
-@torch.no_grad()
-def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-  """Loads ``state`` and ``param_groups`` into ``optimizer`` bit for bit.
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
+  """What wrote a state_dict: a torch_bridge optimizer's ``_kind()`` (its class and
+  the settings that decide its state), or the class name of any other optimizer."""
+  kind = getattr(optimizer, "_kind", None)
+  return kind() if callable(kind) else type(optimizer).__name__
 
-  Saved tensors are copied into the optimizer's live buffers (same dtype and
-  shape required) so that tensors shared with other objects (a wrapped
-  optimizer's param lists) keep their identity. ``step`` counters stay on
-  the CPU, other tensors go to their param's device.
+
+def check_kind(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+  """A clear error when ``state_dict`` says another kind of optimizer saved it.
+
+  A state dict without ``"kind"`` (saved by an older torch_bridge, or kept as
+  only ``state`` and ``param_groups`` by a checkpointing tool) is checked by
+  its structure alone (``prepare_load``).
+  """
+  mine, saved = optimizer_kind(optimizer), state_dict.get("kind")
+  if saved is not None and saved != mine:
+    raise ValueError(
+        f"this state_dict was saved by {saved}; this optimizer is {mine}. Load it into "
+        "the same kind of optimizer.")
+
+
+@torch.no_grad()
+def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=None):
+  """Checks ``state_dict`` against ``optimizer`` and returns a function that loads it.
+
+  Each saved param state must have the keys, dtypes and shapes of the state
+  the optimizer holds for that param, or, where it holds none yet (state made
+  on the first step), of ``template(group, param)`` when given. Every check
+  runs before anything is written, so a mismatch (the first one is named)
+  leaves the optimizer untouched: nothing is half-loaded. Loading copies each
+  saved tensor into the optimizer's live buffer of the same dtype and shape
+  (tensors shared with other objects, such as a wrapped optimizer's param
+  lists, keep their identity); ``step`` counters stay on the CPU, other new
+  tensors go to their param's device; a param without saved state loses the
+  state it had, as in ``torch.optim``.
   """
   groups = optimizer.param_groups
   saved_groups = state_dict["param_groups"]
@@ -127,23 +156,47 @@ def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) ->
           f"has {len(g['params'])}.")
   id_map = {old: p for g, s in zip(groups, saved_groups)
             for old, p in zip(s["params"], g["params"])}
+  group_of = {old: g for g, s in zip(groups, saved_groups) for old in s["params"]}
   for old, saved in state_dict["state"].items():
     if old not in id_map:
       raise ValueError(f"state_dict has state for param id {old}, which no group lists.")
-    p = id_map[old]
-    state = optimizer.state[p]
+    state = optimizer.state.get(id_map[old])  # .get: no empty entries on a failed load
+    if not state and template is not None:
+      state = template(group_of[old], id_map[old])
+    if state and set(saved) != set(state):
+      raise ValueError(
+          f"state of param {old}: saved {sorted(saved)}, the optimizer holds {sorted(state)}.")
     for name, value in saved.items():
       current = state.get(name)
-      if torch.is_tensor(value) and torch.is_tensor(current):
-        if current.dtype != value.dtype or current.shape != value.shape:
-          raise ValueError(
-              f"state {name!r} of param {old}: saved {value.dtype}{tuple(value.shape)}, "
-              f"the optimizer holds {current.dtype}{tuple(current.shape)}.")
-        current.copy_(value)
-      elif torch.is_tensor(value):
-        device = value.device if name == "step" else p.device
-        state[name] = value.to(device=device, copy=True)
-      else:
-        state[name] = copy.deepcopy(value)
-  for g, s in zip(groups, saved_groups):
-    g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})
+      if torch.is_tensor(value) and torch.is_tensor(current) and (
+          current.dtype != value.dtype or current.shape != value.shape):
+        raise ValueError(
+            f"state {name!r} of param {old}: saved {value.dtype}{tuple(value.shape)}, "
+            f"the optimizer holds {current.dtype}{tuple(current.shape)}.")
+
+  @torch.no_grad()
+  def load() -> None:
+    for old, p in id_map.items():
+      if old not in state_dict["state"]:
+        optimizer.state.pop(p, None)
+    for old, saved in state_dict["state"].items():
+      p = id_map[old]
+      state = optimizer.state[p]
+      for name, value in saved.items():
+        current = state.get(name)
+        if torch.is_tensor(value) and torch.is_tensor(current):
+          current.copy_(value)
+        elif torch.is_tensor(value):
+          device = value.device if name == "step" else p.device
+          state[name] = value.to(device=device, copy=True)
+        else:
+          state[name] = copy.deepcopy(value)
+    for g, s in zip(groups, saved_groups):
+      g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})
+
+  return load
+
+
+def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+  """Loads ``state`` and ``param_groups`` into ``optimizer`` bit for bit (see ``prepare_load``)."""
+  prepare_load(optimizer, state_dict)()

@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_hyperparams, check_param, f32, step_grad,
+from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_param, f32,
+                                 step_grad,
                                  load_state_dict_exact, seed_from_key)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
@@ -209,12 +210,19 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
   # -- checkpoints -----------------------------------------------------------
 
+  def _kind(self) -> str:
+    # The buffers (master, split low half, Kahan buffer or none) are checked
+    # by their keys and dtypes; switching the rounding when resuming is allowed.
+    return "LowPrecisionAdamW"
+
   def state_dict(self) -> dict:
     out = super().state_dict()
     out["seed"] = self._seed
+    out["kind"] = self._kind()
     return out
 
   def load_state_dict(self, state_dict: dict) -> None:
+    check_kind(self, state_dict)
     load_state_dict_exact(self, state_dict)
     self._seed = int(state_dict.get("seed", self._seed))
 

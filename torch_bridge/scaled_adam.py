@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_param, f32, load_state_dict_exact,
+from torch_bridge._optim import (check_grad, check_kind, check_param, f32, prepare_load,
                                  step_grad)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
@@ -128,9 +128,14 @@ class ScaledAdam(torch.optim.Optimizer):
   def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
     return True
 
-  @torch.no_grad()
   def _init_state(self, group: dict, p: torch.Tensor) -> dict:
-    state = self.state[p]
+    self.state[p].update(self._new_state(group, p))
+    return self.state[p]
+
+  @torch.no_grad()
+  def _new_state(self, group: dict, p: torch.Tensor) -> dict:
+    """The state of ``p`` before its first step (also what a loaded state must look like)."""
+    state = {}
     state["step"] = torch.tensor(0, dtype=torch.int64)
     state["delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -152,19 +157,24 @@ class ScaledAdam(torch.optim.Optimizer):
 
   # -- checkpoints -----------------------------------------------------------
 
+  def _kind(self) -> str:
+    return "ScaledAdam"
+
   def state_dict(self) -> dict:
     out = super().state_dict()
+    out["kind"] = self._kind()
     # A dict per group, so that later steps do not rewrite a saved state_dict's
     # counters (tensors are shared, as torch's own state_dict shares them).
     out["group_state"] = [dict(g) for g in self.group_state]
     return out
 
   def load_state_dict(self, state_dict: dict) -> None:
+    check_kind(self, state_dict)
     saved = state_dict.get("group_state")
     if saved is None or len(saved) != len(self.param_groups):
       raise ValueError("state_dict is not from a ScaledAdam with the same param groups "
                        "(its 'group_state' is missing or has another length).")
-    load_state_dict_exact(self, state_dict)
+    prepare_load(self, state_dict, template=self._new_state)()
     def device(i):
       params = self.param_groups[i]["params"]
       return params[0].device if params else None

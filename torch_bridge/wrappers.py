@@ -37,8 +37,8 @@ import math
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_param, load_state_dict_exact,
-                                 seed_from_key, step_grad)
+from torch_bridge._optim import (check_grad, check_kind, check_param, optimizer_kind,
+                                 prepare_load, seed_from_key, step_grad)
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
@@ -132,15 +132,25 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
 
   # -- checkpoints -----------------------------------------------------------
 
+  def _kind(self) -> str:
+    # The mode's buffers are checked by their keys and dtypes; the kind names
+    # the wrapped optimizer, whose own load_state_dict may check little.
+    return f"LowPrecisionWrapper({optimizer_kind(self.inner)})"
+
   def state_dict(self) -> dict:
     out = super().state_dict()
     out["inner"] = self.inner.state_dict()
     out["seed"] = self._seed
+    out["kind"] = self._kind()
     return out
 
   def load_state_dict(self, state_dict: dict) -> None:
-    load_state_dict_exact(self, {k: state_dict[k] for k in ("state", "param_groups")})
+    check_kind(self, state_dict)
+    # Check ours, load the inner optimizer's (it checks its own first), then ours:
+    # a mismatch anywhere leaves both untouched.
+    load = prepare_load(self, {k: state_dict[k] for k in ("state", "param_groups")})
     self.inner.load_state_dict(state_dict["inner"])
+    load()
     self._seed = int(state_dict.get("seed", self._seed))
 
   # -- the step --------------------------------------------------------------
