@@ -285,3 +285,13 @@ def test_params_without_saved_state_lose_theirs():
   assert len(opt.state) == 2
   opt.load_state_dict(saved)
   assert len(opt.state) == 0 and _equal(_snapshot(opt), saved)
+
+
+def test_fresh_wrapped_scaled_adam_resumes():
+  """A wrapper's stand-ins are empty between steps: the fresh inner ScaledAdam still loads."""
+  def make(m):
+    return tb.kahan_summation(tb.scaled_adam(m.parameters(), 0.03))
+  saved = _stepped(make, steps=3).state_dict()
+  fresh = _stepped(make, steps=0)
+  fresh.load_state_dict(saved)
+  assert _equal(_snapshot(fresh), saved)

@@ -135,7 +135,7 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
 
   Each saved param state must have the keys, dtypes and shapes of the state
   the optimizer holds for that param, or, where it holds none yet (state made
-  on the first step), of ``template(group, param)`` when given. Every check
+  on the first step), of ``template(group, param)`` when given and not None. Every check
   runs before anything is written, so a mismatch (the first one is named)
   leaves the optimizer untouched: nothing is half-loaded. Loading copies each
   saved tensor into the optimizer's live buffer of the same dtype and shape
@@ -160,9 +160,9 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
   for old, saved in state_dict["state"].items():
     if old not in id_map:
       raise ValueError(f"state_dict has state for param id {old}, which no group lists.")
-    state = optimizer.state.get(id_map[old])  # .get: no empty entries on a failed load
+    state = optimizer.state.get(id_map[old]) or {}  # .get: no empty entries on a failed load
     if not state and template is not None:
-      state = template(group_of[old], id_map[old])
+      state = template(group_of[old], id_map[old]) or {}
     if state and set(saved) != set(state):
       raise ValueError(
           f"state of param {old}: saved {sorted(saved)}, the optimizer holds {sorted(state)}.")

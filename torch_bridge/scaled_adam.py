@@ -174,7 +174,12 @@ class ScaledAdam(torch.optim.Optimizer):
     if saved is None or len(saved) != len(self.param_groups):
       raise ValueError("state_dict is not from a ScaledAdam with the same param groups "
                        "(its 'group_state' is missing or has another length).")
-    prepare_load(self, state_dict, template=self._new_state)()
+    # A fresh optimizer has no state yet: check against the state it would
+    # make, except for an empty tensor (a wrapper's stand-in between steps,
+    # whose shape is known only during a step).
+    def template(group, p):
+      return self._new_state(group, p) if p.numel() else None
+    prepare_load(self, state_dict, template=template)()
     def device(i):
       params = self.param_groups[i]["params"]
       return params[0].device if params else None
