@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Optional
 
 import numpy as np
 import torch
 
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
-           "step_grad"]
+           "step_grad", "run_step"]
 
 
 def f32(x) -> float:
@@ -195,6 +196,24 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
       g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})
 
   return load
+
+
+def run_step(optimizer: torch.optim.Optimizer, closure, step_all) -> Optional[torch.Tensor]:
+  """``Optimizer.step(closure)`` as every torch_bridge optimizer runs it.
+
+  ``closure`` (optional) re-evaluates the loss with gradients enabled; then
+  ``step_all()`` updates the params; the fp32 gradients a loss scaler handed
+  over (``_unscaled_grads``) are dropped afterwards, even if the step raised.
+  """
+  loss = None
+  if closure is not None:
+    with torch.enable_grad():
+      loss = closure()
+  try:
+    step_all()
+  finally:
+    optimizer._unscaled_grads.clear()
+  return loss
 
 
 def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:

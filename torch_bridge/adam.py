@@ -24,7 +24,7 @@ import torch
 
 from torch_bridge import rounding
 from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_param, f32,
-                                 step_grad,
+                                 run_step, step_grad,
                                  load_state_dict_exact, seed_from_key)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
@@ -244,15 +244,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
-    loss = None
-    if closure is not None:
-      with torch.enable_grad():
-        loss = closure()
-    try:
-      self._step_groups()
-    finally:
-      self._unscaled_grads.clear()
-    return loss
+    return run_step(self, closure, self._step_groups)
 
   def _step_groups(self) -> None:
     position = 0

@@ -25,7 +25,7 @@ import torch
 
 from torch_bridge import rounding
 from torch_bridge._optim import (check_grad, check_kind, check_param, f32, prepare_load,
-                                 step_grad)
+                                 run_step, step_grad)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
@@ -193,18 +193,13 @@ class ScaledAdam(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
-    loss = None
-    if closure is not None:
-      with torch.enable_grad():
-        loss = closure()
-    try:
-      position = 0
-      for group, gstate in zip(self.param_groups, self.group_state):
-        self._step_group(group, gstate, position)
-        position += len(group["params"])
-    finally:
-      self._unscaled_grads.clear()
-    return loss
+    return run_step(self, closure, self._step_groups)
+
+  def _step_groups(self) -> None:
+    position = 0
+    for group, gstate in zip(self.param_groups, self.group_state):
+      self._step_group(group, gstate, position)
+      position += len(group["params"])
 
   def _step_group(self, group: dict, gstate: dict, position: int) -> None:
     t = gstate["step"]

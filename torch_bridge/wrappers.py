@@ -38,7 +38,7 @@ import torch
 
 from torch_bridge import rounding
 from torch_bridge._optim import (check_grad, check_kind, check_param, optimizer_kind,
-                                 prepare_load, seed_from_key, step_grad)
+                                 prepare_load, run_step, seed_from_key, step_grad)
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
@@ -195,10 +195,9 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """Steps the wrapped optimizer on the fp32 stand-ins, chunk by chunk."""
-    loss = None
-    if closure is not None:
-      with torch.enable_grad():
-        loss = closure()
+    return run_step(self, closure, self._step_all)
+
+  def _step_all(self) -> None:
     self._sync_hyperparams()
     # (leaf position, param) of every param that takes a step.
     todo = []
@@ -229,8 +228,6 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     finally:
       for p, g in hidden.items():
         p.grad = g
-      self._unscaled_grads.clear()
-    return loss
 
   def _step_chunk(self, chunk, hidden) -> None:
     for _, p in chunk:
