@@ -110,8 +110,8 @@ def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
-  """What wrote a state_dict: a torch_bridge optimizer's ``_kind()`` (its class and
-  the settings that decide its state), or the class name of any other optimizer."""
+  """What wrote a state_dict: a torch_bridge optimizer's ``_kind()`` (its class, and
+  for a wrapper the wrapped optimizer's kind), or the class name of any other one."""
   kind = getattr(optimizer, "_kind", None)
   return kind() if callable(kind) else type(optimizer).__name__
 
@@ -136,8 +136,8 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
 
   Each saved param state must have the keys, dtypes and shapes of the state
   the optimizer holds for that param, or, where it holds none yet (state made
-  on the first step), of ``template(group, param)`` when given and not None. Every check
-  runs before anything is written, so a mismatch (the first one is named)
+  on the first step), of ``template(group, param)`` when that is not None.
+  Every check runs before anything is written, so a mismatch (the first one is named)
   leaves the optimizer untouched: nothing is half-loaded. Loading copies each
   saved tensor into the optimizer's live buffer of the same dtype and shape
   (tensors shared with other objects, such as a wrapped optimizer's param
