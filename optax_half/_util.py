@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def is_float(x) -> bool:
@@ -59,6 +60,21 @@ def check_trees(name: str, updates, params) -> None:
           f"{tuple(np.shape(g))}; the param has shape {tuple(np.shape(p))}.")
 
 
+def check_no_float64(name: str, params) -> None:
+  """Refuses float64 leaves where the math is fp32 (names the first one).
+
+  An fp32 update added to a float64 param would silently drop the precision
+  the user asked for.
+  """
+  for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = getattr(p, "dtype", None)
+    if dtype is not None and np.dtype(dtype) == np.float64:
+      raise ValueError(
+          f"{name}: params{jax.tree_util.keystr(path)} is float64, but the math here is "
+          "fp32 and would silently drop the extra precision. Cast the params to "
+          "float32 (or bf16/fp16), or use an optax optimizer for float64.")
+
+
 def leaf_indices(params):
   """Index of every float leaf among the float leaves, in flatten order.
 
@@ -77,3 +93,52 @@ def leaf_indices(params):
 def unzip(like, tuples, n: int):
   """A tree of n-tuples (at the leaves of ``like``) -> n trees."""
   return tuple(jax.tree.map(lambda _, t, k=k: t[k], like, tuples) for k in range(n))
+
+
+def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
+  """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
+
+  ``optax.apply_if_finite`` never giving up, for transformations whose updates
+  are wider than their gradients (the wrappers return fp32 updates for 16-bit
+  grads, which ``apply_if_finite``'s zero branch would not match). Same state,
+  ``optax.ApplyIfFiniteState``: on a non-finite gradient the updates are zero,
+  the inner state (step count included) is kept, ``notfinite_count`` (in a
+  row), ``last_finite`` and ``total_notfinite`` record the skip. The check is
+  one device-side reduction and a ``lax.cond``: no host sync.
+  """
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
+  if not skip_nonfinite:
+    return tx
+  inner = optax.with_extra_args_support(tx)
+
+  def init(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
+        total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
+
+  def update(updates, state, params=None, **extra_args):
+    checks = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates) if is_float(g)]
+    finite = jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+
+    def apply():
+      return inner.update(updates, state.inner_state, params, **extra_args)
+
+    shapes, _ = jax.eval_shape(apply)
+
+    def skip():
+      # -0.0: p + (-0.0) is p bit for bit, signed zeros included (+0.0 is not).
+      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype)
+                           if jnp.issubdtype(s.dtype, jnp.floating)
+                           else jnp.zeros(s.shape, s.dtype), shapes)
+      return zeros, state.inner_state
+
+    new_updates, inner_state = jax.lax.cond(finite, apply, skip)
+    return new_updates, optax.ApplyIfFiniteState(
+        notfinite_count=jnp.where(finite, 0, optax.safe_increment(state.notfinite_count)),
+        last_finite=finite,
+        total_notfinite=jnp.where(finite, state.total_notfinite,
+                                  optax.safe_increment(state.total_notfinite)),
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init, update)

@@ -23,7 +23,8 @@ import optax
 
 from optax_half import rounding
 from optax_half import wrappers
-from optax_half._util import check_trees, leaf_indices, seed_from_key, unzip
+from optax_half._util import (check_no_float64, check_trees, leaf_indices,
+                              maybe_skip_nonfinite, seed_from_key, unzip)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
@@ -124,6 +125,8 @@ def scale_by_adamw(
     return jnp.dtype(override) if override is not None else jnp.dtype(p.dtype)
 
   def init(params):
+    check_no_float64("scale_by_adamw (the fp32 AdamW core of adamw_bf16 and "
+                     "adam_fp32_master)", params)
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(mu_dtype, p)), params)
     nu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(nu_dtype, p)), params)
     return ScaleByAdamWState(jnp.zeros([], jnp.int32), mu, nu,
@@ -185,6 +188,7 @@ def adam_fp32_master(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
 
@@ -196,11 +200,16 @@ def adam_fp32_master(
     learning_rate: a float or an optax schedule (``count -> lr``).
     b1, b2, eps: Adam coefficients.
     weight_decay: decoupled weight decay (AdamW), multiplied by the lr.
+    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
+      Inf: ``optax.apply_if_finite`` around the whole optimizer, never giving
+      up. Without it a non-finite gradient element poisons its own param and
+      moments (docs/algorithms.md, "Non-finite gradients").
   """
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                         state_rounding="nearest")
-  return wrappers.master_weights(core, master_dtype=jnp.float32)
+  return maybe_skip_nonfinite(wrappers.master_weights(core, master_dtype=jnp.float32),
+                              skip_nonfinite)
 
 
 def adamw_bf16(
@@ -214,6 +223,7 @@ def adamw_bf16(
     nu_dtype=None,
     state_rounding: str = "stochastic",
     key=None,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
@@ -240,7 +250,9 @@ def adamw_bf16(
     compensation: one of "kahan", "split", "stochastic", "none".
     mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
-    key: ``None``, a Python int or a JAX PRNG key.
+    key: ``None`` (seed 0), a Python int or a JAX PRNG key.
+    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
+      Inf, as in ``adam_fp32_master``.
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(
@@ -252,7 +264,7 @@ def adamw_bf16(
   elif compensation == "split":
     tx = wrappers.master_weights(core, master_dtype=jnp.float32, split=True)
   elif compensation == "stochastic":
-    tx = wrappers.stochastic_rounding(core, key=key)
+    tx = wrappers.stochastic_rounding(core, key=0 if key is None else key)
   else:
     tx = wrappers.round_to_nearest(core)
 
@@ -271,4 +283,5 @@ def adamw_bf16(
                                      nu=like_param(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
-  return optax.GradientTransformationExtraArgs(init, tx.update)
+  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, tx.update),
+                              skip_nonfinite)

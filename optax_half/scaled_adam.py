@@ -36,7 +36,7 @@ import optax
 from optax import MaskedNode
 
 from optax_half import rounding
-from optax_half._util import check_trees, is_float
+from optax_half._util import check_no_float64, check_trees, is_float, maybe_skip_nonfinite
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
 
@@ -169,6 +169,7 @@ def scaled_adam(
     size_update_period: int = 4,
     clipping_update_period: int = 100,
     show_dominant_parameters: bool = False,
+    skip_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""ScaledAdam: Adam with updates proportional to each tensor's RMS, and a learnt scale.
 
@@ -220,6 +221,10 @@ def scaled_adam(
       the norm. Logging is also on when that logger is enabled for INFO at
       trace time; otherwise no callback is compiled in. The statistics are in
       the state either way (``scaled_adam_stats``).
+    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
+      Inf (``optax.apply_if_finite``, never giving up). Without it one
+      non-finite element reaches every param through the clipping norm and the
+      scale gradients.
 
   Returns:
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
@@ -240,6 +245,7 @@ def scaled_adam(
             f"scaled_adam: leaf {i} of the params has dtype {jnp.asarray(p).dtype}; only "
             "float params can be optimized (mask integer leaves with optax.masked, or "
             "wrap scaled_adam in optax_half.master_weights / kahan_summation, which do).")
+    check_no_float64("scaled_adam", params)
 
     def rms(p):
       p32 = rounding.widen(p)
@@ -416,7 +422,8 @@ def scaled_adam(
     due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
     jax.lax.cond(due, lambda: jax.debug.callback(host_log, t, c), lambda: None)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
+                              skip_nonfinite)
 
 
 def _stats_dict(c: ScaledAdamClippingState, names) -> dict:

@@ -86,6 +86,9 @@ class StochasticRoundingState(NamedTuple):
   inner_state: Any
 
 
+_WRAPPER_STATES = (MasterWeightsState, KahanSummationState, RoundToNearestState,
+                   StochasticRoundingState)
+
 # ---------------------------------------------------------------------------
 # Shared machinery.
 # ---------------------------------------------------------------------------
@@ -133,7 +136,9 @@ def _lowp_wrapper(
     rl = roles(params)
     buffers = jax.tree.map(
         lambda p, r: init_buffer(p) if r == _LOW else MaskedNode(), params, rl)
-    return buffers, inner.init(view(params, buffers, rl))
+    inner_state = inner.init(view(params, buffers, rl))
+    _check_not_nested(name, inner_state)
+    return buffers, inner_state
 
   def step(grads, buffers, inner_state, params, ctx, **extra_args):
     check_trees(name, grads, params)
@@ -168,6 +173,25 @@ def _lowp_wrapper(
     return updates, buffers, inner_state
 
   return init, step
+
+
+def _check_not_nested(name, inner_state) -> None:
+  """Refuses an inner transformation that is itself a low-precision wrapper.
+
+  Its state would hold one of the wrapper states: ``adamw_bf16``,
+  ``adam_fp32_master`` and every wrapper here keep their own master,
+  compensation or rounding, and a second layer would only hand them fp32
+  params (a second master copy, or a buffer that never fills).
+  """
+  nested = [type(x).__name__ for x in jax.tree.leaves(
+      inner_state, is_leaf=lambda x: isinstance(x, _WRAPPER_STATES))
+            if isinstance(x, _WRAPPER_STATES)]
+  if nested:
+    raise ValueError(
+        f"{name}: the inner transformation already keeps low-precision params "
+        f"(its state holds a {nested[0]}: adamw_bf16, adam_fp32_master and the "
+        "wrappers do). Wrap a plain optimizer once, e.g. "
+        f"{name}(optax.adam(1e-3)), or use the named optimizer alone.")
 
 
 def _validate_inner(name, inner):
@@ -315,7 +339,7 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
 
 
 def stochastic_rounding(inner: optax.GradientTransformation,
-                        key=None) -> optax.GradientTransformationExtraArgs:
+                        key) -> optax.GradientTransformationExtraArgs:
   r"""Stochastically rounded 16-bit params: unbiased, no extra buffer.
 
   For each 16-bit leaf, in fp32: ``x = p``, ``x' = x + u``,
@@ -327,12 +351,18 @@ def stochastic_rounding(inner: optax.GradientTransformation,
 
   Args:
     inner: the transformation to run on the fp32 view of the params.
-    key: ``None`` (seed 0), a Python int, or a JAX PRNG key.
+    key: a Python int or a JAX PRNG key (required: the random bits are a
+      function of it; ``adamw_bf16(compensation="stochastic")`` defaults to
+      seed 0).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with ``StochasticRoundingState``.
   """
   _validate_inner("stochastic_rounding", inner)
+  if key is None:
+    raise ValueError(
+        "stochastic_rounding needs a key: pass key=<int seed> (an int gives the same "
+        "random bits in optax_half and torch_bridge; optax_half also takes a jax.random.key).")
   seed_from_key(key)  # a bad key fails here, not at init
 
   def write(x_new, p, buf, leaf, ctx):

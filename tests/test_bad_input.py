@@ -8,6 +8,7 @@ mismatch and leaves the optimizer untouched (nothing half-loaded).
 import re
 
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -61,7 +62,36 @@ JAX_CASES = [
      ValueError, "build the optimizer as optax_half.dynamic_loss_scale"),
     ("no ScaledAdam in the state", lambda: oh.scaled_adam_stats(optax.adam(1e-3).init(BF16)),
      ValueError, "no ScaledAdamState"),
+    ("kahan_summation of master_weights",
+     lambda: oh.kahan_summation(oh.master_weights(optax.adam(1e-3))).init(BF16),
+     ValueError, r"kahan_summation: the inner transformation already keeps low-precision "
+                 r"params \(its state holds a MasterWeightsState"),
+    ("master_weights of adamw_bf16", lambda: oh.master_weights(oh.adamw_bf16(1e-3)).init(BF16),
+     ValueError, r"master_weights: the inner transformation already keeps low-precision "
+                 r"params \(its state holds a KahanSummationState"),
+    ("stochastic_rounding of adam_fp32_master",
+     lambda: oh.stochastic_rounding(oh.adam_fp32_master(1e-3), key=0).init(BF16),
+     ValueError, r"stochastic_rounding: the inner transformation already keeps "
+                 r"low-precision params \(its state holds a MasterWeightsState"),
+    ("stochastic rounding without a key",
+     lambda: oh.stochastic_rounding(optax.adam(1e-3), key=None),
+     ValueError, r"stochastic_rounding needs a key: pass key=<int seed>"),
+    ("float64 params", lambda: _with_x64(lambda: oh.adamw_bf16(1e-3).init(
+        {"w": jnp.ones(3, jnp.float64)})),
+     ValueError, r"scale_by_adamw \(the fp32 AdamW core of adamw_bf16 and adam_fp32_master\): "
+                 r"params\['w'\] is float64, but the math here is fp32"),
+    ("float64 params, scaled_adam", lambda: oh.scaled_adam().init(
+        {"w": np.ones(3, np.float64)}),
+     ValueError, r"scaled_adam: params\['w'\] is float64"),
+    ("skip_nonfinite not a bool", lambda: oh.adamw_bf16(1e-3, skip_nonfinite="yes"),
+     TypeError, "skip_nonfinite must be True or False; got 'yes'"),
 ]
+
+
+def _with_x64(fn):
+  import jax  # noqa: PLC0415
+  with jax.enable_x64(True):
+    return fn()
 
 
 @pytest.mark.parametrize("name,call,error,message", JAX_CASES, ids=[c[0] for c in JAX_CASES])
@@ -92,7 +122,26 @@ TORCH_CASES = [
      TypeError, "the wrappers take a constructed torch.optim.Optimizer"),
     ("wrapping a wrapper", lambda: tb.master_weights(
         tb.kahan_summation(torch.optim.Adam(_model().parameters()))),
-     TypeError, "wrapping a torch_bridge wrapper in another one is not supported"),
+     ValueError, r"master_weights: the inner optimizer already keeps low-precision params "
+                 r"\(it is a kahan_summation wrapper"),
+    ("master_weights of adam_fp32_master",
+     lambda: tb.master_weights(tb.adam_fp32_master(_model().parameters(), 1e-3)),
+     ValueError, r"master_weights: the inner optimizer already keeps low-precision params "
+                 r"\(it is adam_fp32_master"),
+    ("kahan_summation of adamw_bf16",
+     lambda: tb.kahan_summation(tb.adamw_bf16(_model().parameters(), 1e-3)),
+     ValueError, r"\(it is adamw_bf16\(compensation='kahan'\)"),
+    ("stochastic rounding without a key",
+     lambda: tb.stochastic_rounding(torch.optim.Adam(_model().parameters()), key=None),
+     ValueError, r"stochastic_rounding needs a key: pass key=<int seed>"),
+    ("float64 params", lambda: tb.adamw_bf16(_model().double().parameters(), 1e-3),
+     ValueError, r"scale_by_adamw \(the fp32 AdamW core of adamw_bf16 and adam_fp32_master\): "
+                 "param 0 is float64, but the math here is fp32"),
+    ("float64 params, scaled_adam", lambda: tb.scaled_adam(_model().double().parameters()),
+     ValueError, "scaled_adam: param 0 is float64"),
+    ("skip_nonfinite not a bool",
+     lambda: tb.adamw_bf16(_model().parameters(), 1e-3, skip_nonfinite="yes"),
+     TypeError, "skip_nonfinite must be True or False; got 'yes'"),
     ("loss scale init_scale", lambda: tb.dynamic_loss_scale(init_scale=0.0),
      ValueError, "init_scale must be > 0"),
     ("scaled_adam clipping_scale", lambda: tb.scaled_adam(_model().parameters(), 0.03,
@@ -118,6 +167,8 @@ def test_jax_and_torch_say_the_same():
        lambda: tb.adamw_bf16(_model().parameters(), 1e-3, eps=0.0)),
       (lambda: oh.dynamic_loss_scale(optax.adam(1e-3), init_scale=0.0),
        lambda: tb.dynamic_loss_scale(init_scale=0.0)),
+      (lambda: oh.stochastic_rounding(optax.adam(1e-3), key=None),
+       lambda: tb.stochastic_rounding(torch.optim.Adam(_model().parameters()), key=None)),
   ]
   for jax_call, torch_call in pairs:
     with pytest.raises(ValueError) as a:

@@ -486,11 +486,11 @@ def test_wrappers_keep_no_fp32_copy_and_chunks_do_not_change_results(wrap, monke
 
 def test_wrapped_torch_bridge_optimizer_keeps_its_schedule_count():
   """A wrapper copies the user's hyperparameters into the wrapped optimizer
-  before each step, but not its step count: a scheduled adamw_bf16 inside
+  before each step, but not its step count: a scheduled scale_by_adamw inside
   kahan_summation follows its schedule (the count was reset to 0 before)."""
   p = [torch.ones(4, dtype=torch.bfloat16, requires_grad=True)]
   schedule = tb.preheat_decay_schedule(1e-2, preheat_steps=10)
-  opt = tb.kahan_summation(tb.adamw_bf16(p, schedule))
+  opt = tb.kahan_summation(tb.scale_by_adamw(p, schedule))
   for _ in range(5):
     p[0].grad = torch.ones(4, dtype=torch.bfloat16)
     opt.step()

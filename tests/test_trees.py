@@ -87,7 +87,7 @@ def test_jit_and_no_jit_agree(name):
 def test_fp32_leaves_in_a_wrapper_follow_the_inner_transformation():
   params = {"w": jnp.ones((4,), jnp.float32), "h": jnp.ones((4,), jnp.bfloat16)}
   g = {"w": jnp.full((4,), 0.5), "h": jnp.full((4,), 0.5, jnp.bfloat16)}
-  for tx in (oh.kahan_summation(optax.sgd(0.1)), oh.stochastic_rounding(optax.sgd(0.1))):
+  for tx in (oh.kahan_summation(optax.sgd(0.1)), oh.stochastic_rounding(optax.sgd(0.1), key=0)):
     u, _ = tx.update(g, tx.init(params), params)
     assert bitwise_equal(u["w"], jnp.full((4,), -0.05, jnp.float32))
 

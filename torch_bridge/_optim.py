@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
-           "step_grad", "run_step"]
+           "step_grad", "run_step", "init_skip_nonfinite"]
 
 
 def f32(x) -> float:
@@ -89,6 +89,15 @@ def check_param(p: torch.Tensor, position: int) -> None:
     raise ValueError(
         f"param {position} has dtype {p.dtype}: only floating-point params can be "
         "optimized (keep integer buffers out of the optimizer).")
+
+
+def check_no_float64(p: torch.Tensor, position: int, name: str) -> None:
+  """The check of ``optax_half._util.check_no_float64``, same message."""
+  if p.dtype == torch.float64:
+    raise ValueError(
+        f"{name}: param {position} is float64, but the math here is fp32 and would "
+        "silently drop the extra precision. Cast the params to float32 (or bf16/fp16), "
+        "or use a torch.optim optimizer for float64.")
 
 
 def check_grad(grad: torch.Tensor, position: int) -> None:
@@ -198,18 +207,48 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
   return load
 
 
+def init_skip_nonfinite(optimizer: torch.optim.Optimizer, skip_nonfinite: bool) -> None:
+  """Sets up ``skip_nonfinite`` and its counters (``optax.ApplyIfFiniteState``'s
+  names: ``notfinite_count`` in a row, ``last_finite``, ``total_notfinite``)."""
+  if not isinstance(skip_nonfinite, bool):
+    raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
+  optimizer._skip_nonfinite = skip_nonfinite
+  optimizer.nonfinite = {"notfinite_count": 0, "last_finite": True, "total_notfinite": 0}
+
+
+def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+  """Whether every gradient the step would use is finite: one host read."""
+  checks = [torch.isfinite(step_grad(optimizer, p)).all()
+            for group in optimizer.param_groups for p in group["params"]
+            if p.grad is not None and p.requires_grad]
+  return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
+
+
 def run_step(optimizer: torch.optim.Optimizer, closure, step_all) -> Optional[torch.Tensor]:
   """``Optimizer.step(closure)`` as every torch_bridge optimizer runs it.
 
   ``closure`` (optional) re-evaluates the loss with gradients enabled; then
-  ``step_all()`` updates the params; the fp32 gradients a loss scaler handed
-  over (``_unscaled_grads``) are dropped afterwards, even if the step raised.
+  ``step_all()`` updates the params, unless ``skip_nonfinite`` is on and a
+  gradient holds a NaN or Inf: then nothing changes (step counts included) and
+  the skip is counted in ``optimizer.nonfinite``. That check reads one bool on
+  the host, as ``torch.amp.GradScaler.step`` does. The fp32 gradients a loss
+  scaler handed over (``_unscaled_grads``) are dropped afterwards, even if the
+  step raised.
   """
   loss = None
   if closure is not None:
     with torch.enable_grad():
       loss = closure()
   try:
+    if getattr(optimizer, "_skip_nonfinite", False):
+      finite = _grads_finite(optimizer)
+      counters = optimizer.nonfinite
+      counters["last_finite"] = finite
+      if not finite:
+        counters["notfinite_count"] = min(counters["notfinite_count"] + 1, 2**31 - 1)
+        counters["total_notfinite"] = min(counters["total_notfinite"] + 1, 2**31 - 1)
+        return loss
+      counters["notfinite_count"] = 0
     step_all()
   finally:
     optimizer._unscaled_grads.clear()

@@ -23,14 +23,15 @@ from typing import Callable, Optional
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_param, f32,
-                                 run_step, step_grad,
+from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_no_float64,
+                                 check_param, f32, init_skip_nonfinite, run_step, step_grad,
                                  load_state_dict_exact, seed_from_key)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
 
 _COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+_CORE_NAME = "scale_by_adamw (the fp32 AdamW core of adamw_bf16 and adam_fp32_master)"
 _STATE_ROUNDINGS = ("stochastic", "nearest")
 
 # Per-tensor modes: how a param is read into fp32 and written back.
@@ -155,7 +156,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                eps: float = 1e-8, weight_decay: float = 0.0, *,
                compensation: str = "kahan", mu_dtype: Optional[torch.dtype] = None,
                nu_dtype: Optional[torch.dtype] = None, state_rounding: str = "nearest",
-               key=None, fused: bool = False):
+               key=None, skip_nonfinite: bool = False, fused: bool = False):
     if compensation not in _COMPENSATIONS + (_MASTER,):
       raise ValueError(
           f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
@@ -173,6 +174,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     self._state_rounding = state_rounding
     self._seed = seed_from_key(key)
     self._fused = bool(fused)
+    init_skip_nonfinite(self, skip_nonfinite)
     self._n_params = 0
     self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     defaults = dict(lr=lr0, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=0)
@@ -187,6 +189,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                       group["weight_decay"])
     for p in group["params"]:
       check_param(p, self._n_params)
+      check_no_float64(p, self._n_params, _CORE_NAME)
       self._init_state(p)
       self._n_params += 1
 
@@ -219,12 +222,14 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     out = super().state_dict()
     out["seed"] = self._seed
     out["kind"] = self._kind()
+    out["nonfinite"] = dict(self.nonfinite)
     return out
 
   def load_state_dict(self, state_dict: dict) -> None:
     check_kind(self, state_dict)
     load_state_dict_exact(self, state_dict)
     self._seed = int(state_dict.get("seed", self._seed))
+    self.nonfinite.update(state_dict.get("nonfinite", {}))
 
   # -- the step --------------------------------------------------------------
 
@@ -313,6 +318,7 @@ def adam_fp32_master(
     b2: float = 0.999,
     eps: float = 1e-8,
     weight_decay: float = 0.0,
+    skip_nonfinite: bool = False,
     *,
     fused: bool = False,
 ) -> LowPrecisionAdamW:
@@ -327,11 +333,16 @@ def adam_fp32_master(
     learning_rate: a float or a schedule ``count -> lr``.
     b1, b2, eps: Adam coefficients.
     weight_decay: decoupled weight decay, multiplied by the lr.
+    skip_nonfinite: skip (and count in ``optimizer.nonfinite``) every step whose
+      gradients hold a NaN or Inf; reads one bool on the host per step, like
+      ``torch.amp.GradScaler``. Without it a non-finite gradient element
+      poisons its own param and moments (docs/algorithms.md).
     fused: run the per-tensor step compiled by ``torch.compile`` (torch only).
   """
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
                            compensation=_MASTER, mu_dtype=torch.float32,
-                           nu_dtype=torch.float32, state_rounding="nearest", fused=fused)
+                           nu_dtype=torch.float32, state_rounding="nearest",
+                           skip_nonfinite=skip_nonfinite, fused=fused)
 
 
 def adamw_bf16(
@@ -346,6 +357,7 @@ def adamw_bf16(
     nu_dtype=None,
     state_rounding: str = "stochastic",
     key=None,
+    skip_nonfinite: bool = False,
     *,
     fused: bool = False,
 ) -> LowPrecisionAdamW:
@@ -367,6 +379,8 @@ def adamw_bf16(
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
     key: ``None`` (seed 0) or an integer seed; the same seed as an integer key
       in ``optax_half`` gives the same random bits.
+    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
+      Inf, as in ``adam_fp32_master``.
     fused: run the per-tensor step compiled by ``torch.compile`` (torch only).
   """
   if compensation not in _COMPENSATIONS:
@@ -375,4 +389,4 @@ def adamw_bf16(
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
                            compensation=compensation, mu_dtype=mu_dtype,
                            nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
-                           fused=fused)
+                           skip_nonfinite=skip_nonfinite, fused=fused)

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_kind, check_param, f32, prepare_load,
-                                 run_step, step_grad)
+from torch_bridge._optim import (check_grad, check_kind, check_no_float64, check_param, f32,
+                                 init_skip_nonfinite, prepare_load, run_step, step_grad)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
@@ -92,13 +92,15 @@ class ScaledAdam(torch.optim.Optimizer):
                b2: float = 0.98, scalar_lr_scale: float = 0.1, eps: float = 1e-8,
                param_min_rms: float = 1e-5, param_max_rms: float = 3.0,
                scalar_max: float = 10.0, size_update_period: int = 4,
-               clipping_update_period: int = 100, show_dominant_parameters: bool = False):
+               clipping_update_period: int = 100, show_dominant_parameters: bool = False,
+               skip_nonfinite: bool = False):
     check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                            param_min_rms, param_max_rms, scalar_max, size_update_period,
                            clipping_update_period)
     self._schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
     lr0 = float(learning_rate(0)) if self._schedule is not None else float(learning_rate)
     self.show_dominant_parameters = bool(show_dominant_parameters)
+    init_skip_nonfinite(self, skip_nonfinite)
     self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     self.group_state: list = []
     self._n_params = 0
@@ -122,6 +124,7 @@ class ScaledAdam(torch.optim.Optimizer):
                            group["size_update_period"], group["clipping_update_period"])
     for p in group["params"]:
       check_param(p, self._n_params)
+      check_no_float64(p, self._n_params, "scaled_adam")
       self._n_params += 1
     self.group_state.append({"step": 0})
 
@@ -166,6 +169,7 @@ class ScaledAdam(torch.optim.Optimizer):
     # A dict per group, so that later steps do not rewrite a saved state_dict's
     # counters (tensors are shared, as torch's own state_dict shares them).
     out["group_state"] = [dict(g) for g in self.group_state]
+    out["nonfinite"] = dict(self.nonfinite)
     return out
 
   def load_state_dict(self, state_dict: dict) -> None:
@@ -186,6 +190,7 @@ class ScaledAdam(torch.optim.Optimizer):
     self.group_state = [
         {k: (v.to(device(i) or v.device, copy=True) if torch.is_tensor(v) else v)
          for k, v in g.items()} for i, g in enumerate(saved)]
+    self.nonfinite.update(state_dict.get("nonfinite", {}))
 
   # -- the step --------------------------------------------------------------
 
@@ -426,6 +431,7 @@ def scaled_adam(
     size_update_period: int = 4,
     clipping_update_period: int = 100,
     show_dominant_parameters: bool = False,
+    skip_nonfinite: bool = False,
 ) -> ScaledAdam:
   """ScaledAdam for torch: ``optax_half.scaled_adam`` as a ``torch.optim.Optimizer``.
 
@@ -437,4 +443,4 @@ def scaled_adam(
   """
   return ScaledAdam(params, learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                     param_min_rms, param_max_rms, scalar_max, size_update_period,
-                    clipping_update_period, show_dominant_parameters)
+                    clipping_update_period, show_dominant_parameters, skip_nonfinite)

@@ -46,6 +46,8 @@ __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to
 CHUNK_NUMEL = 1 << 24  # fp32 elements materialised per chunk (64 MiB of x + 64 MiB of grads)
 
 _MASTER, _SPLIT, _KAHAN, _STOCHASTIC, _NEAREST = "master", "split", "kahan", "stochastic", "none"
+_NAMES = {_MASTER: "master_weights", _SPLIT: "master_weights", _KAHAN: "kahan_summation",
+          _STOCHASTIC: "stochastic_rounding", _NEAREST: "round_to_nearest"}
 
 
 class LowPrecisionWrapper(torch.optim.Optimizer):
@@ -64,8 +66,13 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
       raise TypeError(
           "the wrappers take a constructed torch.optim.Optimizer (e.g. "
           f"torch.optim.Adam(model.parameters())); got {type(inner).__name__}.")
-    if isinstance(inner, LowPrecisionWrapper):
-      raise TypeError("wrapping a torch_bridge wrapper in another one is not supported.")
+    nested = _keeps_low_precision(inner)
+    if nested:
+      raise ValueError(
+          f"{_NAMES[mode]}: the inner optimizer already keeps low-precision params "
+          f"(it is {nested}: adamw_bf16, adam_fp32_master and the wrappers do). "
+          f"Wrap a plain optimizer once, e.g. {_NAMES[mode]}(torch.optim.Adam(...)), "
+          "or use the named optimizer alone.")
     self.inner = inner
     self._mode = mode
     self._master_dtype = master_dtype
@@ -254,6 +261,19 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
         self.state[p]["step"] += 1
 
 
+def _keeps_low_precision(inner) -> str:
+  """What ``optax_half.wrappers._check_not_nested`` finds in a JAX inner state:
+  a wrapper or a compensating named optimizer, named; or ''."""
+  from torch_bridge import adam  # noqa: PLC0415 (adam imports nothing from here)
+  if isinstance(inner, LowPrecisionWrapper):
+    return f"a {_NAMES[inner._mode]} wrapper"
+  if isinstance(inner, adam.LowPrecisionAdamW) and inner._compensation == _MASTER:
+    return "adam_fp32_master"
+  if isinstance(inner, adam.LowPrecisionAdamW) and inner._compensation != _NEAREST:
+    return f"adamw_bf16(compensation={inner._compensation!r})"
+  return ""
+
+
 def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
                    split: bool = False) -> LowPrecisionWrapper:
   """Keeps a ``master_dtype`` master copy of every narrower param.
@@ -280,11 +300,15 @@ def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
   return LowPrecisionWrapper(optimizer, _KAHAN)
 
 
-def stochastic_rounding(optimizer: torch.optim.Optimizer, key=None) -> LowPrecisionWrapper:
+def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWrapper:
   """Stochastically rounded 16-bit params, with the random bits of
-  ``optax_half.stochastic_rounding`` for the same integer ``key``: bits
-  ``random_bits(seed, step, STREAM_PARAMS, position, shape)`` with ``step``
-  the param's step count and ``position`` its place in the param groups."""
+  ``optax_half.stochastic_rounding`` for the same integer ``key`` (required):
+  bits ``random_bits(seed, step, STREAM_PARAMS, position, shape)`` with
+  ``step`` the param's step count and ``position`` its place in the param groups."""
+  if key is None:
+    raise ValueError(
+        "stochastic_rounding needs a key: pass key=<int seed> (an int gives the same "
+        "random bits in optax_half and torch_bridge; optax_half also takes a jax.random.key).")
   return LowPrecisionWrapper(optimizer, _STOCHASTIC, seed=seed_from_key(key))
 
 
