@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test demo install clean
+.PHONY: test soak demo install clean
 
 # Reinstall only when the package metadata changes: a second `make test` is seconds.
 $(STAMP): pyproject.toml
@@ -17,6 +17,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Long-run soak (tests/test_soak.py, marker `soak`, not in `make test`): 100k steps
+# of every optimizer in JAX and torch; SOAK_STEPS=10000 make soak for a shorter one.
+soak: $(STAMP)
+	$(PY) -m pytest -q -s -m soak tests/test_soak.py $(PYTEST_ARGS)
 
 # The main job: stale bf16 weights and their cures, JAX and torch (examples/demo.py).
 # Flags go in DEMO_ARGS, e.g. make demo DEMO_ARGS="--quick" or "--framework jax".
