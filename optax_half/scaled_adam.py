@@ -16,7 +16,8 @@ Differences from the seed, all documented in the spec:
   seed's docstring says (the seed's code clipped only the copy used by the
   size update);
 * the math is fp32 whatever the param dtype (the state keeps the param
-  dtype, as in the seed);
+  dtype, as in the seed, except fp32 second moments for fp16 params, whose
+  ``(1 - b2) g^2`` would underflow);
 * ``1 - b ** n`` comes from ``rounding.one_minus_pow`` (the same bits in
   torch), and ``array / scalar`` is a product with the fp32 reciprocal.
 
@@ -77,7 +78,8 @@ class ScaledAdamClippingState(NamedTuple):
 
 
 class ScaledAdamState(NamedTuple):
-  """State of ``scaled_adam``; per-leaf buffers are in the param dtype (as in the seed).
+  """State of ``scaled_adam``; per-leaf buffers are in the param dtype (as in the
+  seed), except the second moments of fp16 params, which are fp32.
 
   Attributes:
     count: int32 steps taken (the seed's ``step``).
@@ -140,6 +142,11 @@ def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scal
 def quartile_indices(period: int) -> list[int]:
   """Indices into the sorted norms that the seed reports: ``min(P-1, (P//4) n)``."""
   return [min(period - 1, (period // 4) * n) for n in range(QUARTILES)]
+
+
+def _second_moment_dtype(dtype):
+  """fp32 for fp16 params (whose g^2 underflows), else the param dtype (the seed's)."""
+  return jnp.float32 if jnp.dtype(dtype) == jnp.float16 else jnp.dtype(dtype)
 
 
 def _is_scalar(p) -> bool:
@@ -252,6 +259,9 @@ def scaled_adam(
       return jnp.sqrt(jnp.mean(p32 * p32)).astype(p.dtype)
 
     zeros = lambda p: jnp.zeros(p.shape, p.dtype)
+    # Second moments of fp16 params are fp32: (1 - b2) g^2 underflows fp16
+    # for |g| < ~2e-3 and the step would become g / eps (bf16 has fp32's range).
+    sq_zeros = lambda shape, p: jnp.zeros(shape, _second_moment_dtype(p.dtype))
     nonscalar = lambda f: (lambda p: MaskedNode() if _is_scalar(p) else f(p))
     params = jax.tree.map(jnp.asarray, params)
     clipping = ScaledAdamClippingState(
@@ -267,9 +277,9 @@ def scaled_adam(
     return ScaledAdamState(
         count=jnp.zeros([], jnp.int32),
         delta=jax.tree.map(zeros, params),
-        exp_avg_sq=jax.tree.map(zeros, params),
+        exp_avg_sq=jax.tree.map(lambda p: sq_zeros(p.shape, p), params),
         param_rms=jax.tree.map(nonscalar(rms), params),
-        scale_exp_avg_sq=jax.tree.map(nonscalar(lambda p: jnp.zeros([], p.dtype)), params),
+        scale_exp_avg_sq=jax.tree.map(nonscalar(lambda p: sq_zeros([], p)), params),
         scale_grads=jax.tree.map(nonscalar(lambda p: jnp.zeros([S], p.dtype)), params),
         clipping=clipping)
 

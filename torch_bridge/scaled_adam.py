@@ -141,11 +141,13 @@ class ScaledAdam(torch.optim.Optimizer):
     state = {}
     state["step"] = torch.tensor(0, dtype=torch.int64)
     state["delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    # Second moments of fp16 params are fp32, as in optax_half (g^2 underflows fp16).
+    sq_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
+    state["exp_avg_sq"] = torch.zeros_like(p, dtype=sq_dtype, memory_format=torch.preserve_format)
     if not _is_scalar(p):
       p32 = rounding.widen(p)
       state["param_rms"] = rounding.sqrt((p32 * p32).mean()).to(p.dtype)
-      state["scale_exp_avg_sq"] = torch.zeros((), dtype=p.dtype, device=p.device)
+      state["scale_exp_avg_sq"] = torch.zeros((), dtype=sq_dtype, device=p.device)
       state["scale_grads"] = torch.zeros(group["size_update_period"], dtype=p.dtype,
                                          device=p.device)
     return state
