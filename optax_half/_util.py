@@ -68,7 +68,9 @@ def check_no_float64(name: str, params) -> None:
   """
   for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
     dtype = getattr(p, "dtype", None)
-    if dtype is not None and np.dtype(dtype) == np.float64:
+    # The canonical dtype: with x64 off (JAX's default) a numpy float64 leaf is
+    # an fp32 array to every JAX op, the wrappers' included, and is accepted.
+    if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) == np.float64:
       raise ValueError(
           f"{name}: params{jax.tree_util.keystr(path)} is float64, but the math here is "
           "fp32 and would silently drop the extra precision. Cast the params to "
@@ -95,16 +97,35 @@ def unzip(like, tuples, n: int):
   return tuple(jax.tree.map(lambda _, t, k=k: t[k], like, tuples) for k in range(n))
 
 
+def all_finite(tree) -> jax.Array:
+  """One bool scalar: every element of every float leaf is finite (True if none).
+
+  Under ``jax.jit`` one device-side reduction, no host sync. Called eagerly on
+  leaves committed to different devices (no single device holds them all),
+  the per-leaf bools are read on the host and the result is an uncommitted
+  array, usable next to a leaf on any device.
+  """
+  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
+  if not checks:
+    return jnp.ones((), jnp.bool_)
+  devices = {d for c in checks if not isinstance(c, jax.core.Tracer) for d in c.devices()}
+  if len(devices) > 1:
+    return jnp.asarray(all(bool(c) for c in checks))
+  return jnp.all(jnp.stack(checks))
+
+
 def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
   """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
 
   ``optax.apply_if_finite`` never giving up, for transformations whose updates
   are wider than their gradients (the wrappers return fp32 updates for 16-bit
   grads, which ``apply_if_finite``'s zero branch would not match). Same state,
-  ``optax.ApplyIfFiniteState``: on a non-finite gradient the updates are zero,
+  ``optax.ApplyIfFiniteState``: on a non-finite gradient the updates are -0.0,
   the inner state (step count included) is kept, ``notfinite_count`` (in a
-  row), ``last_finite`` and ``total_notfinite`` record the skip. The check is
-  one device-side reduction and a ``lax.cond``: no host sync.
+  row), ``last_finite`` and ``total_notfinite`` record the skip. Under
+  ``jax.jit`` the check is one device-side reduction and a ``lax.cond``: no
+  host sync. Called eagerly (op by op), the branch is taken in Python, so the
+  step runs op by op too, on whatever devices its leaves are on.
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
@@ -118,22 +139,23 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
   def update(updates, state, params=None, **extra_args):
-    checks = [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(updates) if is_float(g)]
-    finite = jnp.all(jnp.stack(checks)) if checks else jnp.array(True)
+    finite = all_finite(updates)
 
     def apply():
       return inner.update(updates, state.inner_state, params, **extra_args)
 
-    shapes, _ = jax.eval_shape(apply)
-
     def skip():
+      shapes, _ = jax.eval_shape(apply)
       # -0.0: p + (-0.0) is p bit for bit, signed zeros included (+0.0 is not).
       zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype)
                            if jnp.issubdtype(s.dtype, jnp.floating)
                            else jnp.zeros(s.shape, s.dtype), shapes)
       return zeros, state.inner_state
 
-    new_updates, inner_state = jax.lax.cond(finite, apply, skip)
+    if isinstance(finite, jax.core.Tracer):
+      new_updates, inner_state = jax.lax.cond(finite, apply, skip)
+    else:
+      new_updates, inner_state = apply() if bool(finite) else skip()
     return new_updates, optax.ApplyIfFiniteState(
         notfinite_count=jnp.where(finite, 0, optax.safe_increment(state.notfinite_count)),
         last_finite=finite,

@@ -127,6 +127,7 @@ def scale_by_adamw(
   def init(params):
     check_no_float64("scale_by_adamw (the fp32 AdamW core of adamw_bf16 and "
                      "adam_fp32_master)", params)
+    params = jax.tree.map(jnp.asarray, params)  # canonical dtypes (x64 off: f64 -> f32)
     mu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(mu_dtype, p)), params)
     nu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(nu_dtype, p)), params)
     return ScaleByAdamWState(jnp.zeros([], jnp.int32), mu, nu,

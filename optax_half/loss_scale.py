@@ -38,7 +38,7 @@ import numpy as np
 import optax
 
 from optax_half import rounding
-from optax_half._util import is_float
+from optax_half._util import all_finite, is_float
 
 __all__ = [
     "DynamicLossScaleState",
@@ -179,14 +179,6 @@ def dynamic_loss_scale(
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def all_finite(tree) -> jax.Array:
-  """One bool scalar: every element of every float leaf is finite (True if none)."""
-  checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
-  if not checks:
-    return jnp.ones((), jnp.bool_)
-  return jnp.all(jnp.stack(checks))
 
 
 def _value(x):

@@ -108,6 +108,7 @@ def _lowp_wrapper(
     init_buffer: Callable[[jax.Array], jax.Array],
     read: Callable[[jax.Array, jax.Array], jax.Array],
     write: Callable[..., tuple[jax.Array, jax.Array]],
+    nested_ok: bool = False,
 ):
   """Builds (init, step) for a wrapper from per-leaf rules.
 
@@ -137,7 +138,8 @@ def _lowp_wrapper(
     buffers = jax.tree.map(
         lambda p, r: init_buffer(p) if r == _LOW else MaskedNode(), params, rl)
     inner_state = inner.init(view(params, buffers, rl))
-    _check_not_nested(name, inner_state)
+    if not nested_ok:
+      _check_not_nested(name, inner_state)
     return buffers, inner_state
 
   def step(grads, buffers, inner_state, params, ctx, **extra_args):
@@ -181,7 +183,9 @@ def _check_not_nested(name, inner_state) -> None:
   Its state would hold one of the wrapper states: ``adamw_bf16``,
   ``adam_fp32_master`` and every wrapper here keep their own master,
   compensation or rounding, and a second layer would only hand them fp32
-  params (a second master copy, or a buffer that never fills).
+  params (a second master copy, or a buffer that never fills). Not checked
+  under ``master_weights`` with a 16-bit ``master_dtype`` (bf16 masters of
+  fp8 params): there the inner wrapper has 16-bit params of its own to keep.
   """
   nested = [type(x).__name__ for x in jax.tree.leaves(
       inner_state, is_leaf=lambda x: isinstance(x, _WRAPPER_STATES))
@@ -279,7 +283,8 @@ def master_weights(
 
   init_fn, step = _lowp_wrapper(
       "master_weights", inner, role=role, work_dtype=lambda _: master_dtype,
-      init_buffer=init_buffer, read=read, write=write)
+      init_buffer=init_buffer, read=read, write=write,
+      nested_ok=master_dtype.itemsize < 4)
 
   def init(params):
     return MasterWeightsState(*init_fn(params))

@@ -80,9 +80,14 @@ JAX_CASES = [
         {"w": jnp.ones(3, jnp.float64)})),
      ValueError, r"scale_by_adamw \(the fp32 AdamW core of adamw_bf16 and adam_fp32_master\): "
                  r"params\['w'\] is float64, but the math here is fp32"),
-    ("float64 params, scaled_adam", lambda: oh.scaled_adam().init(
-        {"w": np.ones(3, np.float64)}),
+    ("float64 params, scaled_adam", lambda: _with_x64(lambda: oh.scaled_adam().init(
+        {"w": np.ones(3, np.float64)})),
      ValueError, r"scaled_adam: params\['w'\] is float64"),
+    ("kahan_summation of adamw_bf16(compensation='none', skip_nonfinite=True)",
+     lambda: oh.kahan_summation(
+         oh.adamw_bf16(1e-3, compensation="none", skip_nonfinite=True)).init(BF16),
+     ValueError, r"kahan_summation: the inner transformation already keeps low-precision "
+                 r"params \(its state holds a RoundToNearestState"),
     ("skip_nonfinite not a bool", lambda: oh.adamw_bf16(1e-3, skip_nonfinite="yes"),
      TypeError, "skip_nonfinite must be True or False; got 'yes'"),
 ]
@@ -131,6 +136,15 @@ TORCH_CASES = [
     ("kahan_summation of adamw_bf16",
      lambda: tb.kahan_summation(tb.adamw_bf16(_model().parameters(), 1e-3)),
      ValueError, r"\(it is adamw_bf16\(compensation='kahan'\)"),
+    ("kahan_summation of adamw_bf16(compensation='none', skip_nonfinite=True)",
+     lambda: tb.kahan_summation(tb.adamw_bf16(_model().parameters(), 1e-3,
+                                              compensation="none", skip_nonfinite=True)),
+     ValueError, r"kahan_summation: the inner optimizer already keeps low-precision params "
+                 r"\(it is adamw_bf16\(compensation='none'\)"),
+    ("sparse gradient with skip_nonfinite", lambda: _sparse_step(skip_nonfinite=True),
+     RuntimeError, "param 0 has a sparse gradient; torch_bridge optimizers need dense"),
+    ("sparse gradient", lambda: _sparse_step(skip_nonfinite=False),
+     RuntimeError, "param 0 has a sparse gradient; torch_bridge optimizers need dense"),
     ("stochastic rounding without a key",
      lambda: tb.stochastic_rounding(torch.optim.Adam(_model().parameters()), key=None),
      ValueError, r"stochastic_rounding needs a key: pass key=<int seed>"),
@@ -148,6 +162,13 @@ TORCH_CASES = [
                                                           clipping_scale=-1.0),
      ValueError, "clipping_scale must be None"),
 ]
+
+
+def _sparse_step(skip_nonfinite):
+  p = torch.nn.Parameter(torch.ones(3, 2))
+  opt = tb.adamw_bf16([p], 1e-3, skip_nonfinite=skip_nonfinite)
+  p.grad = torch.ones(3, 2).to_sparse()
+  opt.step()
 
 
 @pytest.mark.parametrize("name,call,error,message", TORCH_CASES, ids=[c[0] for c in TORCH_CASES])
@@ -346,3 +367,46 @@ def test_fresh_wrapped_scaled_adam_resumes():
   fresh = _stepped(make, steps=0)
   fresh.load_state_dict(saved)
   assert _equal(_snapshot(fresh), saved)
+
+
+# -- what is accepted, and a refused param group ------------------------------------
+
+
+def test_numpy_float64_with_x64_off_is_fp32_everywhere():
+  """JAX's default (x64 off) makes a numpy float64 leaf an fp32 array in every
+  op: the named optimizers and the wrappers alike take it as fp32."""
+  import jax  # noqa: PLC0415
+  assert not jax.config.jax_enable_x64
+  params = {"w": np.linspace(-1.0, 1.0, 6).reshape(2, 3)}  # float64
+  grads = {"w": np.full((2, 3), 0.5)}
+  for tx in (oh.scaled_adam(0.03), oh.scale_by_adamw(1e-3), oh.adamw_bf16(1e-3),
+             oh.master_weights(optax.adam(1e-3))):
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert jnp.asarray(updates["w"]).dtype == jnp.float32
+  # The same numbers as fp32 params: the float64 values were only cast.
+  tx = oh.scaled_adam(0.03)
+  f32 = {"w": params["w"].astype(np.float32)}
+  a, _ = tx.update(grads, tx.init(params), params)
+  b, _ = tx.update({"w": grads["w"].astype(np.float32)}, tx.init(f32), f32)
+  np.testing.assert_array_equal(np.asarray(a["w"]), np.asarray(b["w"]))
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: tb.adamw_bf16(ps, 1e-3), lambda ps: tb.scaled_adam(ps, 0.03)],
+    ids=["adamw_bf16", "scaled_adam"])
+def test_a_refused_param_group_is_not_registered(make):
+  p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+  opt = make([p])
+  before = (len(opt.param_groups), len(opt.state), len(getattr(opt, "group_state", [])))
+  with pytest.raises(ValueError, match="param 1 is float64"):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3, dtype=torch.float64))]})
+  with pytest.raises(ValueError, match="must be"):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(3))], "eps": -1.0})
+  assert (len(opt.param_groups), len(opt.state),
+          len(getattr(opt, "group_state", []))) == before
+  # The optimizer still works, and a good group is still welcome (at position 1).
+  q = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+  opt.add_param_group({"params": [q]})
+  p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+  opt.step()
+  assert len(opt.param_groups) == 2 and int(opt.state[q]["step"]) == 1

@@ -152,3 +152,58 @@ def test_mismatched_trees_are_a_clear_error():
 def test_wrapping_a_non_transformation_is_a_clear_error():
   with pytest.raises(TypeError, match="optax.GradientTransformation"):
     oh.master_weights(lambda g: g)
+
+
+def test_bf16_masters_of_fp8_params_may_be_kahan_compensated():
+  """master_weights with a 16-bit master_dtype may wrap another low-precision
+  wrapper (fp8 params, bf16 masters kept by kahan_summation): the inner one has
+  16-bit params of its own to keep. JAX and torch agree bit for bit on the fp8
+  params, the bf16 masters and the Kahan buffers over 20 steps, and the masters
+  move where fp8 alone would not."""
+  torch = pytest.importorskip("torch")
+  import torch_bridge as tb  # noqa: PLC0415
+  f8 = jnp.float8_e4m3fn
+  rng = np.random.default_rng(0)
+  w0 = rng.standard_normal((4, 5)).astype(np.float32)
+  grads = [rng.standard_normal((4, 5)).astype(np.float32) for _ in range(20)]
+
+  tx = oh.master_weights(oh.kahan_summation(oh.scale_by_adamw(1e-2)), master_dtype=jnp.bfloat16)
+  params = {"w": jnp.asarray(w0).astype(f8)}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    # optax.apply_updates will not add bf16 updates to fp8 params (no implicit
+    # promotion for 8-bit floats): add in fp32 and round, as it would.
+    return jax.tree.map(lambda a, b: (a.astype(jnp.float32) + b.astype(jnp.float32))
+                        .astype(a.dtype), p, u), s
+
+  for g in grads:
+    params, state = step(params, state, {"w": jnp.asarray(g).astype(f8)})
+
+  p = torch.nn.Parameter(torch.from_numpy(w0).to(torch.float8_e4m3fn))
+  opt = tb.master_weights(tb.kahan_summation(tb.scale_by_adamw([p], 1e-2)),
+                          master_dtype=torch.bfloat16)
+  for g in grads:
+    p.grad = torch.from_numpy(g).to(torch.float8_e4m3fn)
+    opt.step()
+
+  def raw(x):
+    x = np.asarray(x)
+    return x.view(np.uint8 if x.dtype.itemsize == 1 else np.uint16)
+
+  master = opt.state[p]["master"]
+  compensation = opt.inner.state[master]["compensation"]
+  np.testing.assert_array_equal(raw(params["w"]), p.detach().view(torch.uint8).numpy())
+  np.testing.assert_array_equal(raw(state.master["w"]),
+                                master.view(torch.int16).numpy().view(np.uint16))
+  np.testing.assert_array_equal(raw(state.inner_state.compensation["w"]),
+                                compensation.view(torch.int16).numpy().view(np.uint16))
+  assert np.any(np.asarray(state.inner_state.compensation["w"], np.float32) != 0)
+  assert np.any(raw(params["w"]) != raw(jnp.asarray(w0).astype(f8)))
+
+
+def test_nested_low_precision_is_refused_with_fp32_masters():
+  with pytest.raises(ValueError, match="already keeps low-precision params"):
+    oh.master_weights(oh.kahan_summation(optax.adam(1e-3))).init({"w": jnp.ones(3, jnp.bfloat16)})

@@ -393,6 +393,21 @@ def _check_noncontiguous_equals_contiguous(run_a, run_b):
             assert _bitwise(_to_numpy(v), _to_numpy(owner_b.state[q][name])), (name,)
 
 
+def _torch_runs(make_torch, case: Case, eager_state: bool, make_scaler=lambda: None,
+                grad_scale=1.0):
+  """The torch run on contiguous and on non-contiguous params: checks both
+  runs' structures and that they are bitwise equal; returns the contiguous
+  run ``(params, optimizer, scaler)``."""
+  runs = []
+  for noncontiguous in (False, True):
+    scaler = make_scaler()
+    tparams, opt, structs = _torch_run(make_torch, case, noncontiguous, scaler, grad_scale)
+    _check_torch_structs(structs, eager_state=eager_state)
+    runs.append((tparams, opt, scaler))
+  _check_noncontiguous_equals_contiguous(runs[0], runs[1])
+  return runs[0]
+
+
 # -- the AdamW family: adamw_bf16, adam_fp32_master, scale_by_adamw ----------
 
 @st.composite
@@ -454,14 +469,7 @@ def test_adamw_family(case, config):
   for a, b in zip(jax.tree.leaves((jp, js)), jax.tree.leaves((np_, ns))):
     assert _bitwise(a, b), f"jit != op by op: {_ulps(a, b)} ULP ({a.dtype}{a.shape})"
 
-  runs = []
-  for noncontiguous in (False, True):
-    scaler = make_scaler()
-    tparams, opt, structs = _torch_run(make_torch, case, noncontiguous, scaler, grad_scale)
-    _check_torch_structs(structs, eager_state=True)
-    runs.append((tparams, opt, scaler))
-  _check_noncontiguous_equals_contiguous(runs[0], runs[1])
-  tparams, opt, scaler = runs[0]
+  tparams, opt, scaler = _torch_runs(make_torch, case, True, make_scaler, grad_scale)
   compensation = hp.get("compensation", "kahan") if name == "adamw_bf16" else None
   compared = _compare_buffers(js, jp, opt, scaler, tparams, compensation, bitwise=True)
   assert {"params", "mu", "nu", "count"} <= compared, compared
@@ -511,13 +519,7 @@ def test_wrappers_around_the_adamw_core(case, config):
   np_, ns, _ = _jax_run(make_jax(), case, jit=False)
   for a, b in zip(jax.tree.leaves((jp, js)), jax.tree.leaves((np_, ns))):
     assert _bitwise(a, b), f"jit != op by op: {_ulps(a, b)} ULP ({a.dtype}{a.shape})"
-  runs = []
-  for noncontiguous in (False, True):
-    tparams, opt, structs = _torch_run(make_torch, case, noncontiguous)
-    _check_torch_structs(structs, eager_state=False)
-    runs.append((tparams, opt, None))
-  _check_noncontiguous_equals_contiguous(runs[0], runs[1])
-  tparams, opt, _ = runs[0]
+  tparams, opt, _ = _torch_runs(make_torch, case, eager_state=False)
   compensation = {"kahan_summation": "kahan", "stochastic_rounding": "stochastic"}.get(wrapper)
   compared = _compare_buffers(js, jp, opt, None, tparams, compensation, bitwise=True)
   assert "params" in compared
@@ -592,13 +594,7 @@ def test_wrappers_around_adam(case, config):
   np_, ns, _ = _jax_run(make_jax(), case, jit=False)
   for k, (a, b) in enumerate(zip(jax.tree.leaves(jp), jax.tree.leaves(np_))):
     _close_to_rounding(a, b, a.dtype, lr, case.steps, 1e-5, f"jit vs op by op, param {k}")
-  runs = []
-  for noncontiguous in (False, True):
-    tparams, opt, structs = _torch_run(make_torch, case, noncontiguous)
-    _check_torch_structs(structs, eager_state=False)
-    runs.append((tparams, opt, None))
-  _check_noncontiguous_equals_contiguous(runs[0], runs[1])
-  tparams, opt, _ = runs[0]
+  tparams, opt, _ = _torch_runs(make_torch, case, eager_state=False)
   for k, (a, b) in enumerate(zip(jax.tree.leaves(jp), tparams)):
     _close_to_rounding(a, _to_numpy(b), a.dtype, lr, case.steps, 1e-3, f"JAX vs torch, param {k}")
   if wrapper.startswith("master_weights"):

@@ -25,7 +25,8 @@ import torch
 
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
-           "step_grad", "run_step", "init_skip_nonfinite"]
+           "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
+           "register_param_group"]
 
 
 def f32(x) -> float:
@@ -207,20 +208,53 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
   return load
 
 
+def register_param_group(optimizer: torch.optim.Optimizer, param_group: dict, check) -> dict:
+  """``Optimizer.add_param_group``, then ``check(group, first_position)``; a
+  check that raises takes the group back out, so a refused group leaves the
+  optimizer as it was. Returns the registered group."""
+  first = sum(len(g["params"]) for g in optimizer.param_groups)
+  torch.optim.Optimizer.add_param_group(optimizer, param_group)
+  group = optimizer.param_groups[-1]
+  try:
+    check(group, first)
+  except Exception:
+    optimizer.param_groups.pop()
+    raise
+  return group
+
+
+_NONFINITE_START = {"notfinite_count": 0, "last_finite": True, "total_notfinite": 0}
+
+
 def init_skip_nonfinite(optimizer: torch.optim.Optimizer, skip_nonfinite: bool) -> None:
   """Sets up ``skip_nonfinite`` and its counters (``optax.ApplyIfFiniteState``'s
   names: ``notfinite_count`` in a row, ``last_finite``, ``total_notfinite``)."""
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   optimizer._skip_nonfinite = skip_nonfinite
-  optimizer.nonfinite = {"notfinite_count": 0, "last_finite": True, "total_notfinite": 0}
+  optimizer.nonfinite = dict(_NONFINITE_START)
+
+
+def load_nonfinite(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+  """The skip counters of ``state_dict``; a dict saved without them (an older
+  torch_bridge) starts them afresh, as a new optimizer would."""
+  optimizer.nonfinite = {**_NONFINITE_START, **state_dict.get("nonfinite", {})}
 
 
 def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-  """Whether every gradient the step would use is finite: one host read."""
-  checks = [torch.isfinite(step_grad(optimizer, p)).all()
-            for group in optimizer.param_groups for p in group["params"]
-            if p.grad is not None and p.requires_grad]
+  """Whether every gradient the step would use is finite: one host read.
+
+  A sparse gradient is refused first (``check_grad``), with the message the
+  step itself would give.
+  """
+  checks = []
+  position = 0
+  for group in optimizer.param_groups:
+    for p in group["params"]:
+      if p.grad is not None and p.requires_grad:
+        check_grad(p.grad, position)
+        checks.append(torch.isfinite(step_grad(optimizer, p)).all())
+      position += 1
   return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
 
 
@@ -231,7 +265,9 @@ def run_step(optimizer: torch.optim.Optimizer, closure, step_all) -> Optional[to
   ``step_all()`` updates the params, unless ``skip_nonfinite`` is on and a
   gradient holds a NaN or Inf: then nothing changes (step counts included) and
   the skip is counted in ``optimizer.nonfinite``. That check reads one bool on
-  the host, as ``torch.amp.GradScaler.step`` does. The fp32 gradients a loss
+  the host, as ``torch.amp.GradScaler.step`` does; a loss scaler that has just
+  found every gradient finite says so (``_grads_checked_finite``) and nothing
+  more is read. The fp32 gradients a loss
   scaler handed over (``_unscaled_grads``) are dropped afterwards, even if the
   step raised.
   """
@@ -241,7 +277,8 @@ def run_step(optimizer: torch.optim.Optimizer, closure, step_all) -> Optional[to
       loss = closure()
   try:
     if getattr(optimizer, "_skip_nonfinite", False):
-      finite = _grads_finite(optimizer)
+      finite = (optimizer.__dict__.pop("_grads_checked_finite", False)
+                or _grads_finite(optimizer))
       counters = optimizer.nonfinite
       counters["last_finite"] = finite
       if not finite:

@@ -24,8 +24,9 @@ import torch
 
 from torch_bridge import rounding
 from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_no_float64,
-                                 check_param, f32, init_skip_nonfinite, run_step, step_grad,
-                                 load_state_dict_exact, seed_from_key)
+                                 check_param, f32, init_skip_nonfinite, load_nonfinite,
+                                 load_state_dict_exact, register_param_group, run_step,
+                                 seed_from_key, step_grad)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
@@ -175,7 +176,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     self._seed = seed_from_key(key)
     self._fused = bool(fused)
     init_skip_nonfinite(self, skip_nonfinite)
-    self._n_params = 0
+    # The factory that built it, when that matters: the low-precision wrappers
+    # accept scale_by_adamw (the bare core) but refuse adamw_bf16.
+    self._factory = "LowPrecisionAdamW"
     self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     defaults = dict(lr=lr0, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=0)
     super().__init__(params, defaults)
@@ -183,15 +186,15 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
   # -- construction ----------------------------------------------------------
 
   def add_param_group(self, param_group: dict) -> None:
-    super().add_param_group(param_group)
-    group = self.param_groups[-1]
-    check_hyperparams(group["lr"], group["b1"], group["b2"], group["eps"],
-                      group["weight_decay"])
+    def check(group, first):
+      check_hyperparams(group["lr"], group["b1"], group["b2"], group["eps"],
+                        group["weight_decay"])
+      for position, p in enumerate(group["params"], first):
+        check_param(p, position)
+        check_no_float64(p, position, _CORE_NAME)
+    group = register_param_group(self, param_group, check)
     for p in group["params"]:
-      check_param(p, self._n_params)
-      check_no_float64(p, self._n_params, _CORE_NAME)
       self._init_state(p)
-      self._n_params += 1
 
   @torch.no_grad()
   def _init_state(self, p: torch.Tensor) -> None:
@@ -229,7 +232,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     check_kind(self, state_dict)
     load_state_dict_exact(self, state_dict)
     self._seed = int(state_dict.get("seed", self._seed))
-    self.nonfinite.update(state_dict.get("nonfinite", {}))
+    load_nonfinite(self, state_dict)
 
   # -- the step --------------------------------------------------------------
 
@@ -306,9 +309,11 @@ def scale_by_adamw(
   optimizer: fp32 math, moments in ``mu_dtype``/``nu_dtype`` (default: the
   param dtype) written by ``state_rounding``; no compensation of the params.
   """
-  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
-                           compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                           state_rounding=state_rounding, key=key, fused=fused)
+  optimizer = LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                                compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                                state_rounding=state_rounding, key=key, fused=fused)
+  optimizer._factory = "scale_by_adamw"
+  return optimizer
 
 
 def adam_fp32_master(
@@ -386,7 +391,9 @@ def adamw_bf16(
   if compensation not in _COMPENSATIONS:
     raise ValueError(
         f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
-  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
-                           compensation=compensation, mu_dtype=mu_dtype,
-                           nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
-                           skip_nonfinite=skip_nonfinite, fused=fused)
+  optimizer = LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                                compensation=compensation, mu_dtype=mu_dtype,
+                                nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
+                                skip_nonfinite=skip_nonfinite, fused=fused)
+  optimizer._factory = "adamw_bf16"
+  return optimizer

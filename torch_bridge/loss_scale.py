@@ -226,8 +226,12 @@ class DynamicLossScaler:
     try:
       retval = None
       if not bool(state["found_inf"]):
+        # Every gradient the step uses was just found finite: an optimizer
+        # with skip_nonfinite need not read that again (one host read a step).
+        optimizer._grads_checked_finite = True
         retval = optimizer.step(**kwargs)
     finally:
+      optimizer.__dict__.pop("_grads_checked_finite", None)
       if takes_fp32_grads(optimizer):
         optimizer._unscaled_grads.clear()
       state["versions"] = {}

@@ -25,7 +25,8 @@ import torch
 
 from torch_bridge import rounding
 from torch_bridge._optim import (check_grad, check_kind, check_no_float64, check_param, f32,
-                                 init_skip_nonfinite, prepare_load, run_step, step_grad)
+                                 init_skip_nonfinite, load_nonfinite, prepare_load,
+                                 register_param_group, run_step, step_grad)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
@@ -103,7 +104,6 @@ class ScaledAdam(torch.optim.Optimizer):
     init_skip_nonfinite(self, skip_nonfinite)
     self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     self.group_state: list = []
-    self._n_params = 0
     defaults = dict(lr=lr0, clipping_scale=clipping_scale, b1=b1, b2=b2,
                     scalar_lr_scale=scalar_lr_scale, eps=eps, param_min_rms=param_min_rms,
                     param_max_rms=param_max_rms, scalar_max=scalar_max,
@@ -116,16 +116,15 @@ class ScaledAdam(torch.optim.Optimizer):
   steps_all_params_together = True
 
   def add_param_group(self, param_group: dict) -> None:
-    super().add_param_group(param_group)
-    group = self.param_groups[-1]
-    check_scaled_adam_args(group["lr"], group["clipping_scale"], group["b1"], group["b2"],
-                           group["scalar_lr_scale"], group["eps"], group["param_min_rms"],
-                           group["param_max_rms"], group["scalar_max"],
-                           group["size_update_period"], group["clipping_update_period"])
-    for p in group["params"]:
-      check_param(p, self._n_params)
-      check_no_float64(p, self._n_params, "scaled_adam")
-      self._n_params += 1
+    def check(group, first):
+      check_scaled_adam_args(group["lr"], group["clipping_scale"], group["b1"], group["b2"],
+                             group["scalar_lr_scale"], group["eps"], group["param_min_rms"],
+                             group["param_max_rms"], group["scalar_max"],
+                             group["size_update_period"], group["clipping_update_period"])
+      for position, p in enumerate(group["params"], first):
+        check_param(p, position)
+        check_no_float64(p, position, "scaled_adam")
+    register_param_group(self, param_group, check)
     self.group_state.append({"step": 0})
 
   def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
@@ -192,7 +191,7 @@ class ScaledAdam(torch.optim.Optimizer):
     self.group_state = [
         {k: (v.to(device(i) or v.device, copy=True) if torch.is_tensor(v) else v)
          for k, v in g.items()} for i, g in enumerate(saved)]
-    self.nonfinite.update(state_dict.get("nonfinite", {}))
+    load_nonfinite(self, state_dict)
 
   # -- the step --------------------------------------------------------------
 

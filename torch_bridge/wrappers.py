@@ -27,7 +27,9 @@ The wrapped optimizer is stepped once per chunk, so it must treat params
 independently (Adam, AdamW, SGD, RMSprop, ... do; LBFGS does not), or say
 otherwise with a true ``steps_all_params_together`` attribute (ScaledAdam
 does: its clipping norm spans all params), which makes one chunk of all
-params, at the cost of fp32 ``x`` for the whole model during ``step``.
+params, at the cost of fp32 ``x`` for the whole model during ``step``. An
+inner optimizer built with ``skip_nonfinite=True`` is stepped in one chunk
+too, so that one bad gradient skips the whole step.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
       raise TypeError(
           "the wrappers take a constructed torch.optim.Optimizer (e.g. "
           f"torch.optim.Adam(model.parameters())); got {type(inner).__name__}.")
-    nested = _keeps_low_precision(inner)
+    # Nested low precision is refused where the outer work dtype is 32-bit (the
+    # inner would only see fp32 params); bf16 masters of fp8 params may be
+    # kept by an inner wrapper.
+    nested = _keeps_low_precision(inner) if master_dtype.itemsize >= 4 else ""
     if nested:
       raise ValueError(
           f"{_NAMES[mode]}: the inner optimizer already keeps low-precision params "
@@ -134,6 +139,9 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
           k: v.to(work.dtype) if (torch.is_tensor(v) and v.is_floating_point()
                                   and v.shape == p.shape) else v
           for k, v in moved.items()}
+    if isinstance(self.inner, LowPrecisionWrapper):  # bf16 masters of fp8 params
+      inner_work = self.inner._work.pop(p)
+      self.inner._work[work] = work if inner_work is p else inner_work
     self._work[p] = work
     return work
 
@@ -220,9 +228,12 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     for p in hidden:
       p.grad = None
     try:
-      # An optimizer that couples its params (ScaledAdam's clipping norm) is
-      # stepped once, on all of them.
-      limit = math.inf if getattr(self.inner, "steps_all_params_together", False) else CHUNK_NUMEL
+      # An optimizer that couples its params (ScaledAdam's clipping norm), or
+      # that skips a step on any non-finite gradient, is stepped once, on all
+      # of them.
+      together = (getattr(self.inner, "steps_all_params_together", False)
+                  or getattr(self.inner, "_skip_nonfinite", False))
+      limit = math.inf if together else CHUNK_NUMEL
       chunk, numel = [], 0
       for item in todo:
         chunk.append(item)
@@ -269,7 +280,10 @@ def _keeps_low_precision(inner) -> str:
     return f"a {_NAMES[inner._mode]} wrapper"
   if isinstance(inner, adam.LowPrecisionAdamW) and inner._compensation == _MASTER:
     return "adam_fp32_master"
-  if isinstance(inner, adam.LowPrecisionAdamW) and inner._compensation != _NEAREST:
+  if isinstance(inner, adam.LowPrecisionAdamW) and (
+      inner._compensation != _NEAREST or inner._factory == "adamw_bf16"):
+    # adamw_bf16(compensation="none") is round_to_nearest of the core in JAX;
+    # only the bare core, scale_by_adamw, is meant to be wrapped.
     return f"adamw_bf16(compensation={inner._compensation!r})"
   return ""
 
