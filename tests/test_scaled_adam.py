@@ -622,17 +622,19 @@ def test_composes_with_dynamic_loss_scale():
 def test_converges_at_least_as_well_as_adam_at_their_best_lr():
   """Teacher-student MLP with label noise (loss floor ~0.01), fp32, 1000 full-
   batch steps, each optimizer at the best lr of a small sweep (both optima are
-  inside the sweep)."""
+  inside the sweep). Adam's optimum sits at 3e-2 or 1e-1 (measured: 1.04e-2
+  and 1.00e-2 on one CPU, the other way round on another), so its sweep
+  reaches 3e-1."""
   params, x, y = _teacher_task()
   adam = {lr: _train(optax.adam(lr), params, x, y, 1000)[0]
-          for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1)}
+          for lr in (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)}
   scaled = {lr: _train(oh.scaled_adam(lr), params, x, y, 1000)[0] for lr in (1e-2, 3e-2, 1e-1)}
   best_adam, best_scaled = min(adam, key=adam.get), min(scaled, key=scaled.get)
   print("adam", {k: f"{v:.4e}" for k, v in adam.items()})
   print("scaled_adam", {k: f"{v:.4e}" for k, v in scaled.items()})
   print(f"best: adam lr {best_adam} {adam[best_adam]:.4e}; scaled_adam lr {best_scaled} "
         f"{scaled[best_scaled]:.4e}")
-  assert best_adam not in (1e-3, 1e-1) and best_scaled not in (1e-2, 1e-1)
+  assert best_adam not in (1e-3, 3e-1) and best_scaled not in (1e-2, 1e-1)
   assert scaled[best_scaled] <= adam[best_adam]
 
 
