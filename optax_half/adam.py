@@ -21,8 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from optax_half import rounding
-from optax_half import wrappers
+from optax_half import _native, rounding, wrappers
 from optax_half._util import (check_no_float64, check_trees, leaf_indices,
                               maybe_skip_nonfinite, seed_from_key, unzip)
 
@@ -78,6 +77,40 @@ def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
     raise ValueError(f"eps must be > 0; got {eps}.")
   if concrete(weight_decay) and weight_decay < 0:
     raise ValueError(f"weight_decay must be >= 0; got {weight_decay}.")
+
+
+class Coefficients(NamedTuple):
+  """The fp32 scalars of one AdamW step, formed as ``torch_bridge`` forms them
+  (the order of ``Scalars`` in ``optax_half_native/adamw.h``), and ``zero``,
+  the run-time zero of ``rounding.no_fma``."""
+  lr: jax.Array
+  b1: jax.Array
+  b2: jax.Array
+  one_minus_b1: jax.Array
+  one_minus_b2: jax.Array
+  inv_bc1: jax.Array
+  inv_bc2: jax.Array
+  eps: jax.Array
+  weight_decay: jax.Array
+  zero: jax.Array
+
+
+def coefficients(learning_rate, b1, b2, eps, weight_decay, count) -> Coefficients:
+  """The scalars of the step that follows ``count`` steps."""
+  b1_, b2_ = _f32(b1), _f32(b2)
+  lr = _f32(learning_rate(count) if callable(learning_rate) else learning_rate)
+  t = optax.safe_increment(count)
+  # Products that are later added pass through no_fma: XLA would contract
+  # them into FMAs, torch rounds them first (docs/algorithms.md, section 6).
+  zero = rounding.opaque_zero(t)
+  # Reciprocals of the bias corrections, formed once in fp32: XLA rewrites
+  # `array / scalar` as `array * (1 / scalar)` anyway, so this is what runs,
+  # and torch_bridge computes the same products (docs/algorithms.md).
+  # 1 - b ** t without pow, the same bits in both frameworks.
+  inv_bc1 = 1 / rounding.one_minus_pow(b1_, t, zero)
+  inv_bc2 = 1 / rounding.one_minus_pow(b2_, t, zero)
+  return Coefficients(lr, b1_, b2_, 1 - b1_, 1 - b2_, inv_bc1, inv_bc2, _f32(eps),
+                      _f32(weight_decay), zero)
 
 
 def scale_by_adamw(
@@ -138,20 +171,10 @@ def scale_by_adamw(
       raise ValueError("scale_by_adamw with weight_decay needs params.")
     if params is not None:
       check_trees("scale_by_adamw", updates, params)
-    b1_, b2_, eps_, wd_ = _f32(b1), _f32(b2), _f32(eps), _f32(weight_decay)
-    lr = _f32(learning_rate(state.count) if callable(learning_rate) else learning_rate)
+    c = coefficients(learning_rate, b1, b2, eps, weight_decay, state.count)
+    lr, b1_, b2_, one_minus_b1, one_minus_b2 = c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2
+    inv_bc1, inv_bc2, eps_, wd_, zero = c.inv_bc1, c.inv_bc2, c.eps, c.weight_decay, c.zero
     count = optax.safe_increment(state.count)
-    # Products that are later added pass through no_fma: XLA would contract
-    # them into FMAs, torch rounds them first (docs/algorithms.md, section 6).
-    zero = rounding.opaque_zero(count)
-    # Reciprocals of the bias corrections, formed once in fp32: XLA rewrites
-    # `array / scalar` as `array * (1 / scalar)` anyway, so this is what runs,
-    # and torch_bridge computes the same products (docs/algorithms.md).
-    # 1 - b ** t without pow, the same bits in both frameworks.
-    inv_bc1 = 1 / rounding.one_minus_pow(b1_, count, zero)
-    inv_bc2 = 1 / rounding.one_minus_pow(b2_, count, zero)
-    one_minus_b1 = 1 - b1_
-    one_minus_b2 = 1 - b2_
     leaf_index = leaf_indices(updates)
     # Without weight decay the params are not read: any tree of the same shape will do.
     params_ = params if params is not None else updates
@@ -209,7 +232,10 @@ def adam_fp32_master(
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                         state_rounding="nearest")
-  return maybe_skip_nonfinite(wrappers.master_weights(core, master_dtype=jnp.float32),
+  tx = wrappers.master_weights(core, master_dtype=jnp.float32)
+  update = _native.fused("master", (learning_rate, b1, b2, eps, weight_decay), "nearest",
+                         tx.update)
+  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(tx.init, update),
                               skip_nonfinite)
 
 
@@ -284,5 +310,7 @@ def adamw_bf16(
                                      nu=like_param(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
-  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, tx.update),
+  update = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay),
+                         state_rounding, tx.update)
+  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
                               skip_nonfinite)

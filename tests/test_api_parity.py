@@ -21,7 +21,7 @@ import torch_bridge  # noqa: E402
 
 # Keyword-only torch extensions, each with its reason.
 TORCH_ONLY = {
-    "fused": "runs the per-tensor step compiled by torch.compile; XLA always compiles",
+    "fused": "picks the step's implementation (native kernel, eager, torch.compile); XLA compiles",
 }
 # JAX helpers whose torch counterparts are methods of the scaler object.
 JAX_ONLY = {

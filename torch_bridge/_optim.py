@@ -26,7 +26,7 @@ import torch
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
-           "register_param_group"]
+           "register_param_group", "stepping_params"]
 
 
 def f32(x) -> float:
@@ -241,20 +241,28 @@ def load_nonfinite(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
   optimizer.nonfinite = {**_NONFINITE_START, **state_dict.get("nonfinite", {})}
 
 
-def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
-  """Whether every gradient the step would use is finite: one host read.
-
-  A sparse gradient is refused first (``check_grad``), with the message the
-  step itself would give.
-  """
-  checks = []
+def stepping_params(optimizer: torch.optim.Optimizer) -> list:
+  """``(position, param)`` of every param a step updates (a gradient, and
+  ``requires_grad``), position counted over all params; a sparse gradient is
+  refused (``check_grad``)."""
+  out = []
   position = 0
   for group in optimizer.param_groups:
     for p in group["params"]:
       if p.grad is not None and p.requires_grad:
         check_grad(p.grad, position)
-        checks.append(torch.isfinite(step_grad(optimizer, p)).all())
+        out.append((position, p))
       position += 1
+  return out
+
+
+def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
+  """Whether every gradient the step would use is finite: one host read.
+
+  A sparse gradient is refused first, with the message the step itself would give.
+  """
+  checks = [torch.isfinite(step_grad(optimizer, p)).all()
+            for _, p in stepping_params(optimizer)]
   return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
 
 

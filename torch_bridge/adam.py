@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_bridge import rounding
+from torch_bridge import _native, rounding
 from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_no_float64,
                                  check_param, f32, init_skip_nonfinite, load_nonfinite,
                                  load_state_dict_exact, register_param_group, run_step,
@@ -157,7 +157,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                eps: float = 1e-8, weight_decay: float = 0.0, *,
                compensation: str = "kahan", mu_dtype: Optional[torch.dtype] = None,
                nu_dtype: Optional[torch.dtype] = None, state_rounding: str = "nearest",
-               key=None, skip_nonfinite: bool = False, fused: bool = False):
+               key=None, skip_nonfinite: bool = False, fused: Optional[bool] = None):
     if compensation not in _COMPENSATIONS + (_MASTER,):
       raise ValueError(
           f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
@@ -174,7 +174,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     self._mu_dtype, self._nu_dtype = mu_dtype, nu_dtype
     self._state_rounding = state_rounding
     self._seed = seed_from_key(key)
-    self._fused = bool(fused)
+    self._fused = None if fused is None else bool(fused)
     init_skip_nonfinite(self, skip_nonfinite)
     # The factory that built it, when that matters: the low-precision wrappers
     # accept scale_by_adamw (the bare core) but refuse adamw_bf16.
@@ -256,6 +256,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
   def _step_groups(self) -> None:
     position = 0
+    # CPU tensors go to the native kernel, one call per configuration, after the loop.
+    native = _native.Batch(self._seed, self._state_rounding) if self._fused is not False else None
     for group in self.param_groups:
       count = group["count"]
       lr = float(self._schedule(count)) if self._schedule is not None else group["lr"]
@@ -270,16 +272,20 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])
+        buffer = state.get("master", state.get("compensation"))
+        mode = _mode(self._compensation, p.dtype)
+        tensors = (p, grad, state["mu"], state["nu"], buffer)
+        if native is not None and native.add(
+            tensors, mode, state["step"], leaf,
+            lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache)):
+          continue
         scalars = self._scalars(group, step + 1, lr, p.device, cache)
         keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, p.device)
                      for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
-        buffer = state.get("master", state.get("compensation"))
-        tensors = (p, grad, state["mu"], state["nu"], buffer)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
           # Flat views: the element index (the random-bit counter) is the
           # row-major index either way.
           tensors = tuple(None if t is None else t.view(-1) for t in tensors)
-        mode = _mode(self._compensation, p.dtype)
         kernel = adamw_step
         if self._fused:
           kernel = _compiled_step((mode, self._state_rounding, p.dtype, grad.dtype,
@@ -287,6 +293,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         kernel(*tensors, scalars, keys, mode, self._state_rounding)
         state["step"] += 1
       group["count"] = count + 1
+    if native is not None:
+      native.run()
 
 
 def scale_by_adamw(
@@ -301,7 +309,7 @@ def scale_by_adamw(
     state_rounding: str = "nearest",
     key=None,
     *,
-    fused: bool = False,
+    fused: Optional[bool] = None,
 ) -> LowPrecisionAdamW:
   """The AdamW core applied directly: ``p = round_nearest(p + u)``.
 
@@ -325,7 +333,7 @@ def adam_fp32_master(
     weight_decay: float = 0.0,
     skip_nonfinite: bool = False,
     *,
-    fused: bool = False,
+    fused: Optional[bool] = None,
 ) -> LowPrecisionAdamW:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
 
@@ -342,7 +350,11 @@ def adam_fp32_master(
       gradients hold a NaN or Inf; reads one bool on the host per step, like
       ``torch.amp.GradScaler``. Without it a non-finite gradient element
       poisons its own param and moments (docs/algorithms.md).
-    fused: run the per-tensor step compiled by ``torch.compile`` (torch only).
+    fused: how the step runs (torch only). None: CPU tensors in the native
+      kernel (``optax_half_native``, one call for all of them), others in the
+      eager per-tensor step; True: the native kernel on CPU, the per-tensor
+      step compiled by ``torch.compile`` elsewhere; False: the eager per-tensor
+      step everywhere (the reference). The numbers are the same bits in all three.
   """
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
                            compensation=_MASTER, mu_dtype=torch.float32,
@@ -364,7 +376,7 @@ def adamw_bf16(
     key=None,
     skip_nonfinite: bool = False,
     *,
-    fused: bool = False,
+    fused: Optional[bool] = None,
 ) -> LowPrecisionAdamW:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
@@ -386,7 +398,11 @@ def adamw_bf16(
       in ``optax_half`` gives the same random bits.
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
       Inf, as in ``adam_fp32_master``.
-    fused: run the per-tensor step compiled by ``torch.compile`` (torch only).
+    fused: how the step runs (torch only). None: CPU tensors in the native
+      kernel (``optax_half_native``, one call for all of them), others in the
+      eager per-tensor step; True: the native kernel on CPU, the per-tensor
+      step compiled by ``torch.compile`` elsewhere; False: the eager per-tensor
+      step everywhere (the reference). The numbers are the same bits in all three.
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(

@@ -39,8 +39,8 @@ import math
 import torch
 
 from torch_bridge import rounding
-from torch_bridge._optim import (check_grad, check_kind, check_param, optimizer_kind,
-                                 prepare_load, run_step, seed_from_key, step_grad)
+from torch_bridge._optim import (check_kind, check_param, optimizer_kind, prepare_load,
+                                 run_step, seed_from_key, step_grad, stepping_params)
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
@@ -214,15 +214,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
 
   def _step_all(self) -> None:
     self._sync_hyperparams()
-    # (leaf position, param) of every param that takes a step.
-    todo = []
-    position = 0
-    for group in self.param_groups:
-      for p in group["params"]:
-        if p.grad is not None and p.requires_grad:
-          check_grad(p.grad, position)
-          todo.append((position, p))
-        position += 1
+    todo = stepping_params(self)  # (leaf position, param)
     # Wide params carry their own grads: hide them outside their chunk.
     hidden = {p: p.grad for _, p in todo if self._work[p] is p}
     for p in hidden:

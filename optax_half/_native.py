@@ -1,0 +1,161 @@
+"""optax_half's side of the native CPU kernel (``optax_half_native``).
+
+``fused(...)`` wraps the update of ``adamw_bf16`` and ``adam_fp32_master``:
+on CPU each leaf is stepped by one XLA custom call (the kernel of
+``optax_half_native/adamw.h`` behind an XLA FFI handler) that reads the
+param, gradient, moments and buffer once and writes the new param, moments and
+buffer in the same pass, where XLA:CPU would run one loop per output and
+materialise the fp32 update. The state and the returned updates are those of
+the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
+bit for bit: the kernel computes what ``scale_by_adamw`` and the wrappers
+compute, with the same fp32 scalars (``adam.coefficients``) and the same
+random keys. On other platforms, and for trees it does not take (fp16 or
+integer leaves), the composed transformation runs: ``lax.platform_dependent``
+picks at lowering time, so nothing is decided on the host at run time.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import optax_half_native as native
+from optax_half import rounding
+
+__all__ = ["available", "fused"]
+
+TARGET = "optax_half_adamw"
+_KINDS = ("kahan", "split", "stochastic", "none", "master")
+_registered: dict = {}
+
+
+def available() -> bool:
+  """Whether the FFI handler is built and registered (built on first use)."""
+  if "ok" not in _registered:
+    lib = native.ffi_library(jax.ffi.include_dir())
+    if lib is not None:
+      jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OhAdamw), platform="cpu")
+    _registered["ok"] = lib is not None
+  return _registered["ok"]
+
+
+def _threads() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    return os.cpu_count() or 1
+
+
+_EMPTY = np.zeros((0,), np.float32)
+
+
+def _leaf(p, g, mu, nu, buffer, scalars, keys, mode: str, stochastic_moments: bool):
+  """One custom call: (p_out, mu', nu', buffer'), the last three in place."""
+  out_dtype = jnp.float32 if mode == "update" else p.dtype
+  buffer = jnp.asarray(_EMPTY) if buffer is None else buffer
+  aliases = {2: 1, 3: 2, 4: 3}  # mu, nu and the buffer in place
+  if g.dtype == out_dtype:
+    # The new param (or fp32 update) into the gradient's buffer: gradients
+    # computed in the same jitted step are dead after it, and XLA copies them
+    # first where they are not. A fresh temporary would cost page faults on
+    # every step with the default allocator (benchmarks/README.md).
+    aliases[1] = 0
+  call = jax.ffi.ffi_call(
+      TARGET,
+      (jax.ShapeDtypeStruct(p.shape, out_dtype), jax.ShapeDtypeStruct(mu.shape, mu.dtype),
+       jax.ShapeDtypeStruct(nu.shape, nu.dtype),
+       jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)),
+      input_output_aliases=aliases, vmap_method="sequential")
+  sr = stochastic_moments and (mu.dtype == jnp.bfloat16 or nu.dtype == jnp.bfloat16)
+  return call(p, g, mu, nu, buffer, scalars, keys, mode=np.int32(native.MODES[mode]),
+              sr=bool(sr), nthreads=np.int32(_threads()))
+
+
+def _takes(params, grads, core) -> bool:
+  """Whether the kernel takes this tree (trace time: dtypes and shapes only)."""
+  ok = (jnp.bfloat16, jnp.float32)
+  leaves = jax.tree.leaves(params)
+  if not leaves or params is None:
+    return False
+  for p, g, m, v in zip(leaves, jax.tree.leaves(grads), jax.tree.leaves(core.mu),
+                        jax.tree.leaves(core.nu)):
+    dtypes = [jnp.asarray(x).dtype for x in (p, g, m, v)]
+    if any(d not in ok for d in dtypes) or np.shape(g) != np.shape(p):
+      return False
+    if dtypes[0] == jnp.float32 and dtypes[1:] != [jnp.float32] * 3:
+      return False
+  return (len(jax.tree.leaves(grads)) == len(leaves) == len(jax.tree.leaves(core.mu))
+          == len(jax.tree.leaves(core.nu)))
+
+
+def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
+  """The update of ``adamw_bf16(compensation=kind)`` or (``kind="master"``)
+  ``adam_fp32_master``, with the kernel on CPU; ``tx_update`` (the composed
+  transformation's update) elsewhere. ``hyperparams``: (learning_rate, b1,
+  b2, eps, weight_decay) as the core takes them."""
+  from optax_half import adam  # noqa: PLC0415 (adam imports this module)
+  assert kind in _KINDS, kind
+
+  def update(updates, state, params=None, **extra_args):
+    core = state.inner_state
+    if params is None or not _takes(params, updates, core) or not available():
+      return tx_update(updates, state, params, **extra_args)
+
+    def on_cpu():
+      return _native_update(kind, hyperparams, state_rounding, updates, state, params, adam)
+
+    def elsewhere():
+      return tx_update(updates, state, params, **extra_args)
+
+    return jax.lax.platform_dependent(cpu=on_cpu, default=elsewhere)
+
+  return update
+
+
+def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam):
+  params = jax.tree.map(jnp.asarray, params)
+  core = state.inner_state
+  c = adam.coefficients(*hyperparams, core.count)
+  scalars = jnp.stack([c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2, c.inv_bc1, c.inv_bc2,
+                       c.eps, c.weight_decay]).astype(jnp.float32)
+  if kind == "stochastic":  # the param stream is the wrapper's, the moments' the core's
+    p_seed, p_count = state.seed, state.count
+  else:
+    p_seed, p_count = core.seed, core.count
+  if kind == "kahan":
+    buffers = state.compensation
+  elif kind in ("split", "master"):
+    buffers = state.master
+  else:
+    buffers = jax.tree.map(lambda _: optax.MaskedNode(), params)
+
+  def one(p, g, m, v, buf, i):
+    keys = jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, i),
+                      rounding._leaf_key(core.seed, core.count, rounding.STREAM_MU, i),
+                      rounding._leaf_key(core.seed, core.count, rounding.STREAM_NU, i)])
+    if p.dtype == jnp.float32:  # the wrappers hand 32-bit leaves to the core as they are
+      u, m, v, _ = _leaf(p, g, m, v, None, scalars, keys, "update", state_rounding == "stochastic")
+      return u, m, v, buf
+    has_buffer = not isinstance(buf, optax.MaskedNode)
+    p_out, m, v, new_buf = _leaf(p, g, m, v, buf if has_buffer else None, scalars, keys, kind,
+                                 state_rounding == "stochastic")
+    # The wrappers' fp32 update: optax.apply_updates(p, u) lands on p_out exactly.
+    u = rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
+    return u, m, v, new_buf if has_buffer else buf
+
+  index = list(range(len(jax.tree.leaves(params))))
+  index = jax.tree.unflatten(jax.tree.structure(params), index)
+  out = jax.tree.map(one, params, updates, core.mu, core.nu, buffers, index)
+  u, mu, nu, new_buffers = (jax.tree.map(lambda _, t, k=k: t[k], params, out) for k in range(4))
+  new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
+  if kind == "kahan":
+    return u, state._replace(compensation=new_buffers, inner_state=new_core)
+  if kind in ("split", "master"):
+    return u, state._replace(master=new_buffers, inner_state=new_core)
+  if kind == "stochastic":
+    return u, state._replace(count=optax.safe_increment(state.count), inner_state=new_core)
+  return u, state._replace(inner_state=new_core)

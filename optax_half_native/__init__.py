@@ -1,0 +1,179 @@
+"""The native CPU kernel of the AdamW core, shared by torch_bridge (and JAX).
+
+``adamw.h`` is the AdamW core of ``docs/algorithms.md`` as one loop over the
+elements, written op for op like ``torch_bridge.adam.adamw_step``: built
+with ``-ffp-contract=off`` and without ``-ffast-math`` (no FMA, no
+reassociation), every operation rounds to fp32 as theirs do, so its bits equal
+the eager torch and jitted JAX steps (tested). ``adamw_cpu.cc`` steps a list of
+tensors of one configuration in one call, its elements split over threads.
+
+The library is compiled on first use with the machine's C++ compiler (``$CXX``
+or ``g++``, ``-O3 -march=native``) into a cache folder
+(``$OPTAX_HALF_CACHE``, default ``~/.cache/optax_half``), named by a hash of
+the sources, the flags, the compiler and the CPU, and reused after. Without a
+compiler (or if the build fails) ``library()`` returns None, with one warning,
+and callers keep their pure-framework path. Nothing here imports JAX or torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+__all__ = ["library", "ffi_library", "kernel", "leaf_keys", "TENSOR_DTYPE", "MODES",
+           "build_errors"]
+
+_HERE = Path(__file__).resolve().parent
+_HEADERS = ("adamw.h", "adamw_threads.h")
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
+          "-shared", "-fPIC", "-pthread"]
+
+# oh::Mode in adamw.h, by torch_bridge.adam's mode names.
+MODES = {"direct": 0, "master": 1, "split": 2, "kahan": 3, "stochastic": 4, "none": 5,
+         "update": 6}
+
+# The C struct `oh::Tensor` of adamw_threads.h, field for field.
+TENSOR_DTYPE = np.dtype([
+    ("numel", np.int64), ("p", np.uint64), ("p_out", np.uint64), ("g", np.uint64),
+    ("mu", np.uint64),
+    ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (9,)),
+    ("keys", np.uint32, (3,))], align=True)
+
+_M1, _M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
+_STREAMS = [np.uint32((s * 0x9E3779B9) & 0xFFFFFFFF) for s in range(3)]  # stream * golden
+
+
+def _mix32(x: np.ndarray) -> np.ndarray:
+  x = x ^ (x >> np.uint32(16))
+  x = x * _M1
+  x = x ^ (x >> np.uint32(15))
+  x = x * _M2
+  return x ^ (x >> np.uint32(15))
+
+
+def leaf_keys(seed: int, steps, leaves) -> np.ndarray:
+  """``rounding.leaf_key(seed, step, stream, leaf)`` for streams 0, 1, 2 (the
+  param, mu and nu) of many (step, leaf) pairs at once: a uint32 (n, 3) array."""
+  steps = np.asarray(steps, np.uint64).astype(np.uint32)
+  leaves = np.asarray(leaves, np.uint64).astype(np.uint32)
+  k = _mix32(_mix32(np.full(steps.shape, seed, np.uint32)) ^ steps)
+  return np.stack([_mix32(_mix32(k ^ s) ^ leaves) for s in _STREAMS], -1)
+
+_lock = threading.Lock()
+_libs: dict = {}  # source -> loaded library, or None if it could not be built
+build_errors: dict = {}  # source -> why it could not be built
+
+
+def _cpu_id() -> str:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith(("flags", "Features")):
+          return line.strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
+def _compiler() -> Optional[str]:
+  return shutil.which(os.environ.get("CXX", "g++"))
+
+
+def _cache_dir() -> Path:
+  root = os.environ.get("OPTAX_HALF_CACHE") or os.path.join(
+      os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "optax_half")
+  return Path(root)
+
+
+def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple) -> Path:
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  flags = _FLAGS + [f"-I{_HERE}"] + [f"-I{d}" for d in include_dirs]
+  digest = hashlib.sha256()
+  for name in (source, *headers):
+    digest.update((_HERE / name).read_bytes())
+  digest.update(" ".join(flags + [cxx, version, _cpu_id(), platform.machine()]).encode())
+  target = _cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:16]}.so"
+  if target.exists():
+    return target
+  target.parent.mkdir(parents=True, exist_ok=True)
+  # Build to a temporary name, then rename: concurrent builders never see half a file.
+  fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+  os.close(fd)
+  try:
+    out = subprocess.run([cxx, *flags, "-w", "-o", tmp, str(_HERE / source)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+      raise RuntimeError(f"{cxx} failed:\n{out.stderr[-2000:]}")
+    os.replace(tmp, target)
+  finally:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+  return target
+
+
+def _load(source: str, include_dirs: tuple = ()) -> Optional[ctypes.CDLL]:
+  """Builds (once per source, flags, compiler and CPU) and loads one library;
+  None, with one warning, if that fails."""
+  if source in _libs:
+    return _libs[source]
+  with _lock:
+    if source in _libs:
+      return _libs[source]
+    lib = None
+    try:
+      if os.environ.get("OPTAX_HALF_NATIVE", "1") == "0":
+        raise RuntimeError("disabled by OPTAX_HALF_NATIVE=0")
+      cxx = _compiler()
+      if cxx is None:
+        raise RuntimeError("no C++ compiler ($CXX or g++) on PATH")
+      lib = ctypes.CDLL(str(_build(cxx, source, _HEADERS, tuple(include_dirs))))
+      if lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize:
+        raise RuntimeError("struct layout differs from TENSOR_DTYPE")
+    except Exception as e:  # noqa: BLE001 (any failure means: use the framework path)
+      lib = None
+      build_errors[source] = f"{type(e).__name__}: {e}"
+      warnings.warn(f"optax_half_native: the CPU kernel {source} is unavailable "
+                    f"({build_errors[source]}); the framework implementation runs instead.",
+                    RuntimeWarning, stacklevel=3)
+    _libs[source] = lib
+  return lib
+
+
+def library() -> Optional[ctypes.CDLL]:
+  """The multi-tensor kernel library for ctypes callers, built on first use."""
+  return _load("adamw_cpu.cc")
+
+
+def ffi_library(xla_include_dir: str) -> Optional[ctypes.CDLL]:
+  """The XLA FFI handler library (symbol ``OhAdamw``), built against the XLA
+  FFI headers in ``xla_include_dir`` (``jax.ffi.include_dir()``)."""
+  return _load("adamw_ffi.cc", (xla_include_dir,))
+
+
+def kernel(param: str, grad: str, mu: str, nu: str, mode: str, stochastic_moments: bool):
+  """The entry point for one configuration, or None if there is none.
+
+  Types are "B" (bf16) or "F" (fp32); ``mode`` is a key of ``MODES``. The
+  function takes ``(tensors: TENSOR_DTYPE array pointer, n, nthreads)``.
+  """
+  lib = library()
+  if lib is None:
+    return None
+  sr = int(stochastic_moments and "B" in (mu + nu))
+  name = f"oh_adamw_{param}{grad}{mu}{nu}_{MODES[mode]}_{sr}"
+  fn = getattr(lib, name, None)
+  if fn is not None and fn.argtypes is None:
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+    fn.restype = None
+  return fn

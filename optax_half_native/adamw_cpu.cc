@@ -1,0 +1,33 @@
+// Multi-tensor entry points of the AdamW kernel (adamw.h) for ctypes callers
+// (torch_bridge): one call steps a list of tensors that share one
+// configuration (dtypes, mode, moment rounding), on `nthreads` threads.
+#include "adamw_threads.h"
+
+#define OH_ENTRY(NAME, P, G, M, V, MODE, SR)                                    \
+  extern "C" void oh_adamw_##NAME##_##MODE##_##SR(const void* ts, int n,       \
+                                                 int nthreads) {               \
+    oh::step_all<P, G, M, V, MODE, SR>(static_cast<const oh::Tensor*>(ts), n, nthreads); \
+  }
+
+using oh::bf16;
+// Names: param, grad, mu, nu types (B = bf16, F = fp32), mode (oh::Mode), SR.
+#define OH_MOMENTS(P, PN, G, GN, MODE)             \
+  OH_ENTRY(PN##GN##BB, P, G, bf16, bf16, MODE, 0)  \
+  OH_ENTRY(PN##GN##BB, P, G, bf16, bf16, MODE, 1)  \
+  OH_ENTRY(PN##GN##BF, P, G, bf16, float, MODE, 0) \
+  OH_ENTRY(PN##GN##BF, P, G, bf16, float, MODE, 1) \
+  OH_ENTRY(PN##GN##FB, P, G, float, bf16, MODE, 0) \
+  OH_ENTRY(PN##GN##FB, P, G, float, bf16, MODE, 1) \
+  OH_ENTRY(PN##GN##FF, P, G, float, float, MODE, 0)
+#define OH_MODES(G, GN)         \
+  OH_MOMENTS(bf16, B, G, GN, 1) \
+  OH_MOMENTS(bf16, B, G, GN, 2) \
+  OH_MOMENTS(bf16, B, G, GN, 3) \
+  OH_MOMENTS(bf16, B, G, GN, 4) \
+  OH_MOMENTS(bf16, B, G, GN, 5)
+
+OH_MODES(bf16, B)
+OH_MODES(float, F)
+OH_ENTRY(FFFF, float, float, float, float, 0, 0)
+
+extern "C" int oh_tensor_struct_size() { return int(sizeof(oh::Tensor)); }

@@ -1,0 +1,133 @@
+// The AdamW kernel (adamw.h) as an XLA FFI custom call for JAX on CPU.
+//
+// Operands: p, g, mu, nu, buffer (a 0-element array for modes without one),
+// scalars f32[9] (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd), keys
+// u32[3] (the leaf keys of the param, mu and nu streams). Results: p_out (a new array), mu, nu, buffer
+// (aliased to their operands: updated in place). Attributes: mode (oh::Mode;
+// kUpdate for fp32 params: p_out is the update),
+// sr (stochastic moment writes), nthreads.
+#include <cstring>
+#include <type_traits>
+
+#include "adamw_threads.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using oh::bf16;
+
+namespace {
+
+template <typename P, typename G, typename M, typename V, int MODE>
+bool run_sr(bool sr, const oh::Tensor& t, int nthreads) {
+  if (sr) {
+    if constexpr (std::is_same_v<M, float> && std::is_same_v<V, float>) {
+      return false;
+    } else {
+      oh::step_all<P, G, M, V, MODE, true>(&t, 1, nthreads);
+      return true;
+    }
+  }
+  oh::step_all<P, G, M, V, MODE, false>(&t, 1, nthreads);
+  return true;
+}
+
+template <typename P, typename G, typename M, typename V>
+bool run_mode(int mode, bool sr, const oh::Tensor& t, int nthreads) {
+  if constexpr (std::is_same_v<P, float>) {
+    if (sr || !(std::is_same_v<G, float> && std::is_same_v<M, float> && std::is_same_v<V, float>))
+      return false;
+    if (mode == oh::kDirect) {
+      oh::step_all<float, float, float, float, oh::kDirect, false>(&t, 1, nthreads);
+      return true;
+    }
+    if (mode == oh::kUpdate) {
+      oh::step_all<float, float, float, float, oh::kUpdate, false>(&t, 1, nthreads);
+      return true;
+    }
+    return false;
+  } else {
+    switch (mode) {
+      case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, t, nthreads);
+      case oh::kSplit: return run_sr<P, G, M, V, oh::kSplit>(sr, t, nthreads);
+      case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, t, nthreads);
+      case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, t, nthreads);
+      case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, t, nthreads);
+      default: return false;
+    }
+  }
+}
+
+// Calls f(type tag) for BF16 or F32; false for any other type.
+template <typename F>
+bool with_type(ffi::DataType d, F&& f) {
+  if (d == ffi::DataType::BF16) return f(bf16{});
+  if (d == ffi::DataType::F32) return f(float{});
+  return false;
+}
+
+void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
+  if (out->untyped_data() != in.untyped_data() && in.size_bytes() > 0) {
+    std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
+  }
+}
+
+ffi::Error AdamwImpl(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer mu, ffi::AnyBuffer nu,
+                     ffi::AnyBuffer buffer, ffi::Buffer<ffi::F32> scalars,
+                     ffi::Buffer<ffi::U32> keys, ffi::Result<ffi::AnyBuffer> p_out,
+                     ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
+                     ffi::Result<ffi::AnyBuffer> buffer_out, int32_t mode, bool sr,
+                     int32_t nthreads) {
+  if (scalars.element_count() != 9 || keys.element_count() != 3) {
+    return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[9] and keys u32[3]");
+  }
+  // The moments and the buffer are updated in place (aliased by the caller).
+  same_or_copy(mu, mu_out);
+  same_or_copy(nu, nu_out);
+  same_or_copy(buffer, buffer_out);
+  oh::Tensor t{};
+  t.numel = int64_t(p.element_count());
+  t.p = reinterpret_cast<uint64_t>(p.untyped_data());
+  t.p_out = reinterpret_cast<uint64_t>(p_out->untyped_data());
+  t.g = reinterpret_cast<uint64_t>(g.untyped_data());
+  t.mu = reinterpret_cast<uint64_t>(mu_out->untyped_data());
+  t.nu = reinterpret_cast<uint64_t>(nu_out->untyped_data());
+  t.buffer = buffer.element_count() ? reinterpret_cast<uint64_t>(buffer_out->untyped_data()) : 0;
+  std::memcpy(&t.s, scalars.typed_data(), sizeof(oh::Scalars));
+  const uint32_t* key = keys.typed_data();
+  t.key_p = key[0];
+  t.key_mu = key[1];
+  t.key_nu = key[2];
+  const bool ok = with_type(p.element_type(), [&](auto pt) {
+    return with_type(g.element_type(), [&](auto gt) {
+      return with_type(mu.element_type(), [&](auto mt) {
+        return with_type(nu.element_type(), [&](auto vt) {
+          return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
+              mode, sr, t, nthreads);
+        });
+      });
+    });
+  });
+  if (!ok) return ffi::Error::InvalidArgument("oh_adamw: unsupported dtypes or mode");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+extern "C" int oh_tensor_struct_size() { return int(sizeof(oh::Tensor)); }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamw, AdamwImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("mode")
+                                  .Attr<bool>("sr")
+                                  .Attr<int32_t>("nthreads"));

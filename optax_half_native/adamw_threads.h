@@ -1,0 +1,59 @@
+// Running adamw.h over a list of tensors on several threads: the elements of
+// all the tensors are split evenly, in whole cache lines, so many small
+// tensors cost one call and one large one is shared by all threads.
+#pragma once
+
+#include <algorithm>
+#include <thread>
+#include <vector>
+
+#include "adamw.h"
+
+namespace oh {
+
+// One tensor's step. Mirrored by optax_half_native.TENSOR_DTYPE (numpy, aligned).
+struct Tensor {
+  int64_t numel;
+  uint64_t p, p_out, g, mu, nu, buffer;  // addresses; p_out may equal p; buffer may be 0
+  Scalars s;
+  uint32_t key_p, key_mu, key_nu;        // rounding.leaf_key(seed, step, stream, leaf)
+};
+
+constexpr int64_t kAlign = 256;          // elements
+constexpr int64_t kMinPerThread = 1 << 16;
+
+template <typename P, typename G, typename M, typename V, int MODE, bool SR>
+void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
+  int64_t start = 0;
+  for (int k = 0; k < n && start < hi; ++k) {
+    const Tensor& t = ts[k];
+    const int64_t end = start + t.numel;
+    const int64_t b = std::max(lo, start), e = std::min(hi, end);
+    if (b < e) {
+      adamw_range<P, G, M, V, MODE, SR>(
+          b - start, e - start, reinterpret_cast<const P*>(t.p), reinterpret_cast<P*>(t.p_out),
+          reinterpret_cast<const G*>(t.g), reinterpret_cast<M*>(t.mu),
+          reinterpret_cast<V*>(t.nu), reinterpret_cast<void*>(t.buffer), t.s, t.key_p,
+          t.key_mu, t.key_nu);
+    }
+    start = end;
+  }
+}
+
+template <typename P, typename G, typename M, typename V, int MODE, bool SR>
+void step_all(const Tensor* ts, int n, int nthreads) {
+  int64_t total = 0;
+  for (int k = 0; k < n; ++k) total += ts[k].numel;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(nthreads, total / kMinPerThread));
+  int64_t per = (total + workers - 1) / workers;
+  per = (per + kAlign - 1) / kAlign * kAlign;
+  std::vector<std::thread> threads;
+  for (int64_t w = 1; w < workers; ++w) {
+    threads.emplace_back(step_span<P, G, M, V, MODE, SR>, ts, n, w * per,
+                         std::min(total, (w + 1) * per));
+  }
+  step_span<P, G, M, V, MODE, SR>(ts, n, 0, std::min(total, per));
+  for (auto& th : threads) th.join();
+}
+
+}  // namespace oh

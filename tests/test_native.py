@@ -1,0 +1,243 @@
+"""The native CPU kernel (optax_half_native) against the framework code it replaces.
+
+torch: ``LowPrecisionAdamW`` with ``fused=None`` (the kernel, the default on
+CPU) equals ``fused=False`` (the eager per-tensor reference) bit for bit in
+params and every state tensor, for every compensation, moment dtype and
+rounding, bf16 and fp32 params, bf16 and fp32 gradients, sizes that split
+over threads. JAX: ``adamw_bf16`` / ``adam_fp32_master`` with the kernel (one
+XLA custom call per leaf) equal the composed transformations bit for bit,
+jitted and op by op. (JAX vs torch with the kernel on both sides: test_parity.)
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_half as oh
+from optax_half import _native as jax_native
+
+torch = pytest.importorskip("torch")
+import torch_bridge as tb  # noqa: E402
+from torch_bridge import _native as torch_native  # noqa: E402
+
+# 3 * 2^16 + 5 elements: split over two threads at an odd boundary.
+SHAPES = {"big": (3 * 2**16 + 5,), "mat": (37, 29), "vec": (1000,), "scalar": (), "empty": (3, 0)}
+STEPS = 4
+
+
+def _values(seed, shape, scale):
+  return np.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, np.float32)
+
+
+def _tbits(t: "torch.Tensor") -> bytes:
+  t = t.detach()
+  if t.dtype == torch.bfloat16:
+    t = t.view(torch.int16)
+  return t.numpy().tobytes()
+
+
+def test_the_kernels_build_here():
+  assert torch_native.available(), __import__("optax_half_native").build_errors
+  assert jax_native.available(), __import__("optax_half_native").build_errors
+
+
+TORCH_CONFIGS = [
+    dict(compensation=c, state_rounding=r, mu_dtype=m, nu_dtype=v)
+    for c, r, (m, v) in itertools.product(
+        ["kahan", "split", "stochastic", "none"], ["stochastic", "nearest"],
+        [(None, None), (torch.float32, None), (None, torch.float32),
+         (torch.float32, torch.float32)])]
+
+
+def _torch_run(make, fused, fp32_leaves=(), loss_scale=False):
+  params = [torch.nn.Parameter(torch.from_numpy(_values(i, s, 0.5)).to(
+      torch.float32 if k in fp32_leaves else torch.bfloat16))
+            for i, (k, s) in enumerate(SHAPES.items())]
+  opt = make(params, fused)
+  scaler = tb.dynamic_loss_scale(init_scale=2.0**8) if loss_scale else None
+  for t in range(STEPS):
+    grads = [torch.from_numpy(_values(100 * t + i, s, 0.1)) for i, s in enumerate(SHAPES.values())]
+    if scaler is None:
+      for p, g in zip(params, grads):
+        p.grad = g.to(p.dtype)
+      opt.step()
+    else:  # the scaler hands the step fp32 gradients of the bf16 params
+      loss = sum((p.float() * g).sum() for p, g in zip(params, grads))
+      opt.zero_grad()
+      scaler.scale(loss).backward()
+      scaler.step(opt)
+      scaler.update()
+  return params, opt
+
+
+def _assert_torch_equal(a, b):
+  (pa, oa), (pb, ob) = a, b
+  for x, y in zip(pa, pb):
+    assert _tbits(x) == _tbits(y)
+    for k, v in oa.state[x].items():
+      assert _tbits(v) == _tbits(ob.state[y][k]), k
+
+
+@pytest.mark.parametrize("config", TORCH_CONFIGS,
+                         ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c.values()))
+def test_torch_kernel_equals_the_eager_step(config):
+  def make(params, fused):
+    return tb.adamw_bf16(params, 1e-2, key=11, fused=fused, **config)
+  for fp32_leaves in ((), ("mat", "scalar")):
+    _assert_torch_equal(_torch_run(make, None, fp32_leaves), _torch_run(make, False, fp32_leaves))
+
+
+@pytest.mark.parametrize("name", ["adam_fp32_master", "scale_by_adamw", "adamw_bf16 + scaler",
+                                  "adam_fp32_master + scaler"])
+def test_torch_kernel_equals_the_eager_step_named(name):
+  factory = {"adam_fp32_master": lambda ps, fused: tb.adam_fp32_master(
+                 ps, 1e-2, weight_decay=0.1, fused=fused),
+             "scale_by_adamw": lambda ps, fused: tb.scale_by_adamw(
+                 ps, 1e-2, weight_decay=0.1, state_rounding="stochastic", key=3, fused=fused)}
+  make = factory.get(name.split(" ")[0], lambda ps, fused: tb.adamw_bf16(ps, 1e-2, fused=fused))
+  scaled = name.endswith("scaler")
+  _assert_torch_equal(_torch_run(make, None, ("scalar",), scaled),
+                      _torch_run(make, False, ("scalar",), scaled))
+
+
+def test_torch_kernel_is_used_and_the_eager_step_is_not(monkeypatch):
+  from torch_bridge import adam  # noqa: PLC0415
+  calls = []
+  monkeypatch.setattr(adam, "adamw_step", lambda *a, **k: calls.append(1))
+  params = [torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16)),
+            torch.nn.Parameter(torch.ones(4, dtype=torch.float16))]  # fp16: not in the kernel
+  opt = tb.adamw_bf16(params, 1e-2)
+  for p in params:
+    p.grad = torch.ones_like(p)
+  opt.step()
+  assert calls == [1]  # the fp16 param only
+  assert int(opt.state[params[0]]["step"]) == 1 and not torch.equal(
+      opt.state[params[0]]["mu"], torch.zeros(5, dtype=torch.bfloat16))
+
+
+# -- JAX -------------------------------------------------------------------------
+
+JAX_CONFIGS = {
+    **{f"{c}-{r}-{m}": (lambda c=c, r=r, m=m: oh.adamw_bf16(
+        1e-2, compensation=c, state_rounding=r, key=11,
+        mu_dtype=None if m == "param" else jnp.float32,
+        nu_dtype=None if m == "param" else jnp.float32))
+       for c, r, m in itertools.product(["kahan", "split", "stochastic", "none"],
+                                        ["stochastic", "nearest"], ["param", "fp32"])},
+    "adam_fp32_master": lambda: oh.adam_fp32_master(1e-2, weight_decay=0.1),
+    "adam_fp32_master wd=0": lambda: oh.adam_fp32_master(1e-2),
+    "schedule": lambda: oh.adamw_bf16(optax.linear_schedule(1e-2, 1e-3, STEPS)),
+    "key": lambda: oh.adamw_bf16(1e-2, compensation="stochastic", key=jax.random.key(5)),
+}
+
+
+def _jax_run(make, fp32_leaves=(), jit=True):
+  params = {k: jnp.asarray(_values(i, s, 0.5)).astype(
+      jnp.float32 if k in fp32_leaves else jnp.bfloat16) for i, (k, s) in enumerate(SHAPES.items())}
+  tx = make()
+  state = tx.init(params)
+  update = jax.jit(tx.update) if jit else tx.update
+  for t in range(STEPS):
+    grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1)).astype(params[k].dtype)
+             for i, (k, s) in enumerate(SHAPES.items())}
+    u, state = update(grads, state, params)
+    params = optax.apply_updates(params, u)
+  return jax.tree.leaves((params, state))
+
+
+@pytest.mark.parametrize("name", list(JAX_CONFIGS))
+def test_jax_kernel_equals_the_composed_transformation(name, monkeypatch):
+  make = JAX_CONFIGS[name]
+  for fp32_leaves in ((), ("mat", "scalar")):
+    for jit in (True, False):
+      native = _jax_run(make, fp32_leaves, jit)
+      with monkeypatch.context() as m:
+        m.setattr(jax_native, "available", lambda: False)
+        composed = _jax_run(make, fp32_leaves, jit)
+      assert len(native) == len(composed)
+      for a, b in zip(native, composed):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _custom_calls(tx, params):
+  state = tx.init(params)
+  return jax.jit(tx.update).lower(params, state, params).as_text().count(jax_native.TARGET)
+
+
+def test_jax_kernel_is_one_custom_call_per_leaf_where_it_applies():
+  tree = {"a": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.ones(5), "c": jnp.ones((), jnp.bfloat16)}
+  assert _custom_calls(oh.adamw_bf16(1e-3), tree) == 3
+  assert _custom_calls(oh.adam_fp32_master(1e-3, skip_nonfinite=True), tree) == 3
+  assert _custom_calls(oh.dynamic_loss_scale(oh.adamw_bf16(1e-3)), tree) == 3
+  # fp16 leaves, integer leaves and moments of another dtype: the composed transformation.
+  assert _custom_calls(oh.adamw_bf16(1e-3), {**tree, "h": jnp.ones(3, jnp.float16)}) == 0
+  assert _custom_calls(oh.adamw_bf16(1e-3, mu_dtype=jnp.float16), tree) == 0
+  assert _custom_calls(oh.scale_by_adamw(1e-3), tree) == 0  # the bare core stays framework code
+
+
+def test_jax_kernel_updates_the_state_in_place_when_it_is_donated():
+  """No copy of the moments or the Kahan buffer: the custom call's results
+  alias its operands, and with the state donated XLA adds no copy; the new
+  param goes into the buffer of the gradient computed in the step."""
+  tx = oh.adamw_bf16(1e-3)
+  params = {"w": jnp.ones((256, 128), jnp.bfloat16)}
+  state = tx.init(params)
+
+  def step(p, s, c):
+    g = jax.grad(lambda p: jnp.vdot(p["w"].astype(jnp.float32), c).astype(jnp.float32))(p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  c = jnp.ones((256, 128), jnp.float32)
+  hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, c).compile().as_text()
+  lines = hlo.splitlines()
+  entry = lines[next(i for i, line in enumerate(lines) if line.startswith("ENTRY")):]
+  entry = entry[:entry.index("}")]
+  big_copies = [line for line in entry
+                if " copy(" in line and "[256,128]" in line.split("copy(")[0]]
+  assert big_copies == []
+  assert hlo.count("custom-call(") == 1
+  # new param -> the gradient's buffer; mu, nu, compensation -> their own.
+  assert "output_to_operand_aliasing={{0}: (1, {}), {1}: (2, {}), {2}: (3, {}), {3}: (4, {})}" in hlo
+
+
+_WITHOUT_KERNEL = r"""
+import warnings
+import jax, jax.numpy as jnp, numpy as np, optax
+import optax_half as oh, torch, torch_bridge as tb
+import optax_half_native
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    assert optax_half_native.library() is None
+assert "OPTAX_HALF_NATIVE=0" in str(caught[0].message), [str(w.message) for w in caught]
+tx = oh.adamw_bf16(1e-2)
+w = np.linspace(-1, 1, 7).astype(np.float32)
+p = {"w": jnp.asarray(w).astype(jnp.bfloat16)}
+s = tx.init(p)
+assert "optax_half_adamw" not in jax.jit(tx.update).lower(p, s, p).as_text()
+u, s = jax.jit(tx.update)(p, s, p)
+tp = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16))
+opt = tb.adamw_bf16([tp], 1e-2)
+tp.grad = tp.detach().clone()
+opt.step()
+j = np.asarray(optax.apply_updates(p, u)["w"]).view(np.uint16)
+assert (j == tp.detach().view(torch.int16).numpy().view(np.uint16)).all()
+print("ok")
+"""
+
+
+def test_without_the_kernel_everything_runs_the_framework_code(tmp_path):
+  script = tmp_path / "without.py"
+  script.write_text(_WITHOUT_KERNEL)
+  env = dict(os.environ, OPTAX_HALF_NATIVE="0")
+  out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
