@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test soak demo install clean
+.PHONY: test soak demo bench install clean
 
 # Reinstall only when the package metadata changes: a second `make test` is seconds.
 $(STAMP): pyproject.toml
@@ -28,5 +28,13 @@ soak: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py $(DEMO_ARGS)
 
+# Optimizer step benchmarks, JAX then torch (ratios to the reference run in the
+# same process); BENCH_ARGS="--tree many" or "--quick"; results in bench_out/.
+bench: $(STAMP)
+	$(PY) -m pip install --quiet --disable-pip-version-check "torch-optimi>=0.3"
+	mkdir -p bench_out
+	$(PY) -m benchmarks.step $(BENCH_ARGS) --json bench_out/jax.json
+	$(PY) -m benchmarks.torch_step $(BENCH_ARGS) --json bench_out/torch.json
+
 clean:
-	rm -rf $(VENV) .pytest_cache demo_out
+	rm -rf $(VENV) .pytest_cache demo_out bench_out

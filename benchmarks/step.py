@@ -1,19 +1,21 @@
-"""Optimizer step time on one tree, as ratios to optax.adamw fp32 in the same process.
+"""JAX optimizer step time, as ratios to optax.adamw fp32 in the same process.
 
-    python -m benchmarks.step [--quick] [--json PATH]
+    python -m benchmarks.step [--tree standard|many|quick] [--quick] [--reps N]
+                              [--grads input|in-step] [--json PATH]
 
-Every optimizer runs jitted with donated params and state, interleaved
-(A B C ... A B C ...), median of the repetitions after a warm-up; compile time
-is reported separately. Bytes/param count the params, one gradient and the
-optimizer state actually allocated. The full suite (torch, optimi, roofline)
-is tracked by the benchmarks issue; this is its first piece.
+Every optimizer runs jitted with donated params, state and gradients (a copy
+made before each step, untimed: a training step's gradients are dead after
+the update, and XLA may reuse their buffers), interleaved
+(A B C ... A B C ...), the median of the repetitions after a warm-up; compile
+time is reported separately ("setup s"). Bytes/param count the params, one
+gradient and the optimizer state actually allocated; "moved" is the
+algorithm's minimum traffic (benchmarks/common.py) and "xla B/p" what XLA's
+``cost_analysis()`` says the compiled step accesses. Findings: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
 import jax
@@ -21,80 +23,131 @@ import jax.numpy as jnp
 import optax
 
 import optax_half as oh
+from benchmarks import common
 
 
-def make_tree(quick: bool):
+def make_tree(tree: str):
   key = jax.random.key(0)
-  shapes = [(1024, 1024), (1024,), (1024, 256), ()] if quick else \
-           [(4096, 1024)] * 4 + [(1024,)] * 8 + [()] * 4
-  return {f"p{i}": jax.random.normal(jax.random.fold_in(key, i), s) * 0.02
-          for i, s in enumerate(shapes)}
+  return {f"p{i:03d}": jax.random.normal(jax.random.fold_in(key, i), s) * 0.02
+          for i, s in enumerate(common.shapes(tree))}
 
 
 def candidates(lr=1e-3):
-  bf16 = jnp.bfloat16
+  bf16, f32 = jnp.bfloat16, jnp.float32
   return {
-      "optax.adamw fp32 (reference)": (jnp.float32, optax.adamw(lr)),
+      "optax.adamw fp32 (reference)": (f32, optax.adamw(lr)),
       "optax.adamw bf16 (naive)": (bf16, optax.adamw(lr)),
       "adamw_bf16 kahan": (bf16, oh.adamw_bf16(lr)),
       "adamw_bf16 split": (bf16, oh.adamw_bf16(lr, compensation="split")),
       "adamw_bf16 stochastic": (bf16, oh.adamw_bf16(lr, compensation="stochastic")),
       "adam_fp32_master": (bf16, oh.adam_fp32_master(lr)),
+      "kahan_summation(scale_by_adamw) (no kernel)": (
+          bf16, oh.kahan_summation(oh.scale_by_adamw(lr, weight_decay=1e-2))),
+      "master_weights(scale_by_adamw) (no kernel)": (
+          bf16, oh.master_weights(oh.scale_by_adamw(lr, mu_dtype=f32, nu_dtype=f32,
+                                                    state_rounding="nearest"))),
+      "dynamic_loss_scale(adamw_bf16 kahan)": (bf16, oh.dynamic_loss_scale(oh.adamw_bf16(lr))),
+      "scaled_adam": (bf16, oh.scaled_adam(lr)),
   }
 
 
-def main():
+def bandwidth() -> dict:
+  """Streaming bandwidth into donated buffers (no fresh allocation timed)."""
+  x = jnp.ones(common.BANDWIDTH_BYTES // 4, jnp.float32)
+  y = jnp.zeros_like(x)
+  scale = jax.jit(lambda x: x * 1.0000001, donate_argnums=0)
+  copy = jax.jit(lambda y, x: x + 0.0, donate_argnums=0)  # writes into y's buffer
+  out = {}
+  for name in ("in-place scale", "copy"):
+    best = float("inf")
+    for _ in range(6):
+      start = time.perf_counter()
+      if name == "copy":
+        y = copy(y, x)
+        y.block_until_ready()
+      else:
+        x = scale(x)
+        x.block_until_ready()
+      best = min(best, time.perf_counter() - start)
+    out[name] = 2 * common.BANDWIDTH_BYTES / best / 1e9
+  return out
+
+
+def fresh(tree):
+  """A copy of the gradients to donate to one step, as a training step's
+  gradients are computed in it and dead after the update."""
+  return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
+
+
+def nbytes(tree) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--tree", choices=list(common.TREES), default=None)
+  parser.add_argument("--quick", action="store_true", help="small tree, few repetitions")
   parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--only", default=None, help="comma-separated candidate names (+ reference)")
+  parser.add_argument("--grads", choices=["input", "in-step"], default="input",
+                      help="gradients given to the step, or computed in it (the gradient of "
+                           "a linear loss: a pass that produces them, as a backward pass would)")
   parser.add_argument("--json", default=None)
-  args = parser.parse_args()
-  reps = args.reps or (5 if args.quick else 15)
-  tree32 = make_tree(args.quick)
+  args = parser.parse_args(argv)
+  tree_name = args.tree or ("quick" if args.quick else "standard")
+  reps = args.reps or (3 if args.quick else 15)
+  tree32 = make_tree(tree_name)
   n = sum(x.size for x in jax.tree.leaves(tree32))
+  bw = bandwidth()
+  chosen = candidates()
+  if args.only:
+    keep = {"optax.adamw fp32 (reference)", *args.only.split(",")}
+    chosen = {k: v for k, v in chosen.items() if k in keep}
 
   runs = {}
-  for name, (dtype, tx) in candidates().items():
+  for name, (dtype, tx) in chosen.items():
     params = jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), tree32)
-    grads = jax.tree.map(lambda x: (x * 0.1).astype(dtype), tree32)
+    grads = jax.tree.map(lambda x: (x * 0.1).astype(
+        jnp.float32 if args.grads == "in-step" else dtype), tree32)
     state = tx.init(params)
 
     def step(p, s, g, tx=tx):
+      if args.grads == "in-step":  # g: fp32 coefficients c of the loss sum(p * c)
+        g = jax.grad(lambda p: sum(jnp.vdot(a.astype(jnp.float32), b) for a, b in zip(
+            jax.tree.leaves(p), jax.tree.leaves(g))).astype(jnp.float32))(p)
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s
 
-    t0 = time.perf_counter()
-    fn = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, grads).compile()
-    compile_s = time.perf_counter() - t0
-    bytes_ = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves((params, state, grads)))
+    start = time.perf_counter()
+    fn = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, grads).compile()
+    compile_s = time.perf_counter() - start
+    cost = fn.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    persistent = nbytes(params) + nbytes(state)
     runs[name] = dict(fn=fn, params=params, state=state, grads=grads, times=[],
-                      compile_s=compile_s, bytes_per_param=bytes_ / n)
+                      setup_s=compile_s, bytes_per_param=(persistent + nbytes(grads)) / n,
+                      moved_per_param=(2 * persistent + nbytes(grads)) / n,
+                      extra=dict(xla_bytes_accessed_per_param=float(cost.get("bytes accessed", 0))
+                                 / n))
+    r = runs[name]
     for _ in range(2):  # warm-up
-      r = runs[name]
-      r["params"], r["state"] = fn(r["params"], r["state"], grads)
-    jax.block_until_ready(runs[name]["params"])
+      r["params"], r["state"] = fn(r["params"], r["state"], fresh(grads))
+    jax.block_until_ready(r["params"])
 
   for _ in range(reps):  # interleaved repetitions
     for r in runs.values():
-      t0 = time.perf_counter()
-      r["params"], r["state"] = r["fn"](r["params"], r["state"], r["grads"])
+      g = fresh(r["grads"])  # untimed: a step's gradients are its own, dead after it
+      start = time.perf_counter()
+      r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
       jax.block_until_ready(r["params"])
-      r["times"].append(time.perf_counter() - t0)
+      r["times"].append(time.perf_counter() - start)
 
-  ref = statistics.median(runs["optax.adamw fp32 (reference)"]["times"])
-  print(f"{n / 1e6:.2f}M params, {len(tree32)} leaves, backend {jax.default_backend()}, "
-        f"median of {reps}\n")
-  print(f"{'optimizer':32s} {'ms/step':>9s} {'speed vs ref':>13s} {'B/param':>8s} {'compile s':>10s}")
-  out = {}
-  for name, r in runs.items():
-    med = statistics.median(r["times"])
-    out[name] = dict(ms=med * 1e3, speedup=ref / med, bytes_per_param=r["bytes_per_param"],
-                     compile_s=r["compile_s"])
-    print(f"{name:32s} {med * 1e3:9.2f} {ref / med:12.2f}x {r['bytes_per_param']:8.1f} "
-          f"{r['compile_s']:10.2f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(params=n, reps=reps, results=out), f, indent=2)
+  out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}",
+                      runs, "optax.adamw fp32 (reference)", n, bw, args.json,
+                      extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads))
+  print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
+      f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
+  return out
 
 
 if __name__ == "__main__":

@@ -1,50 +1,73 @@
-"""torch_bridge step time, as ratios to torch.optim.AdamW(fused=True) fp32 in the same process.
+"""torch optimizer step time, as ratios to torch.optim.AdamW(fused=True) fp32 in the same process.
 
-    python -m benchmarks.torch_step [--quick] [--json PATH]
+    python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N] [--json PATH]
 
-The tree is the one of ``benchmarks/step.py`` (16.8M params in 16 leaves;
-``--quick``: 1.3M). Runs are interleaved (A B C ... A B C ...), the median of
-the repetitions after a warm-up is reported; ``fused=True`` compile time is
-paid in the warm-up and reported separately. Bytes/param count the params, one
-gradient and every state tensor the optimizer holds. Goals and analysis: the
-benchmarks issue (benchmarks/README.md once it lands).
+The trees of benchmarks/step.py. Runs are interleaved (A B C ... A B C ...),
+the median of the repetitions after a warm-up step ("setup s": the first
+step, which builds the native kernel or compiles ``fused=True`` code the
+first time in a process). Bytes/param count the params, one gradient and
+every state tensor the optimizer holds; "moved" is the algorithm's minimum
+traffic (benchmarks/common.py). ``optimi`` (``pip install torch-optimi``, the
+``bench`` extra) is skipped when it is not installed. Findings:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import time
 
 import torch
 
 import torch_bridge as tb
+from benchmarks import common
 
 
-def make_tree(quick: bool):
+def make_tree(tree: str):
   gen = torch.Generator().manual_seed(0)
-  shapes = [(1024, 1024), (1024,), (1024, 256), ()] if quick else \
-           [(4096, 1024)] * 4 + [(1024,)] * 8 + [()] * 4
-  return [torch.randn(s, generator=gen) * 0.02 for s in shapes]
+  return [torch.randn(s, generator=gen) * 0.02 for s in common.shapes(tree)]
 
 
 def candidates(lr=1e-3):
   bf16, f32 = torch.bfloat16, torch.float32
-  return {
+  out = {
       "torch AdamW fused fp32 (reference)": (f32, lambda ps: torch.optim.AdamW(ps, lr, fused=True)),
       "torch AdamW foreach fp32": (f32, lambda ps: torch.optim.AdamW(ps, lr, foreach=True)),
       "torch AdamW fused bf16 (naive)": (bf16, lambda ps: torch.optim.AdamW(ps, lr, fused=True)),
       "adamw_bf16 kahan": (bf16, lambda ps: tb.adamw_bf16(ps, lr)),
-      "adamw_bf16 kahan fused": (bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=True)),
-      "adamw_bf16 kahan fused, nearest moments": (
-          bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=True, state_rounding="nearest")),
-      "adamw_bf16 stochastic fused": (
-          bf16, lambda ps: tb.adamw_bf16(ps, lr, compensation="stochastic", fused=True)),
-      "adam_fp32_master fused": (bf16, lambda ps: tb.adam_fp32_master(ps, lr, fused=True)),
-      "master_weights(AdamW fused)": (
-          bf16, lambda ps: tb.master_weights(torch.optim.AdamW(ps, lr, fused=True))),
+      "adamw_bf16 kahan, nearest moments": (
+          bf16, lambda ps: tb.adamw_bf16(ps, lr, state_rounding="nearest")),
+      "adamw_bf16 split": (bf16, lambda ps: tb.adamw_bf16(ps, lr, compensation="split")),
+      "adamw_bf16 stochastic": (bf16, lambda ps: tb.adamw_bf16(ps, lr, compensation="stochastic")),
+      "adam_fp32_master": (bf16, lambda ps: tb.adam_fp32_master(ps, lr)),
+      "adamw_bf16 kahan, eager per-tensor (fused=False)": (
+          bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False)),
+      "scaled_adam": (bf16, lambda ps: tb.scaled_adam(ps, lr)),
   }
+  try:
+    import optimi  # noqa: PLC0415
+  except ImportError:
+    return out
+  out["optimi AdamW kahan_sum bf16"] = (
+      bf16, lambda ps: optimi.AdamW(ps, lr, kahan_sum=True, foreach=True))
+  out["optimi AdamW kahan_sum bf16 (for-loop)"] = (
+      bf16, lambda ps: optimi.AdamW(ps, lr, kahan_sum=True, foreach=False))
+  return out
+
+
+def bandwidth() -> dict:
+  x = torch.ones(common.BANDWIDTH_BYTES // 4)
+  y = torch.empty_like(x)
+  out = {}
+  for name, fn in (("in-place scale", lambda: x.mul_(1.0000001)), ("copy", lambda: y.copy_(x))):
+    fn()
+    best = float("inf")
+    for _ in range(5):
+      start = time.perf_counter()
+      fn()
+      best = min(best, time.perf_counter() - start)
+    out[name] = 2 * common.BANDWIDTH_BYTES / best / 1e9
+  return out
 
 
 def state_bytes(opt) -> int:
@@ -57,45 +80,46 @@ def state_bytes(opt) -> int:
   return total
 
 
-def main():
+def main(argv=None):
   parser = argparse.ArgumentParser()
-  parser.add_argument("--quick", action="store_true")
+  parser.add_argument("--tree", choices=list(common.TREES), default=None)
+  parser.add_argument("--quick", action="store_true", help="small tree, few repetitions")
   parser.add_argument("--reps", type=int, default=None)
+  parser.add_argument("--only", default=None, help="comma-separated candidate names (+ reference)")
   parser.add_argument("--json", default=None)
-  args = parser.parse_args()
-  reps = args.reps or (5 if args.quick else 11)
-  tree = make_tree(args.quick)
+  args = parser.parse_args(argv)
+  tree_name = args.tree or ("quick" if args.quick else "standard")
+  reps = args.reps or (3 if args.quick else 11)
+  tree = make_tree(tree_name)
   n = sum(x.numel() for x in tree)
+  bw = bandwidth()
+  chosen = candidates()
+  if args.only:
+    keep = {"torch AdamW fused fp32 (reference)", *args.only.split(",")}
+    chosen = {k: v for k, v in chosen.items() if k in keep}
   runs = {}
-  for name, (dtype, make) in candidates().items():
+  for name, (dtype, make) in chosen.items():
     params = [x.to(dtype, copy=True).requires_grad_() for x in tree]
     for p in params:
       p.grad = (p.detach() * 0.1).to(dtype)
     opt = make(params)
     start = time.perf_counter()
-    opt.step()  # warm-up (and compile, for fused=True)
-    warm = time.perf_counter() - start
-    nbytes = sum(p.numel() * p.element_size() * 2 for p in params) + state_bytes(opt)
-    runs[name] = dict(opt=opt, times=[], warmup_s=warm, bytes_per_param=nbytes / n)
+    opt.step()  # warm-up: builds the kernel / compiles on first use in the process
+    setup = time.perf_counter() - start
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    persistent = param_bytes + state_bytes(opt)
+    runs[name] = dict(opt=opt, times=[], setup_s=setup,
+                      bytes_per_param=(persistent + param_bytes) / n,
+                      moved_per_param=(2 * persistent + param_bytes) / n)
   for _ in range(reps):
     for run in runs.values():
       start = time.perf_counter()
       run["opt"].step()
       run["times"].append(time.perf_counter() - start)
-  ref = statistics.median(next(iter(runs.values()))["times"])
-  print(f"{n / 1e6:.1f}M params, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"median of {reps}\n")
-  print(f"{'optimizer':42s} {'ms/step':>8s} {'speed vs ref':>12s} {'B/param':>8s} {'warm-up s':>9s}")
-  table = {}
-  for name, run in runs.items():
-    ms = statistics.median(run["times"]) * 1e3
-    table[name] = dict(ms=ms, speed_vs_ref=ref * 1e3 / ms, bytes_per_param=run["bytes_per_param"],
-                       warmup_s=run["warmup_s"])
-    print(f"{name:42s} {ms:8.1f} {ref * 1e3 / ms:11.2f}x {run['bytes_per_param']:8.1f} "
-          f"{run['warmup_s']:9.1f}")
-  if args.json:
-    with open(args.json, "w") as f:
-      json.dump(dict(params=n, runs=table), f, indent=1)
+  return common.report(
+      f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}", runs,
+      "torch AdamW fused fp32 (reference)", n, bw, args.json,
+      extra=dict(framework="torch", tree=tree_name, reps=reps))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,60 @@
+"""What the two benchmark scripts share: the trees, the memory-bandwidth
+yardstick, bytes per param, the table and the JSON.
+
+Bytes moved per step (the roofline's numerator) are the algorithm's minimum:
+every persistent buffer (params and optimizer state) read once and written
+once, and the gradient read once: ``2 * (param + state) + grad`` bytes. The
+yardstick is this machine's memory bandwidth, measured in the same process
+with an in-place streaming op over 256 MB (read + write) and a copy; the best
+of those is the "bandwidth" a step's GB/s is divided by.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+
+# (shape, count): ~16.8M params in 16 leaves of mixed shapes, or in 512 small leaves.
+TREES = {
+    "standard": [((4096, 1024), 4), ((1024,), 8), ((), 4)],
+    "many": [((32768,), 512)],
+    "quick": [((1024, 1024), 1), ((1024,), 1), ((1024, 256), 1), ((), 1)],
+}
+BANDWIDTH_BYTES = 256 * 2**20
+
+
+def shapes(tree: str) -> list:
+  return [shape for shape, count in TREES[tree] for _ in range(count)]
+
+
+def median_ms(times) -> float:
+  return statistics.median(times) * 1e3
+
+
+def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dict,
+           json_path=None, extra=None) -> dict:
+  """Prints the table (ratios to ``reference``) and writes JSON; returns the JSON dict."""
+  best_bw = max(bandwidth.values())
+  ref = median_ms(runs[reference]["times"])
+  print(f"{title}: {n_params / 1e6:.2f}M params, machine {platform.machine()}; memory "
+        f"bandwidth " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
+  print(f"{'optimizer':44s} {'ms/step':>8s} {'vs ref':>7s} {'B/param':>8s} {'moved B/p':>9s} "
+        f"{'GB/s':>6s} {'of bw':>6s} {'setup s':>8s}")
+  table = {}
+  for name, r in runs.items():
+    ms = median_ms(r["times"])
+    gbs = r["moved_per_param"] * n_params / (ms * 1e-3) / 1e9
+    row = dict(ms=ms, speed_vs_ref=ref / ms, bytes_per_param=r["bytes_per_param"],
+               moved_bytes_per_param=r["moved_per_param"], gb_per_s=gbs,
+               fraction_of_bandwidth=gbs / best_bw, setup_s=r["setup_s"],
+               times_ms=[t * 1e3 for t in r["times"]], **r.get("extra", {}))
+    table[name] = row
+    print(f"{name:44s} {ms:8.2f} {ref / ms:6.2f}x {r['bytes_per_param']:8.1f} "
+          f"{r['moved_per_param']:9.1f} {gbs:6.1f} {gbs / best_bw:6.0%} {r['setup_s']:8.2f}")
+  out = dict(title=title, params=n_params, reference=reference, bandwidth_gb_per_s=bandwidth,
+             runs=table, **(extra or {}))
+  if json_path:
+    with open(json_path, "w") as f:
+      json.dump(out, f, indent=1)
+  return out

@@ -1,0 +1,43 @@
+"""The benchmark scripts run (--quick) and report what they say they report.
+
+No timing is asserted: only that every run has a time, the byte counts that
+follow from the dtypes, and a measured bandwidth to divide by.
+"""
+
+import json
+
+import pytest
+
+from benchmarks import step
+
+
+def _check(out, path, expected_bytes):
+  assert json.loads(path.read_text()) == json.loads(json.dumps(out))
+  assert all(v > 1.0 for v in out["bandwidth_gb_per_s"].values())
+  for name, row in out["runs"].items():
+    assert len(row["times_ms"]) == out["reps"] and row["ms"] > 0, name
+    assert 0 < row["fraction_of_bandwidth"], name
+  for name, (per_param, moved) in expected_bytes.items():
+    row = out["runs"][name]
+    # Scalars and leaf-count rounding aside, the bytes follow from the dtypes.
+    assert row["bytes_per_param"] == pytest.approx(per_param, rel=1e-3), name
+    assert row["moved_bytes_per_param"] == pytest.approx(moved, rel=1e-3), name
+
+
+def test_jax_benchmark_quick(tmp_path):
+  path = tmp_path / "jax.json"
+  out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
+                   "adamw_bf16 kahan,adam_fp32_master"])
+  _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
+                     "adam_fp32_master": (16, 30)})
+  assert out["runs"]["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
+
+
+def test_torch_benchmark_quick(tmp_path):
+  pytest.importorskip("torch")
+  from benchmarks import torch_step  # noqa: PLC0415
+  path = tmp_path / "torch.json"
+  out = torch_step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
+                         "adamw_bf16 kahan,adam_fp32_master"])
+  _check(out, path, {"torch AdamW fused fp32 (reference)": (16, 28),
+                     "adamw_bf16 kahan": (10, 18), "adam_fp32_master": (16, 30)})
