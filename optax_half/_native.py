@@ -102,7 +102,10 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
 
   def update(updates, state, params=None, **extra_args):
     core = state.inner_state
-    if params is None or not _takes(params, updates, core) or not available():
+    # Off CPU (jax.default_backend()), nothing is built: the composed
+    # transformation is what would be lowered anyway.
+    if (params is None or jax.default_backend() != "cpu" or not _takes(params, updates, core)
+        or not available()):
       return tx_update(updates, state, params, **extra_args)
 
     def on_cpu():

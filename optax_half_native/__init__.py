@@ -102,6 +102,9 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple) -> Path:
   digest = hashlib.sha256()
   for name in (source, *headers):
     digest.update((_HERE / name).read_bytes())
+  for d in include_dirs:  # e.g. XLA's FFI headers: a new jaxlib means a new build
+    for header in sorted(Path(d).glob("xla/ffi/api/*.h")):
+      digest.update(header.read_bytes())
   digest.update(" ".join(flags + [cxx, version, _cpu_id(), platform.machine()]).encode())
   target = _cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:16]}.so"
   if target.exists():

@@ -80,6 +80,18 @@ ffi::Error AdamwImpl(ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer mu, ffi:
   if (scalars.element_count() != 9 || keys.element_count() != 3) {
     return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[9] and keys u32[3]");
   }
+  const size_t n = p.element_count();
+  if (g.element_count() != n || mu.element_count() != n || nu.element_count() != n ||
+      p_out->element_count() != n) {
+    return ffi::Error::InvalidArgument("oh_adamw: p, g, mu, nu and p_out must have one size");
+  }
+  // The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
+  const bool needs = mode == oh::kMaster || mode == oh::kSplit || mode == oh::kKahan;
+  const ffi::DataType want = mode == oh::kMaster ? ffi::DataType::F32
+                             : mode == oh::kSplit ? ffi::DataType::S16 : p.element_type();
+  if (needs && n > 0 && (buffer.element_count() != n || buffer.element_type() != want)) {
+    return ffi::Error::InvalidArgument("oh_adamw: the mode's buffer is missing or mistyped");
+  }
   // The moments and the buffer are updated in place (aliased by the caller).
   same_or_copy(mu, mu_out);
   same_or_copy(nu, nu_out);

@@ -1,6 +1,7 @@
 // Running adamw.h over a list of tensors on several threads: the elements of
-// all the tensors are split evenly, in whole cache lines, so many small
-// tensors cost one call and one large one is shared by all threads.
+// all the tensors, concatenated, are split evenly (at multiples of kAlign
+// elements of the concatenation), so many small tensors cost one call and one
+// large one is shared by all threads.
 #pragma once
 
 #include <algorithm>
@@ -19,7 +20,7 @@ struct Tensor {
   uint32_t key_p, key_mu, key_nu;        // rounding.leaf_key(seed, step, stream, leaf)
 };
 
-constexpr int64_t kAlign = 256;          // elements
+constexpr int64_t kAlign = 256;          // elements of the concatenation
 constexpr int64_t kMinPerThread = 1 << 16;
 
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>

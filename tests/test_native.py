@@ -241,3 +241,84 @@ def test_without_the_kernel_everything_runs_the_framework_code(tmp_path):
   out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=300)
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def _same_but_nan_bits(a: np.ndarray, b: np.ndarray, what):
+  """Equal bits, except that a NaN only has to be a NaN: its sign and payload
+  are outside the bit-exact claim (torch's vectorised cast writes 0xFFFF, XLA
+  keeps the sign, the kernel writes 0x7FC0)."""
+  fa, fb = np.asarray(a, np.float32), np.asarray(b, np.float32)
+  assert np.array_equal(np.isnan(fa), np.isnan(fb)), what
+  keep = ~np.isnan(fa)
+  assert np.asarray(a)[keep].tobytes() == np.asarray(b)[keep].tobytes(), what
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none"])
+def test_nonfinite_gradients_poison_the_same_elements(compensation, monkeypatch):
+  g0 = _values(7, (300,), 0.1)
+  g0[3], g0[10], g0[20] = np.nan, np.inf, -np.inf
+  grads = [g0, _values(8, (300,), 0.1)]
+  w = _values(9, (300,), 0.5)
+  # torch: kernel vs eager.
+  runs = []
+  for fused in (None, False):
+    p = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16))
+    opt = tb.adamw_bf16([p], 1e-2, compensation=compensation, fused=fused)
+    for g in grads:
+      p.grad = torch.from_numpy(g).to(torch.bfloat16)
+      opt.step()
+    runs.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
+  for a, b in zip(*runs):
+    _same_but_nan_bits(a.float().numpy(), b.float().numpy(), compensation)
+  # JAX: kernel vs composed.
+  out = []
+  for native in (True, False):
+    with monkeypatch.context() as m:
+      if not native:
+        m.setattr(jax_native, "available", lambda: False)
+      tx = oh.adamw_bf16(1e-2, compensation=compensation)
+      params = {"w": jnp.asarray(w).astype(jnp.bfloat16)}
+      state = tx.init(params)
+      for g in grads:
+        u, state = jax.jit(tx.update)({"w": jnp.asarray(g).astype(jnp.bfloat16)}, state, params)
+        params = optax.apply_updates(params, u)
+      out.append(jax.tree.leaves((params, state)))
+  for a, b in zip(*out):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.dtype.kind == "f" or a.dtype == jnp.bfloat16:
+      _same_but_nan_bits(a, b, compensation)
+    else:
+      assert a.tobytes() == b.tobytes()
+  assert np.isnan(np.asarray(out[0][0], np.float32)[[3, 10, 20]]).all()
+
+
+def test_torch_kernel_counts_as_an_in_place_write_for_autograd():
+  """A param saved for backward and then stepped: an error, as with the eager step."""
+  for fused in (None, False):
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    opt = tb.adamw_bf16([p], 1e-2, fused=fused)
+    loss = (p * p).sum()  # saves p
+    p.grad = torch.ones_like(p)
+    opt.step()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+      loss.backward()
+
+
+def test_torch_kernel_param_groups_with_their_own_hyperparameters():
+  def make(params, fused):
+    return tb.adamw_bf16([{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0},
+                          {"params": params[2:], "b1": 0.8, "eps": 1e-6}], 1e-2, fused=fused)
+  _assert_torch_equal(_torch_run(make, None, ("vec",)), _torch_run(make, False, ("vec",)))
+
+
+def test_the_custom_call_checks_its_operands():
+  """A mistaken call is an error, not an out-of-bounds write."""
+  assert jax_native.available()  # registers the handler
+  p = jnp.ones(8, jnp.bfloat16)
+  scalars, keys = jnp.zeros(9, jnp.float32), jnp.zeros(3, jnp.uint32)
+  with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
+    jax_native._leaf(p, p, p, p, None, scalars, keys, "kahan", False)
+  with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
+    jax_native._leaf(p, p, p, p, jnp.zeros(8, jnp.int16), scalars, keys, "master", False)
+  with pytest.raises(Exception, match="p, g, mu, nu and p_out must have one size"):
+    jax_native._leaf(p, p, jnp.ones(4, jnp.bfloat16), p, p, scalars, keys, "kahan", False)

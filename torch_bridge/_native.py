@@ -73,5 +73,10 @@ class Batch:
                                        [r[2] for r in rows])
       fn(table.ctypes.data, len(rows), threads)
       steps.extend(r[1] for r in rows)
+      # Written through raw pointers: tell autograd, as an in-place op would
+      # (a param saved for backward and then stepped is an error, not stale).
+      torch.autograd.graph.increment_version(
+          [t for tensors in (r[0] for r in rows) for k, t in enumerate(tensors)
+           if t is not None and k != 1])
     if steps:
       torch._foreach_add_(steps, 1)

@@ -255,9 +255,16 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     return run_step(self, closure, self._step_groups)
 
   def _step_groups(self) -> None:
-    position = 0
     # CPU tensors go to the native kernel, one call per configuration, after the loop.
     native = _native.Batch(self._seed, self._state_rounding) if self._fused is not False else None
+    try:
+      self._step_each(native)
+    finally:  # as the eager step would have: what was taken is stepped, even if a later check fails
+      if native is not None:
+        native.run()
+
+  def _step_each(self, native) -> None:
+    position = 0
     for group in self.param_groups:
       count = group["count"]
       lr = float(self._schedule(count)) if self._schedule is not None else group["lr"]
@@ -293,8 +300,6 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         kernel(*tensors, scalars, keys, mode, self._state_rounding)
         state["step"] += 1
       group["count"] = count + 1
-    if native is not None:
-      native.run()
 
 
 def scale_by_adamw(
