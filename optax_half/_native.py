@@ -25,6 +25,7 @@ import optax
 
 import optax_half_native as native
 from optax_half import rounding
+from optax_half._util import leaf_indices, unzip
 
 __all__ = ["available", "fused"]
 
@@ -150,10 +151,8 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
     u = rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
     return u, m, v, new_buf if has_buffer else buf
 
-  index = list(range(len(jax.tree.leaves(params))))
-  index = jax.tree.unflatten(jax.tree.structure(params), index)
-  out = jax.tree.map(one, params, updates, core.mu, core.nu, buffers, index)
-  u, mu, nu, new_buffers = (jax.tree.map(lambda _, t, k=k: t[k], params, out) for k in range(4))
+  out = jax.tree.map(one, params, updates, core.mu, core.nu, buffers, leaf_indices(params))
+  u, mu, nu, new_buffers = unzip(params, out, 4)
   new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
   if kind == "kahan":
     return u, state._replace(compensation=new_buffers, inner_state=new_core)
