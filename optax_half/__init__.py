@@ -10,9 +10,11 @@ ScaledAdam (icefall) and its schedule:
   scaled_adam, scaled_adam_stats, eden
 Schedules:
   preheat_decay_schedule, eden
+Checkpoints (Orbax, checked leaf by leaf):
+  checkpoint.save, checkpoint.restore
 """
 
-from optax_half import rounding
+from optax_half import checkpoint, rounding
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
 from optax_half.loss_scale import (
     DynamicLossScaleState,
@@ -45,6 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
+    "checkpoint",
     "dynamic_loss_scale",
     "eden",
     "find_loss_scale_state",

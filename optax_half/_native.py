@@ -93,6 +93,15 @@ def _takes(params, grads, core) -> bool:
           == len(jax.tree.leaves(core.nu)))
 
 
+def _maybe_sharded(params) -> bool:
+  """Whether the params may be sharded: JAX has several devices, a mesh is
+  set (``jax.set_mesh``), or a leaf's type carries a mesh (explicit sharding)."""
+  if jax.device_count() > 1 or not jax.sharding.get_abstract_mesh().empty:
+    return True
+  return any(not getattr(getattr(jax.typeof(p).sharding, "mesh", None), "empty", True)
+             for p in jax.tree.leaves(params))
+
+
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
   """The update of ``adamw_bf16(compensation=kind)`` or (``kind="master"``)
   ``adam_fp32_master``, with the kernel on CPU; ``tx_update`` (the composed
@@ -104,9 +113,12 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
   def update(updates, state, params=None, **extra_args):
     core = state.inner_state
     # Off CPU (jax.default_backend()), nothing is built: the composed
-    # transformation is what would be lowered anyway.
-    if (params is None or jax.default_backend() != "cpu" or not _takes(params, updates, core)
-        or not available()):
+    # transformation is what would be lowered anyway. With several devices, or
+    # under a mesh, the params may be sharded, and the custom call has no
+    # partitioning rule: the composed transformation, which XLA partitions
+    # elementwise, runs there.
+    if (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
+        or not _takes(params, updates, core) or not available()):
       return tx_update(updates, state, params, **extra_args)
 
     def on_cpu():

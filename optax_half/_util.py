@@ -6,10 +6,30 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental.shard_alike import shard_alike
 
 
 def is_float(x) -> bool:
   return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
+
+
+def like_param(p, x) -> jax.Array:
+  """``x`` (an array of ``p``'s shape) sharded like ``p``.
+
+  Under ``jax.jit`` with automatic sharding, XLA replicates a constant (it
+  has no operand to take a sharding from) and does not carry a sharding
+  through bit casts; ``shard_alike`` ties ``x`` to ``p`` (an annotation: no
+  data moves). Eagerly, and under explicit sharding, ``x`` already follows
+  ``p`` and is returned as it is.
+  """
+  if isinstance(p, jax.core.Tracer) or isinstance(x, jax.core.Tracer):
+    return shard_alike(p, x)[1]
+  return x
+
+
+def zeros_like_param(p, dtype=None) -> jax.Array:
+  """Zeros of ``p``'s shape in ``dtype``, sharded like ``p``: per-element state."""
+  return like_param(p, jnp.zeros_like(p, dtype))
 
 
 def seed_from_key(key) -> jax.Array:
@@ -147,9 +167,10 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
     def skip():
       shapes, _ = jax.eval_shape(apply)
       # -0.0: p + (-0.0) is p bit for bit, signed zeros included (+0.0 is not).
-      zeros = jax.tree.map(lambda s: jnp.full(s.shape, -0.0, s.dtype)
-                           if jnp.issubdtype(s.dtype, jnp.floating)
-                           else jnp.zeros(s.shape, s.dtype), shapes)
+      # With explicit sharding the branches' types include the sharding.
+      zeros = jax.tree.map(
+          lambda s: jax.lax.full(s.shape, -0.0 if jnp.issubdtype(s.dtype, jnp.floating) else 0,
+                                 s.dtype, sharding=getattr(s, "sharding", None)), shapes)
       return zeros, state.inner_state
 
     if isinstance(finite, jax.core.Tracer):

@@ -23,7 +23,8 @@ import optax
 
 from optax_half import _native, rounding, wrappers
 from optax_half._util import (check_no_float64, check_trees, leaf_indices,
-                              maybe_skip_nonfinite, seed_from_key, unzip)
+                              like_param, maybe_skip_nonfinite, seed_from_key, unzip,
+                              zeros_like_param)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
@@ -161,8 +162,8 @@ def scale_by_adamw(
     check_no_float64("scale_by_adamw (the fp32 AdamW core of adamw_bf16 and "
                      "adam_fp32_master)", params)
     params = jax.tree.map(jnp.asarray, params)  # canonical dtypes (x64 off: f64 -> f32)
-    mu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(mu_dtype, p)), params)
-    nu = jax.tree.map(lambda p: jnp.zeros(p.shape, state_dtype(nu_dtype, p)), params)
+    mu = jax.tree.map(lambda p: zeros_like_param(p, state_dtype(mu_dtype, p)), params)
+    nu = jax.tree.map(lambda p: zeros_like_param(p, state_dtype(nu_dtype, p)), params)
     return ScaleByAdamWState(jnp.zeros([], jnp.int32), mu, nu,
                              seed_from_key(key))
 
@@ -300,14 +301,14 @@ def adamw_bf16(
     # without an explicit dtype take the dtype of the param itself.
     state = tx.init(params)
     core_state = state.inner_state
-    def like_param(moments, override):
+    def param_dtype(moments, override):
       if override is not None:
         return moments
       return jax.tree.map(
-          lambda p, m: m if isinstance(m, optax.MaskedNode) else m.astype(jnp.asarray(p).dtype),
-          params, moments)
-    core_state = core_state._replace(mu=like_param(core_state.mu, mu_dtype),
-                                     nu=like_param(core_state.nu, nu_dtype))
+          lambda p, m: m if isinstance(m, optax.MaskedNode)
+          else like_param(p, m.astype(jnp.asarray(p).dtype)), params, moments)
+    core_state = core_state._replace(mu=param_dtype(core_state.mu, mu_dtype),
+                                     nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
   update = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay),

@@ -37,7 +37,8 @@ import optax
 from optax import MaskedNode
 
 from optax_half import rounding
-from optax_half._util import check_no_float64, check_trees, is_float, maybe_skip_nonfinite
+from optax_half._util import (check_no_float64, check_trees, is_float, maybe_skip_nonfinite,
+                              zeros_like_param)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
 
@@ -258,10 +259,9 @@ def scaled_adam(
       p32 = rounding.widen(p)
       return jnp.sqrt(jnp.mean(p32 * p32)).astype(p.dtype)
 
-    zeros = lambda p: jnp.zeros(p.shape, p.dtype)
     # Second moments of fp16 params are fp32: (1 - b2) g^2 underflows fp16
     # for |g| < ~2e-3 and the step would become g / eps (bf16 has fp32's range).
-    sq_zeros = lambda shape, p: jnp.zeros(shape, _second_moment_dtype(p.dtype))
+    sq_zeros = lambda p: zeros_like_param(p, _second_moment_dtype(p.dtype))
     nonscalar = lambda f: (lambda p: MaskedNode() if _is_scalar(p) else f(p))
     params = jax.tree.map(jnp.asarray, params)
     clipping = ScaledAdamClippingState(
@@ -276,10 +276,11 @@ def scaled_adam(
         dominant_share=jnp.zeros([], jnp.float32))
     return ScaledAdamState(
         count=jnp.zeros([], jnp.int32),
-        delta=jax.tree.map(zeros, params),
-        exp_avg_sq=jax.tree.map(lambda p: sq_zeros(p.shape, p), params),
+        delta=jax.tree.map(zeros_like_param, params),
+        exp_avg_sq=jax.tree.map(sq_zeros, params),
         param_rms=jax.tree.map(nonscalar(rms), params),
-        scale_exp_avg_sq=jax.tree.map(nonscalar(lambda p: sq_zeros([], p)), params),
+        scale_exp_avg_sq=jax.tree.map(
+            nonscalar(lambda p: jnp.zeros([], _second_moment_dtype(p.dtype))), params),
         scale_grads=jax.tree.map(nonscalar(lambda p: jnp.zeros([S], p.dtype)), params),
         clipping=clipping)
 

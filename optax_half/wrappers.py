@@ -35,7 +35,8 @@ import optax
 from optax import MaskedNode
 
 from optax_half import rounding
-from optax_half._util import check_trees, is_float, leaf_indices, seed_from_key, unzip
+from optax_half._util import (check_trees, is_float, leaf_indices, like_param, seed_from_key,
+                              unzip, zeros_like_param)
 
 __all__ = [
     "master_weights",
@@ -137,7 +138,11 @@ def _lowp_wrapper(
     rl = roles(params)
     buffers = jax.tree.map(
         lambda p, r: init_buffer(p) if r == _LOW else MaskedNode(), params, rl)
-    inner_state = inner.init(view(params, buffers, rl))
+    # The view is sharded like the params, so state the inner transformation
+    # makes from it is too.
+    x = jax.tree.map(lambda p, xi, r: xi if r == _FROZEN else like_param(p, xi),
+                     params, view(params, buffers, rl), rl)
+    inner_state = inner.init(x)
     if not nested_ok:
       _check_not_nested(name, inner_state)
     return buffers, inner_state
@@ -270,7 +275,7 @@ def master_weights(
 
   def init_buffer(p):
     if is_split(p):
-      return jnp.zeros(p.shape, jnp.int16)  # bf16 -> fp32 is exact: lo = 0
+      return zeros_like_param(p, jnp.int16)  # bf16 -> fp32 is exact: lo = 0
     return p.astype(master_dtype)
 
   def read(p, buf):
@@ -328,7 +333,7 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
       "kahan_summation", inner,
       role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
       work_dtype=lambda _: jnp.float32,
-      init_buffer=jnp.zeros_like,
+      init_buffer=zeros_like_param,
       read=lambda p, c: rounding.widen(p) + rounding.widen(c),
       write=write)
 

@@ -11,7 +11,7 @@ import pytest
 if importlib.util.find_spec("torch") is not None:
   pytest_plugins = ["torch_bridge.pytest_plugin"]
 
-_UINT = {2: np.uint16, 4: np.uint32}
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {2: np.int16, 4: np.int32}
 
 

@@ -1,0 +1,128 @@
+"""Optimizer-state checkpoints with Orbax, checked leaf by leaf before anything loads.
+
+    optax_half.checkpoint.save(path, opt_state)
+    opt_state = optax_half.checkpoint.restore(path, tx.init(params))
+
+``save`` writes any state (sharded or not) with
+``orbax.checkpoint.StandardCheckpointer`` and waits until it is on disk.
+``restore`` reads it back into the structure, dtypes, shapes and shardings
+of ``like``: a state of the same optimizer (e.g. ``tx.init(params)`` on the
+params as they are sharded now, or ``jax.eval_shape`` of it with
+shardings). Before reading any array it compares the saved tree with ``like``
+(``check``) and raises a ``ValueError`` naming the first leaf that is
+missing, extra, or of another dtype or shape; Orbax itself would cast a
+dtype silently (a saved bf16 moment read as fp32, or the reverse) and names no
+leaf. JAX arrays are immutable: a failed restore leaves ``like`` and every
+other array as they were.
+
+Resuming is exact: the restored arrays are the saved bits, so N steps equal
+N/2 steps, ``save``, ``restore`` and N/2 steps, bit for bit (tested for every
+optimizer, sharded too). Orbax is an optional dependency
+(``pip install optax-half[checkpoint]``; Flax brings it too). Spec:
+``docs/algorithms.md``, "Checkpoints".
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+__all__ = ["save", "restore", "check"]
+
+
+def _orbax():
+  try:
+    import orbax.checkpoint as ocp  # noqa: PLC0415 (optional dependency)
+  except ImportError as e:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        "optax_half.checkpoint needs Orbax: pip install 'optax-half[checkpoint]' "
+        "(or orbax-checkpoint).") from e
+  return ocp
+
+
+def _key_name(k) -> str:
+  for attr in ("name", "key", "idx"):
+    if hasattr(k, attr):
+      return str(getattr(k, attr))
+  return str(k)
+
+
+def _flat(tree, is_leaf=None) -> dict:
+  """Leaf path (a tuple of field names, dict keys and indices) -> leaf.
+
+  Orbax stores a NamedTuple as a dict of its fields and an empty node
+  (``optax.MaskedNode``, ``optax.EmptyState``) as nothing; both flatten to the
+  same paths here.
+  """
+  leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+  return {tuple(_key_name(k) for k in path): leaf for path, leaf in leaves if leaf is not None}
+
+
+def _describe(shape, dtype) -> str:
+  return f"{np.dtype(dtype).name}{list(shape)}"
+
+
+def check(saved_tree, like, name: str = "restore") -> None:
+  """Raises a ``ValueError`` naming the first leaf where ``saved_tree`` and
+  ``like`` differ: a leaf only one of them has, or another dtype or shape.
+
+  ``saved_tree``: the tree of a checkpoint's array metadata
+  (``StandardCheckpointer().metadata(path).item_metadata.tree``), or any tree
+  whose leaves have ``shape`` and ``dtype``; ``like``: the state to restore into.
+  """
+  def is_array_leaf(x):
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+  saved = _flat(saved_tree, is_leaf=is_array_leaf)
+  wanted = _flat(like)
+  labels = {tuple(_key_name(k) for k in path): jax.tree_util.keystr(path)
+            for path, _ in jax.tree_util.tree_flatten_with_path(like)[0]}
+  for path, leaf in wanted.items():
+    label = "state" + labels[path]
+    if path not in saved:
+      raise ValueError(
+          f"{name}: the checkpoint has no {label} ({_describe(np.shape(leaf), leaf.dtype)}): "
+          "it was saved from another optimizer, compensation or params tree.")
+    s = saved[path]
+    if np.dtype(s.dtype) != np.dtype(leaf.dtype) or tuple(s.shape) != tuple(np.shape(leaf)):
+      raise ValueError(
+          f"{name}: {label} was saved as {_describe(s.shape, s.dtype)}; the state to "
+          f"restore into has {_describe(np.shape(leaf), leaf.dtype)}. Build the optimizer "
+          "with the same dtypes and the same params.")
+  extra = [p for p in saved if p not in wanted]
+  if extra:
+    raise ValueError(
+        f"{name}: the checkpoint has {'.'.join(extra[0])}, which the state to restore into "
+        f"lacks ({len(extra)} such leaves): it was saved from another optimizer, "
+        "compensation or params tree.")
+
+
+def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> None:
+  """Writes ``state`` (any pytree of arrays, sharded or not) to ``directory`` with
+  Orbax and returns when it is on disk. ``force``: overwrite an existing checkpoint."""
+  ocp = _orbax()
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.abspath(directory), state, force=force)
+  checkpointer.wait_until_finished()
+
+
+def _target(leaf):
+  """What Orbax restores a leaf as: ``like``'s shape, dtype and sharding."""
+  sharding = getattr(leaf, "sharding", None)
+  if sharding is None:
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.ShapeDtypeStruct(np.shape(leaf), leaf.dtype, sharding=sharding)
+
+
+def restore(directory: str | os.PathLike, like: Any) -> Any:
+  """The state saved in ``directory``, in the structure, dtypes, shapes and
+  shardings of ``like`` (a state of the same optimizer, or its ``jax.eval_shape``
+  with shardings). Checks everything first (``check``): a mismatch raises
+  before any array is read."""
+  ocp = _orbax()
+  directory = os.path.abspath(directory)
+  checkpointer = ocp.StandardCheckpointer()
+  check(checkpointer.metadata(directory).item_metadata.tree, like)
+  return checkpointer.restore(directory, jax.tree.map(_target, like))
