@@ -48,7 +48,7 @@ TENSOR_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("p_out", np.uint64), ("g", np.uint64),
     ("mu", np.uint64),
     ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (9,)),
-    ("keys", np.uint32, (3,))], align=True)
+    ("keys", np.uint32, (3,)), ("index", np.uint64)], align=True)
 
 _M1, _M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
 _STREAMS = [np.uint32((s * 0x9E3779B9) & 0xFFFFFFFF) for s in range(3)]  # stream * golden

@@ -90,7 +90,9 @@ struct Scalars {
   float lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay;
 };
 
-// One AdamW step on elements [begin, end) of one tensor. P: param, G: grad,
+// One AdamW step on elements [begin, end) of one tensor, whose element 0 has
+// random-bit counter `index0` (its row-major index in the whole tensor: 0, or
+// a shard's offset in it). P: param, G: grad,
 // M, V: moment types; Buf: the per-mode buffer (fp32 master, int16 low half,
 // or the Kahan compensation of type P); SR: stochastic moment writes.
 // The new param goes to p_out, which may be p itself (torch: in place) or
@@ -98,7 +100,7 @@ struct Scalars {
 // param too); element i of p and g is read before p_out[i] is written. The
 // moments and the buffer are updated in place.
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
-void adamw_range(int64_t begin, int64_t end, const P* p, P* p_out, const G* g,
+void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& s,
                  uint32_t key_p, uint32_t key_mu, uint32_t key_nu) {
   float* __restrict master = static_cast<float*>(buffer);
@@ -108,7 +110,7 @@ void adamw_range(int64_t begin, int64_t end, const P* p, P* p_out, const G* g,
   const float ibc1 = s.inv_bc1, ibc2 = s.inv_bc2, eps = s.eps, wd = s.weight_decay;
   // The element index is the random-bit counter, a uint32 (mod 2^32) as in
   // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
-  uint32_t index = uint32_t(begin);
+  uint32_t index = uint32_t(index0 + uint64_t(begin));
   for (int64_t i = begin; i < end; ++i, ++index) {
     const float gi = widen(g[i]);
     float x;

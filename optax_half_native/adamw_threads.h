@@ -18,6 +18,7 @@ struct Tensor {
   uint64_t p, p_out, g, mu, nu, buffer;  // addresses; p_out may equal p; buffer may be 0
   Scalars s;
   uint32_t key_p, key_mu, key_nu;        // rounding.leaf_key(seed, step, stream, leaf)
+  uint64_t index;                        // random-bit counter of element 0 (a shard's offset)
 };
 
 constexpr int64_t kAlign = 256;          // elements of the concatenation
@@ -32,7 +33,8 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
     const int64_t b = std::max(lo, start), e = std::min(hi, end);
     if (b < e) {
       adamw_range<P, G, M, V, MODE, SR>(
-          b - start, e - start, reinterpret_cast<const P*>(t.p), reinterpret_cast<P*>(t.p_out),
+          b - start, e - start, t.index, reinterpret_cast<const P*>(t.p),
+          reinterpret_cast<P*>(t.p_out),
           reinterpret_cast<const G*>(t.g), reinterpret_cast<M*>(t.mu),
           reinterpret_cast<V*>(t.nu), reinterpret_cast<void*>(t.buffer), t.s, t.key_p,
           t.key_mu, t.key_nu);

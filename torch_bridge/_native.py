@@ -39,12 +39,16 @@ class Batch:
     self._scalars: dict = {}  # id of the scalar tensors -> the fp32 values as floats
 
   def add(self, tensors, mode: str, step: torch.Tensor, leaf: int,
-          scalars: Callable[[], tuple]) -> bool:
-    """Takes ``(param, grad, mu, nu, buffer)`` for the kernel; False if it cannot."""
+          scalars: Callable[[], tuple], index=0) -> bool:
+    """Takes ``(param, grad, mu, nu, buffer)`` for the kernel; False if it cannot.
+
+    ``index``: the random-bit counter of element 0 (a shard's offset in the
+    whole tensor); a tensor of counters (a strided shard) is not taken.
+    """
     p, grad, mu, nu, buffer = tensors
     codes = [_CODES.get(t.dtype) for t in (p, grad, mu, nu)]
-    if None in codes or any(t is not None and (t.device.type != "cpu" or not t.is_contiguous())
-                            for t in tensors):
+    if None in codes or torch.is_tensor(index) or any(
+        t is not None and (t.device.type != "cpu" or not t.is_contiguous()) for t in tensors):
       return False
     fn = native.kernel(*codes, mode, self._stochastic)
     if fn is None:
@@ -53,7 +57,8 @@ class Batch:
     host = self._scalars.get(id(values))
     if host is None:
       host = self._scalars[id(values)] = (values, [float(v) for v in values])
-    self._configs.setdefault(fn.__name__, (fn, []))[1].append((tensors, step, leaf, host[1]))
+    self._configs.setdefault(fn.__name__, (fn, []))[1].append(
+        (tensors, step, leaf, host[1], index))
     return True
 
   def run(self) -> None:
@@ -71,6 +76,7 @@ class Batch:
       table["scalars"] = [r[3] for r in rows]
       table["keys"] = native.leaf_keys(self._seed, [int(r[1]) for r in rows],
                                        [r[2] for r in rows])
+      table["index"] = [r[4] for r in rows]
       fn(table.ctypes.data, len(rows), threads)
       steps.extend(r[1] for r in rows)
       # Written through raw pointers: tell autograd, as an in-place op would

@@ -23,6 +23,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from torch_bridge import _dist
+
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
@@ -259,11 +261,16 @@ def stepping_params(optimizer: torch.optim.Optimizer) -> list:
 def _grads_finite(optimizer: torch.optim.Optimizer) -> bool:
   """Whether every gradient the step would use is finite: one host read.
 
-  A sparse gradient is refused first, with the message the step itself would give.
+  A sparse gradient is refused first, with the message the step itself would
+  give. Sharded gradients (DTensors) are checked shard by shard and the
+  answer is combined over the ranks, so every rank skips the same steps.
   """
-  checks = [torch.isfinite(step_grad(optimizer, p)).all()
-            for _, p in stepping_params(optimizer)]
-  return not checks or bool(torch.stack([c.to(checks[0].device) for c in checks]).all())
+  params = [p for _, p in stepping_params(optimizer)]
+  checks = [torch.isfinite(_dist.local(step_grad(optimizer, p))).all() for p in params]
+  if not checks:
+    return True
+  bad = ~torch.stack([c.to(checks[0].device) for c in checks]).all()
+  return not bool(_dist.any_rank(bad, params))
 
 
 def run_step(optimizer: torch.optim.Optimizer, closure, step_all) -> Optional[torch.Tensor]:

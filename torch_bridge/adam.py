@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torch_bridge import _native, rounding
+from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_no_float64,
                                  check_param, f32, init_skip_nonfinite, load_nonfinite,
                                  load_state_dict_exact, register_param_group, run_step,
@@ -53,13 +53,15 @@ def _mode(compensation: str, dtype: torch.dtype) -> str:
 
 
 def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
-               state_rounding: str) -> None:
+               state_rounding: str, index=0) -> None:
   """One AdamW step on one tensor, in place, in fp32 (the core + compensation).
 
   ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
   inv_bc1, inv_bc2, eps, weight_decay)`` (``inv_bc = 1 / (1 - b ** t)`` from
   ``rounding.one_minus_pow``); ``keys``: int32 0-dim tensors, the random keys
-  of the param, mu and nu streams. Written with tensor scalars only, so that
+  of the param, mu and nu streams; ``index``: the random-bit counter of the
+  elements (``rounding.bits_from_key``: 0 for a whole tensor, a shard's
+  offset, or every element's). Written with tensor scalars only, so that
   ``torch.compile`` turns it into one loop without recompiling when the
   learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor
   compiles with ``-ffp-contract=off``); the JAX side matches with ``no_fma``.
@@ -98,17 +100,18 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
       buffer.copy_(x_new - rounding.widen(new_p))
       param.copy_(new_p)
     elif mode == _STOCHASTIC:
-      bits = rounding.bits_from_key(key_p, x_new.shape, x_new.device)
+      bits = rounding.bits_from_key(key_p, x_new.shape, x_new.device, index)
       param.copy_(rounding.stochastic_round(x_new, param.dtype, bits))
     else:
       param.copy_(x_new)
-  mu.copy_(_round_state(m32, mu.dtype, state_rounding, key_mu))
-  nu.copy_(_round_state(v32, nu.dtype, state_rounding, key_nu))
+  mu.copy_(_round_state(m32, mu.dtype, state_rounding, key_mu, index))
+  nu.copy_(_round_state(v32, nu.dtype, state_rounding, key_nu, index))
 
 
-def _round_state(x, dtype, state_rounding, key):
+def _round_state(x, dtype, state_rounding, key, index):
   if state_rounding == "stochastic" and dtype.itemsize < 4:
-    return rounding.stochastic_round(x, dtype, rounding.bits_from_key(key, x.shape, x.device))
+    bits = rounding.bits_from_key(key, x.shape, x.device, index)
+    return rounding.stochastic_round(x, dtype, bits)
   return x.to(dtype)
 
 
@@ -281,23 +284,28 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         step = int(state["step"])
         buffer = state.get("master", state.get("compensation"))
         mode = _mode(self._compensation, p.dtype)
-        tensors = (p, grad, state["mu"], state["nu"], buffer)
+        # Sharded params (FSDP2's DTensors) step their local shards; the
+        # random-bit counter is the elements' index in the whole tensor.
+        tensors = tuple(_dist.local(t) for t in (p, grad, state["mu"], state["nu"], buffer))
+        index = _dist.index(p)
         if native is not None and native.add(
             tensors, mode, state["step"], leaf,
-            lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache)):
+            lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index):
           continue
-        scalars = self._scalars(group, step + 1, lr, p.device, cache)
-        keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, p.device)
+        device = tensors[0].device
+        scalars = self._scalars(group, step + 1, lr, device, cache)
+        keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
                      for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
           # Flat views: the element index (the random-bit counter) is the
           # row-major index either way.
           tensors = tuple(None if t is None else t.view(-1) for t in tensors)
+          index = index.reshape(-1) if torch.is_tensor(index) else index
         kernel = adamw_step
         if self._fused:
           kernel = _compiled_step((mode, self._state_rounding, p.dtype, grad.dtype,
                                    state["mu"].dtype, state["nu"].dtype))
-        kernel(*tensors, scalars, keys, mode, self._state_rounding)
+        kernel(*tensors, scalars, keys, mode, self._state_rounding, index)
         state["step"] += 1
       group["count"] = count + 1
 

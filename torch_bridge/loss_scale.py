@@ -36,8 +36,9 @@ import math
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
-from torch_bridge import rounding
+from torch_bridge import _dist, rounding
 from torch_bridge._optim import check_loss_scale_args, f32, step_grad
 
 __all__ = ["DynamicLossScaler", "dynamic_loss_scale", "check_loss_scale_args"]
@@ -151,19 +152,21 @@ class DynamicLossScaler:
     inv_scale = torch.ones((), dtype=torch.float32, device=self._scale.device) / self._scale
     found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
     for p, g, hand_over in todo:
-      inv = inv_scale.to(g.device)
+      g_local = _dist.local(g)  # a sharded gradient: this rank's shard
+      inv = inv_scale.to(g_local.device)
       if g.dtype.itemsize >= 4:
-        g.mul_(inv)  # fp32 math, like GradScaler
-        g32 = g
+        g_local.mul_(inv)  # fp32 math, like GradScaler
+        g32 = g_local
       elif hand_over:
-        g32 = rounding.widen(g) * inv
-        optimizer._unscaled_grads[p] = g32
+        g32 = rounding.widen(g_local) * inv
+        optimizer._unscaled_grads[p] = _dist.like(g32, g)
         state["versions"][p] = (g, g._version)
       else:  # bf16, stepped in bf16 by a plain optimizer
-        g32 = rounding.widen(g) * inv
-        g.copy_(g32)
+        g32 = rounding.widen(g_local) * inv
+        g_local.copy_(g32)
       found_inf |= ~torch.isfinite(g32).all().to(found_inf.device)
-    state["found_inf"] = found_inf
+    # Sharded gradients: an inf in any rank's shard skips the step on every rank.
+    state["found_inf"] = _dist.any_rank(found_inf, [g for _, g, _ in todo])
     state["stage"] = _UNSCALED
 
   def _step_grads(self, optimizer) -> list:
@@ -191,12 +194,19 @@ class DynamicLossScaler:
     grads = self._step_grads(optimizer)
     if not grads:
       return torch.zeros((), dtype=torch.float32)
-    device = grads[0].device
-    norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
-             for g in grads]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    local = [_dist.local(g) for g in grads]
+    device = local[0].device
+    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
+                         for g in local])
+    if any(_dist.is_dtensor(g) for g in grads):  # the norms of whole tensors, from their shards
+      if math.isinf(norm_type):
+        op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+        norms = _dist.sum_over_shards(norms, grads, op)
+      else:
+        norms = _dist.sum_over_shards(norms ** norm_type, grads) ** (1.0 / norm_type)
+    total = torch.linalg.vector_norm(norms, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
+    for g in local:
       if g.dtype.itemsize >= 4:
         g.mul_(coef.to(g.device))
       else:

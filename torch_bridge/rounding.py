@@ -81,29 +81,43 @@ def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> tor
   return torch.tensor(_signed32(key), dtype=torch.int32).to(device)
 
 
-def bits_from_key(key, shape, device=None) -> torch.Tensor:
-  """``mix32(index ^ key)`` over the row-major element index of ``shape``.
-
-  ``key``: a Python int (int32 range) or a 0-dim int32 tensor; a tensor key
-  lets a compiled kernel take new keys without recompiling.
-  """
+def _counter(shape, device, index) -> torch.Tensor:
+  """The int32 random-bit counter (uint32 bits) of every element of ``shape``."""
+  if torch.is_tensor(index):  # every element's index, e.g. a strided shard's
+    c = index.to(torch.int64).reshape(tuple(shape)) & _MASK
+    return torch.where(c >= 2**31, c - 2**32, c).to(torch.int32)
   numel = 1
   for d in shape:
     numel *= int(d)
-  index = torch.arange(numel, dtype=torch.int32, device=device).reshape(tuple(shape))
-  return mix32(index ^ key)
+  if not index:
+    return torch.arange(numel, dtype=torch.int32, device=device).reshape(tuple(shape))
+  c = (torch.arange(numel, dtype=torch.int64, device=device) + int(index)) & _MASK
+  return torch.where(c >= 2**31, c - 2**32, c).to(torch.int32).reshape(tuple(shape))
+
+
+def bits_from_key(key, shape, device=None, index=0) -> torch.Tensor:
+  """``mix32(index ^ key)`` over the row-major element index of ``shape``.
+
+  ``key``: a Python int (int32 range) or a 0-dim int32 tensor; a tensor key
+  lets a compiled kernel take new keys without recompiling. ``index``: the
+  counter of element 0 (a shard's offset in the whole tensor, from
+  ``_dist.index``), or an integer tensor of ``shape`` holding every
+  element's counter; counters are taken mod 2^32.
+  """
+  return mix32(_counter(shape, device, index) ^ key)
 
 
 def random_bits(seed: int, step: int, stream: int, leaf: int, shape,
-                device=None) -> torch.Tensor:
+                device=None, index=0) -> torch.Tensor:
   """The words of ``optax_half.rounding.random_bits`` as an int32 tensor.
 
   ``bits[i] = mix32(i ^ key)``; view the result as uint32 (``& 0xFFFFFFFF``
   in int64) to compare with JAX. ``seed``, ``step`` and ``leaf`` are Python
-  integers (host-side counters): the key costs no device work.
+  integers (host-side counters): the key costs no device work. ``index``: as
+  in ``bits_from_key`` (a shard draws the bits of its elements in the whole tensor).
   """
   key = _signed32(leaf_key(int(seed), int(step), int(stream), int(leaf)))
-  return bits_from_key(key, shape, device)
+  return bits_from_key(key, shape, device, index)
 
 
 def widen(t: torch.Tensor) -> torch.Tensor:
@@ -207,9 +221,9 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) ->
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0,
-             step: int = 0, stream: int = 0, leaf: int = 0) -> torch.Tensor:
+             step: int = 0, stream: int = 0, leaf: int = 0, index=0) -> torch.Tensor:
   """Round fp32 ``x`` to ``dtype``: "nearest" or "stochastic" (16-bit only)."""
   if rounding == "stochastic" and dtype.itemsize < 4:
-    bits = random_bits(seed, step, stream, leaf, x.shape, device=x.device)
+    bits = random_bits(seed, step, stream, leaf, x.shape, device=x.device, index=index)
     return stochastic_round(x, dtype, bits)
   return x.to(dtype)

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from torch_bridge import rounding
+from torch_bridge import _dist, rounding
 from torch_bridge._optim import (check_grad, check_kind, check_no_float64, check_param, f32,
                                  init_skip_nonfinite, load_nonfinite, prepare_load,
                                  register_param_group, run_step, step_grad)
@@ -130,13 +130,10 @@ class ScaledAdam(torch.optim.Optimizer):
   def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
     return True
 
-  def _init_state(self, group: dict, p: torch.Tensor) -> dict:
-    self.state[p].update(self._new_state(group, p))
-    return self.state[p]
-
   @torch.no_grad()
-  def _new_state(self, group: dict, p: torch.Tensor) -> dict:
-    """The state of ``p`` before its first step (also what a loaded state must look like)."""
+  def _new_state(self, group: dict, p: torch.Tensor, rms=None) -> dict:
+    """The state of ``p`` before its first step, with ``rms`` its RMS (a 0-dim
+    fp32 tensor, ``_mean_squares``); without it, what a loaded state must look like."""
     state = {}
     state["step"] = torch.tensor(0, dtype=torch.int64)
     state["delta"] = torch.zeros_like(p, memory_format=torch.preserve_format)
@@ -144,12 +141,34 @@ class ScaledAdam(torch.optim.Optimizer):
     sq_dtype = torch.float32 if p.dtype == torch.float16 else p.dtype
     state["exp_avg_sq"] = torch.zeros_like(p, dtype=sq_dtype, memory_format=torch.preserve_format)
     if not _is_scalar(p):
-      p32 = rounding.widen(p)
-      state["param_rms"] = rounding.sqrt((p32 * p32).mean()).to(p.dtype)
-      state["scale_exp_avg_sq"] = torch.zeros((), dtype=sq_dtype, device=p.device)
+      device = _dist.local(p).device
+      state["param_rms"] = (torch.zeros((), device=device) if rms is None else rms).to(p.dtype)
+      state["scale_exp_avg_sq"] = torch.zeros((), dtype=sq_dtype, device=device)
       state["scale_grads"] = torch.zeros(group["size_update_period"], dtype=p.dtype,
-                                         device=p.device)
+                                         device=device)
     return state
+
+  @staticmethod
+  def _reduce(values: list, params: list, means: list) -> list:
+    """Per param reductions of the step, whole-tensor values from all shards.
+
+    ``values[k]``: a 0-dim fp32 tensor reduced over ``params[k]`` (the local
+    shard's, for a DTensor: a sum); ``means[k]``: whether it is a mean, which
+    a sharded param gets as the sum over all shards divided by its size. One
+    collective for all of them under FSDP2; plain params keep their values.
+    """
+    if not any(_dist.is_dtensor(p) for p in params):
+      return values
+    out = _dist.sum_over_shards(torch.stack(values), params)
+    return [v / p.numel() if mean and _dist.is_dtensor(p) else v
+            for v, p, mean in zip(out.unbind(), params, means)]
+
+  def _mean_squares(self, params: list) -> list:
+    """``mean(p * p)`` in fp32 for each param, from all its shards."""
+    def one(p):
+      p32 = rounding.widen(_dist.local(p))
+      return (p32 * p32).sum() if _dist.is_dtensor(p) else (p32 * p32).mean()
+    return self._reduce([one(p) for p in params], params, [True] * len(params))
 
   @staticmethod
   def _init_clipping(period: int, device) -> dict:
@@ -183,7 +202,7 @@ class ScaledAdam(torch.optim.Optimizer):
     # make, except for an empty tensor (a wrapper's stand-in between steps,
     # whose shape is known only during a step).
     def template(group, p):
-      return self._new_state(group, p) if p.numel() else None
+      return self._new_state(group, p) if p.numel() else None  # shapes and dtypes only
     prepare_load(self, state_dict, template=template)()
     def device(i):
       params = self.param_groups[i]["params"]
@@ -211,24 +230,57 @@ class ScaledAdam(torch.optim.Optimizer):
     t = gstate["step"]
     lr = float(self._schedule(t)) if self._schedule is not None else group["lr"]
     group["lr"] = lr
-    todo = []
+    stepping = []
     for i, p in enumerate(group["params"]):
       if p.grad is None or not p.requires_grad:
         continue
       check_grad(p.grad, position + i)
-      state = self.state[p] if self.state[p] else self._init_state(group, p)
-      todo.append((i, p, state))
-    if not todo:
+      stepping.append((i, p))
+    if not stepping:
       return
-    grads = [rounding.widen(step_grad(self, p)) for _, p, _ in todo]
+    # State is made at a param's first step, as in the seed.
+    fresh = [p for _, p in stepping if not self.state[p] and not _is_scalar(p)]
+    rms = dict(zip(fresh, self._mean_squares(fresh)))
+    for _, p in stepping:
+      if not self.state[p]:
+        self.state[p].update(self._new_state(
+            group, p, rounding.sqrt(rms[p]) if p in rms else None))
+    todo = [(i, p, self.state[p]) for i, p in stepping]
+    # Sharded params (FSDP2's DTensors) step their local shards.
+    grads = [rounding.widen(_dist.local(step_grad(self, p))) for _, p, _ in todo]
     if group["clipping_scale"] is not None:
       factor = self._clip(group, gstate, t, todo, grads)
       grads = [g * factor for g in grads]
+    sums = self._param_sums(group, todo, grads)
     cache: dict = {}
-    for (_, p, state), g in zip(todo, grads):
-      self._step_one(group, lr, p, g, state, cache)
+    for (_, p, state), g, (scale_grad, mean_sq) in zip(todo, grads, sums):
+      self._step_one(group, lr, p, g, state, cache, scale_grad, mean_sq)
       state["step"] += 1
     gstate["step"] = t + 1
+
+  def _param_sums(self, group: dict, todo, grads) -> list:
+    """Per param, the reductions of its step: the scale gradient ``sum(p * g)``
+    and, at a size update, ``mean(p * p)`` (None where not needed), each over
+    the whole param (one collective for all of them when params are sharded)."""
+    S = group["size_update_period"]
+    values, params, means, slots = [], [], [], []
+    for (_, p, state), g in zip(todo, grads):
+      if _is_scalar(p):
+        slots.append((None, None))
+        continue
+      p32 = rounding.widen(_dist.local(p))
+      slots.append((len(values), None))
+      values.append((p32 * g).sum())
+      params.append(p)
+      means.append(False)
+      if int(state["step"]) % S == S - 1:
+        slots[-1] = (slots[-1][0], len(values))
+        values.append((p32 * p32).sum() if _dist.is_dtensor(p) else (p32 * p32).mean())
+        params.append(p)
+        means.append(True)
+    values = self._reduce(values, params, means) if values else values
+    return [(None if a is None else values[a], None if b is None else values[b])
+            for a, b in slots]
 
   def _clip(self, group: dict, gstate: dict, t: int, todo, grads) -> torch.Tensor:
     """The seed's ``_get_clipping_scale``: the factor (a 0-dim fp32 tensor) and stats."""
@@ -244,6 +296,7 @@ class ScaledAdam(torch.optim.Optimizer):
       else:
         gr = g * rounding.widen(state["param_rms"])
         sumsq.append((gr * gr).sum())
+    sumsq = self._reduce(sumsq, [p for _, p, _ in todo], [False] * len(todo))
     tot_sumsq = torch.zeros((), dtype=torch.float32, device=device)
     for s in sumsq:  # in param order, the same sequence of fp32 adds as optax_half
       tot_sumsq = tot_sumsq + s
@@ -306,8 +359,13 @@ class ScaledAdam(torch.optim.Optimizer):
     return cache[key]
 
   def _step_one(self, group: dict, lr: float, p: torch.Tensor, g: torch.Tensor,
-                state: dict, cache: dict) -> None:
-    """The seed's ``_step_one_batch`` for one param, in place; fp32 math."""
+                state: dict, cache: dict, scale_grad, mean_sq) -> None:
+    """The seed's ``_step_one_batch`` for one param, in place; fp32 math.
+
+    ``g``: the (local) fp32 gradient; ``scale_grad``, ``mean_sq``: ``sum(p *
+    g)`` and, at a size update, ``mean(p * p)`` over the whole param
+    (``_param_sums``). A sharded param steps its local shard.
+    """
     t = int(state["step"])
     S = group["size_update_period"]
     # Coefficients as the seed forms them: float64, then rounded once to fp32.
@@ -317,8 +375,9 @@ class ScaledAdam(torch.optim.Optimizer):
     b2_corr, one_minus_b2_corr = k["b2_corr"], k["one_minus_b2_corr"]
     lr32, size_lr, bc2, inv_bc2 = k["lr"], k["size_lr"], k["bc2"], k["inv_bc2"]
     min_rms, max_rms = _np32(group["param_min_rms"]), _np32(group["param_max_rms"])
+    p = _dist.local(p)
     p32 = rounding.widen(p)
-    delta_buf, v_buf = state["delta"], state["exp_avg_sq"]
+    delta_buf, v_buf = _dist.local(state["delta"]), _dist.local(state["exp_avg_sq"])
 
     delta = float(b1) * rounding.widen(delta_buf)
     v_buf.copy_(float(b2) * rounding.widen(v_buf) + float(one_minus_b2) * (g * g))
@@ -335,10 +394,10 @@ class ScaledAdam(torch.optim.Optimizer):
     # Size update: learn the tensor's scale, in log space, every S steps.
     is_size_step = t % S == S - 1
     sg = state["scale_grads"]
-    sg[t % S] = (p32 * g).sum()
+    sg[t % S] = scale_grad
     rms_buf = state["param_rms"]
     if is_size_step:
-      rms_buf.copy_(rounding.sqrt((p32 * p32).mean()))
+      rms_buf.copy_(rounding.sqrt(mean_sq))
       if t > 0:
         size_bc2 = k["size_bc2"]
         sg32 = rounding.widen(sg)

@@ -38,7 +38,12 @@ import math
 
 import torch
 
-from torch_bridge import rounding
+try:
+  from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch built without distributed
+  DTensor = None
+
+from torch_bridge import _dist, rounding
 from torch_bridge._optim import (check_kind, check_param, optimizer_kind, prepare_load,
                                  run_step, seed_from_key, step_grad, stepping_params)
 
@@ -128,7 +133,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
         state["master"] = torch.zeros_like(p, dtype=torch.int16)
       elif mode == _KAHAN:
         state["compensation"] = torch.zeros_like(p)
-      work = torch.empty(0, dtype=torch.float32, device=p.device)
+      work = self._empty(p)
     # A stand-in for a trainable param is one too: optimizers that skip
     # params with requires_grad=False (torch_bridge's) must step it.
     work.requires_grad_(p.requires_grad)
@@ -144,6 +149,26 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
       self.inner._work[work] = work if inner_work is p else inner_work
     self._work[p] = work
     return work
+
+  @staticmethod
+  def _empty(p: torch.Tensor) -> torch.Tensor:
+    """A stand-in with no elements yet. For a sharded param it is a DTensor laid
+    out like the param (so the inner optimizer's state made from it is sharded
+    the same way) whose local tensor is filled during each step only."""
+    empty = torch.empty(0, dtype=torch.float32, device=_dist.local(p).device)
+    if not _dist.is_dtensor(p):
+      return empty
+    return DTensor.from_local(empty, p.device_mesh, p.placements, run_check=False,
+                              shape=p.shape, stride=p.stride())
+
+  @staticmethod
+  def _fill(work: torch.Tensor, x) -> None:
+    """Points a stand-in at ``x`` (local values), or at nothing (``x=None``)."""
+    if x is None:
+      x = torch.empty(0, dtype=work.dtype, device=_dist.local(work).device)
+    # A DTensor keeps its layout; its local tensor (the same object while
+    # grad is off, as in step) takes the storage.
+    _dist.local(work).data = x
 
   # -- checkpoints -----------------------------------------------------------
 
@@ -170,32 +195,36 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
 
   # -- the step --------------------------------------------------------------
 
+  # Both on local tensors: a sharded param (DTensor) reads and writes its shard.
   def _read(self, p: torch.Tensor, mode: str) -> torch.Tensor:
     state = self.state[p]
+    local = _dist.local(p)
     if mode == _SPLIT:
-      return rounding.join_f32(p, state["master"])
+      return rounding.join_f32(local, _dist.local(state["master"]))
     if mode == _KAHAN:
-      return rounding.widen(p) + rounding.widen(state["compensation"])
-    return rounding.widen(p)
+      return rounding.widen(local) + rounding.widen(_dist.local(state["compensation"]))
+    return rounding.widen(local)
 
   def _write(self, p: torch.Tensor, x_new: torch.Tensor, mode: str, leaf: int) -> None:
     state = self.state[p]
+    local = _dist.local(p)
+    x_new = _dist.local(x_new)
     if mode == _MASTER:
-      p.copy_(x_new)
+      local.copy_(x_new)
     elif mode == _SPLIT:
       hi, lo = rounding.split_f32(x_new)
-      p.copy_(hi)
-      state["master"].copy_(lo)
+      local.copy_(hi)
+      _dist.local(state["master"]).copy_(lo)
     elif mode == _KAHAN:
       new_p = x_new.to(p.dtype)
-      state["compensation"].copy_(x_new - rounding.widen(new_p))
-      p.copy_(new_p)
+      _dist.local(state["compensation"]).copy_(x_new - rounding.widen(new_p))
+      local.copy_(new_p)
     elif mode == _STOCHASTIC:
       bits = rounding.random_bits(self._seed, int(state["step"]), rounding.STREAM_PARAMS,
-                                  leaf, x_new.shape, device=x_new.device)
-      p.copy_(rounding.stochastic_round(x_new, p.dtype, bits))
+                                  leaf, x_new.shape, device=x_new.device, index=_dist.index(p))
+      local.copy_(rounding.stochastic_round(x_new, p.dtype, bits))
     else:
-      p.copy_(x_new)
+      local.copy_(x_new)
 
   # Group entries the inner optimizer keeps itself (a step count), not hyperparameters.
   _NOT_SYNCED = frozenset({"params", "count"})
@@ -247,8 +276,8 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
         continue
       mode = self._param_mode(p)
       if mode != _MASTER:
-        work.data = self._read(p, mode)
-      work.grad = rounding.widen(step_grad(self, p)).to(work.dtype)
+        self._fill(work, self._read(p, mode))
+      work.grad = _dist.like(rounding.widen(_dist.local(step_grad(self, p))).to(work.dtype), p)
     self.inner.step()
     for leaf, p in chunk:
       work = self._work[p]
@@ -259,7 +288,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
         mode = self._param_mode(p)
         self._write(p, work.detach(), mode, leaf)
         if mode != _MASTER:
-          work.data = torch.empty(0, dtype=work.dtype, device=work.device)
+          self._fill(work, None)
       if "step" in self.state[p]:
         self.state[p]["step"] += 1
 

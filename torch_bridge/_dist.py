@@ -1,0 +1,142 @@
+"""Sharded params (FSDP2's DTensors) for the torch_bridge optimizers.
+
+Under ``torch.distributed.fsdp.fully_shard`` (or any ``DTensor`` param) each
+rank holds a shard of every param, gradient and state tensor. The optimizers
+step the local shards with the same code as plain tensors; three things need
+the whole tensor, and are done here:
+
+* the random-bit counter of stochastic rounding is an element's row-major
+  index in the *whole* tensor (``index``), so a sharded run draws the same
+  bits as an unsharded one, element for element;
+* reductions over a param (ScaledAdam's RMS, scale gradients and clipping
+  norm, the loss scaler's gradient norm) add the local partial sums over the
+  ranks holding shards of it (``sum_over_shards``);
+* a decision that must be the same everywhere (skip a step with a non-finite
+  gradient) combines every rank's local answer (``any_rank``).
+
+DDP needs none of this: its params are whole on every rank and its gradients
+are already averaged, so every rank computes the same step.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+
+try:  # torch.distributed may be built without DTensor
+  from torch.distributed.tensor import DTensor, Shard
+  from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - depends on the torch build
+  DTensor = None
+
+__all__ = ["is_dtensor", "local", "like", "index", "sum_over_shards", "any_rank"]
+
+
+def is_dtensor(t) -> bool:
+  return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+  """The local shard of a DTensor (sharing its storage: writing it writes the
+  DTensor), or ``t`` itself."""
+  return t.to_local() if is_dtensor(t) else t
+
+
+def like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+  """``local_tensor`` (a shard of ``param``'s shape) as a DTensor laid out like
+  ``param``, or as it is when ``param`` is a plain tensor."""
+  if not is_dtensor(param):
+    return local_tensor
+  return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
+                            shape=param.shape, stride=param.stride())
+
+
+def index(param: torch.Tensor) -> Union[int, torch.Tensor]:
+  """The random-bit counter of the local elements of ``param``: their row-major
+  indices in the whole tensor (``docs/algorithms.md``, "Counter-based random bits").
+
+  An int (the index of the first local element) when the local shard is a
+  contiguous range of the whole tensor (a plain tensor: 0; FSDP2's ``Shard(0)``:
+  its first row times the row size), else an int64 tensor of the local shape.
+  """
+  if not is_dtensor(param):
+    return 0
+  shape = tuple(param.shape)
+  local_shape, offset = compute_local_shape_and_global_offset(
+      param.shape, param.device_mesh, param.placements)
+  strides = [1] * len(shape)
+  for d in range(len(shape) - 2, -1, -1):
+    strides[d] = strides[d + 1] * shape[d + 1]
+  partial = [d for d in range(len(shape)) if local_shape[d] != shape[d]]
+  first = partial[0] if partial else len(shape)
+  if all(local_shape[d] == shape[d] for d in range(first + 1, len(shape))) and all(
+      local_shape[d] == 1 for d in range(first)):
+    return int(sum(o * s for o, s in zip(offset, strides)))
+  device = param.to_local().device
+  out = torch.zeros(local_shape, dtype=torch.int64, device=device)
+  for d, (o, n, s) in enumerate(zip(offset, local_shape, strides)):
+    view = [1] * len(shape)
+    view[d] = n
+    out = out + ((o + torch.arange(n, dtype=torch.int64, device=device)) * s).view(view)
+  return out
+
+
+def _key(p):
+  """(device mesh, its mesh dims that shard ``p``), or None for a plain or
+  wholly replicated param."""
+  if not is_dtensor(p):
+    return None
+  dims = tuple(i for i, pl in enumerate(p.placements) if isinstance(pl, Shard))
+  return (id(p.device_mesh), dims) if dims else None
+
+
+def _groups(params) -> dict:
+  """``_key`` -> the process groups of those mesh dims: the ranks whose partial
+  results add up (replicated mesh dims hold equal copies and are left out)."""
+  out: dict = {}
+  for p in params:
+    key = _key(p)
+    if key is not None and key not in out:
+      out[key] = [p.device_mesh.get_group(i) for i in key[1]]
+  return out
+
+
+def sum_over_shards(values: torch.Tensor, params, op=None) -> torch.Tensor:
+  """Row ``k`` of ``values`` (this rank's partial sum over its shard of
+  ``params[k]``) summed over every rank holding a shard of that param, in
+  place; one collective per sharding of the params (one under FSDP2). Rows of
+  plain params are left as they are. ``op``: another ``dist.ReduceOp`` (MAX,
+  MIN) instead of the sum. Every rank must call it with the same params."""
+  op = dist.ReduceOp.SUM if op is None else op
+  params = list(params)
+  rows: dict = {}
+  for k, p in enumerate(params):
+    key = _key(p)
+    if key is not None:
+      rows.setdefault(key, []).append(k)
+  groups = _groups(params)
+  for key, ks in rows.items():
+    if len(ks) == len(params):
+      sub = values
+    else:
+      index_rows = torch.tensor(ks, device=values.device)
+      sub = values.index_select(0, index_rows)
+    for group in groups[key]:
+      dist.all_reduce(sub, op=op, group=group)
+    if sub is not values:
+      values.index_copy_(0, index_rows, sub)
+  return values
+
+
+def any_rank(flag: torch.Tensor, params) -> torch.Tensor:
+  """A bool tensor that is True if it is True on any rank holding a shard of
+  one of ``params`` (as it is when none is sharded). Same collectives on every rank."""
+  groups = [g for gs in _groups(params).values() for g in gs]
+  if not groups:
+    return flag
+  out = flag.to(torch.int32)
+  for group in groups:
+    dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+  return out.bool()
