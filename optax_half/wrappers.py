@@ -142,7 +142,7 @@ def _lowp_wrapper(
     # makes from it is too.
     x = jax.tree.map(lambda p, xi, r: xi if r == _FROZEN else like_param(p, xi),
                      params, view(params, buffers, rl), rl)
-    inner_state = inner.init(x)
+    inner_state = _like_view(inner, inner.init(x), x)
     if not nested_ok:
       _check_not_nested(name, inner_state)
     return buffers, inner_state
@@ -180,6 +180,24 @@ def _lowp_wrapper(
     return updates, buffers, inner_state
 
   return init, step
+
+
+def _like_view(inner, inner_state, x):
+  """``inner_state`` with every params-shaped part sharded like ``x``.
+
+  Under ``jax.jit`` with automatic sharding a state built from constants
+  (``optax.adam``'s zero moments) would be replicated; ``optax.tree_map_params``
+  finds the parts of the state that mirror the params, and ``like_param`` ties
+  them to ``x``. Eagerly (nothing traced) the state already follows ``x``.
+  """
+  if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x)):
+    return inner_state
+  try:
+    return optax.tree_map_params(
+        inner, lambda s, xi: s if isinstance(s, MaskedNode) else like_param(xi, s),
+        inner_state, x, is_leaf=lambda v: isinstance(v, MaskedNode))
+  except Exception:  # noqa: BLE001 (an init that cannot run on optax's placeholder)
+    return inner_state  # a layout hint only: the numbers are the same either way
 
 
 def _check_not_nested(name, inner_state) -> None:

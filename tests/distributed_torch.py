@@ -18,7 +18,9 @@ line per check:
 * ``fsdp_train``: the same under ``fully_shard`` (forward, backward and
   gradient reduce-scatter by FSDP2);
 * ``resume``: under FSDP2, N steps == N/2 + per-rank ``torch.save`` of the
-  model and optimizer state dicts + load into a new model and optimizer + N/2.
+  model and optimizer state dicts + load into a new model and optimizer + N/2;
+* ``refusals``: under FSDP2, a whole-tensor state_dict and ``convert`` are
+  refused with a clear error, and nothing changes.
 """
 
 from __future__ import annotations
@@ -63,11 +65,14 @@ def _optimizers():
           ps, 1e-2, clipping_scale=1.0, size_update_period=2, clipping_update_period=2)),
           "norm"),
       "adamw_bf16+loss_scale+clip": (lambda ps: tb.adamw_bf16(ps, 1e-2), "norm"),
+      # The max-norm of a (1,) param whose shard on rank 1 is empty.
+      "adamw_bf16+loss_scale+clip_inf": (lambda ps: tb.adamw_bf16(ps, 1e-2), "norm"),
   }
 
 
-SKIPPING = ("adam_fp32_master+skip", "adamw_bf16+loss_scale+clip")
-SCALED = ("adamw_bf16+loss_scale+clip",)
+SKIPPING = ("adam_fp32_master+skip", "adamw_bf16+loss_scale+clip",
+            "adamw_bf16+loss_scale+clip_inf")
+SCALED = ("adamw_bf16+loss_scale+clip", "adamw_bf16+loss_scale+clip_inf")
 STRIDED = ("adamw_bf16/stochastic", "adamw_bf16/eager", "stochastic_rounding(SGD)")
 
 
@@ -96,7 +101,10 @@ def _step(name, opt, scaler, model, grads, to_grad):
     opt.step()
   else:
     scaler.unscale_(opt)
-    scaler.clip_grad_norm_(opt, 0.05)
+    if name.endswith("clip_inf"):
+      scaler.clip_grad_norm_(opt, 0.02, norm_type=float("inf"))
+    else:
+      scaler.clip_grad_norm_(opt, 0.05)
     scaler.step(opt)
     scaler.update()
 
@@ -109,7 +117,8 @@ def _full(t):
 
 
 def _snapshot(model, opt) -> dict:
-  """Every param and state tensor of the optimizer (and of a wrapped one), whole."""
+  """Every param and state tensor of the optimizer (and of a wrapped one),
+  whole, step counts and ScaledAdam's per-group clipping statistics included."""
   out = {f"param.{k}": _full(p) for k, p in model.named_parameters()}
   names = {id(p): k for k, p in model.named_parameters()}
   for label, o in (("state", opt), ("inner", getattr(opt, "inner", None))):
@@ -118,8 +127,11 @@ def _snapshot(model, opt) -> dict:
     for position, (p, state) in enumerate(o.state.items()):
       key = names.get(id(p), str(position))
       for k, v in state.items():
-        if torch.is_tensor(v) and v.numel() > 1:
+        if torch.is_tensor(v) and v.numel() > 0:
           out[f"{label}.{key}.{k}"] = _full(v)
+    for g, group_state in enumerate(getattr(o, "group_state", [])):
+      for k, v in group_state.items():
+        out[f"{label}.group{g}.{k}"] = _full(v) if torch.is_tensor(v) else torch.tensor(v)
   return out
 
 
@@ -134,6 +146,8 @@ def _compare(a: dict, b: dict) -> dict:
       yi = y.view(xi.dtype)
     else:
       xi, yi = x, y
+      if not torch.equal(xi, yi):  # counts, indices, flags: exact or wrong
+        return {"equal": False, "max_ulp": None, "max_rel": None, "worst": k}
     if torch.equal(xi, yi):
       continue
     equal = False
@@ -277,6 +291,12 @@ def _worker(rank: int, world: int, port: int, out_path: str, names: list):
     for name in names:
       reference[name] = _run_optimizer(name, "")
     train_ref = _train("", 0, world)
+  # A one-process state_dict, for sharded state to refuse.
+  make, _ = _optimizers()["kahan_summation(Adam)"]
+  plain = _Model(_data("")[0])
+  whole_opt = make(list(plain.parameters()))
+  _step("", whole_opt, None, plain, _data("")[1][0], lambda g, p: g)
+  whole_state = whole_opt.state_dict()
   dist.init_process_group("gloo", rank=rank, world_size=world)
   try:
     for name in names:
@@ -291,6 +311,9 @@ def _worker(rank: int, world: int, port: int, out_path: str, names: list):
       result = _train(mode, rank, world)
       if rank == 0:
         rows.append({"check": f"{mode}_train", **_train_compare(result, train_ref)})
+    refused = _refusals(whole_state)
+    if rank == 0:
+      rows.append({"check": "refusals", **refused})
     for name in ("adamw_bf16/stochastic", "kahan_summation(Adam)", "scaled_adam"):
       if name in names:
         result = _resume(name, rank)
@@ -310,6 +333,40 @@ def _worker(rank: int, world: int, port: int, out_path: str, names: list):
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0)
+
+
+def _refusals(whole_state: dict) -> dict:
+  """Under FSDP2: a whole-tensor state_dict (one process's) loaded into sharded
+  state, and convert given DTensor params, are refused and change nothing."""
+  import jax.numpy as jnp  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  import optax_half as oh  # noqa: PLC0415
+  from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+  from torch.distributed.tensor import distribute_tensor  # noqa: PLC0415
+  from torch_bridge import convert  # noqa: PLC0415
+  make, _ = _optimizers()["kahan_summation(Adam)"]
+  params, grads = _data("")
+  model = _Model(params)
+  fully_shard(model)
+  opt = make(list(model.parameters()))
+  _step("", opt, None, model, grads[0],
+        lambda g, p: distribute_tensor(g, p.device_mesh, p.placements))
+  before = {k: v.clone() for k, v in _snapshot(model, opt).items()}
+  out = {}
+  try:
+    opt.load_state_dict(whole_state)
+    out["load"] = "loaded"
+  except ValueError as e:
+    out["load"] = str(e)
+  jparams = {k: jnp.asarray(v.numpy()).astype(jnp.bfloat16) for k, v in params.items()}
+  tx = oh.kahan_summation(optax.adam(1e-2))
+  try:
+    convert.optax_state_to_torch(tx.init(jparams), jparams, opt)
+    out["convert"] = "loaded"
+  except ValueError as e:
+    out["convert"] = str(e)
+  out["unchanged"] = _compare(before, _snapshot(model, opt))["equal"]
+  return out
 
 
 def _free_port() -> int:

@@ -20,6 +20,7 @@ are already averaged, so every rank computes the same step.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
@@ -31,7 +32,8 @@ try:  # torch.distributed may be built without DTensor
 except ImportError:  # pragma: no cover - depends on the torch build
   DTensor = None
 
-__all__ = ["is_dtensor", "local", "like", "index", "sum_over_shards", "any_rank"]
+__all__ = ["is_dtensor", "local", "layout", "like", "index", "sum_over_shards",
+           "norm_over_shards", "any_rank"]
 
 
 def is_dtensor(t) -> bool:
@@ -42,6 +44,14 @@ def local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
   """The local shard of a DTensor (sharing its storage: writing it writes the
   DTensor), or ``t`` itself."""
   return t.to_local() if is_dtensor(t) else t
+
+
+def layout(t: torch.Tensor) -> str:
+  """How ``t`` is laid out over ranks, for messages and checks: "a whole
+  tensor", or the placements and mesh shape of a DTensor."""
+  if not is_dtensor(t):
+    return "a whole tensor"
+  return f"a DTensor {tuple(t.placements)} over a mesh of {tuple(t.device_mesh.shape)}"
 
 
 def like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -128,6 +138,24 @@ def sum_over_shards(values: torch.Tensor, params, op=None) -> torch.Tensor:
     if sub is not values:
       values.index_copy_(0, index_rows, sub)
   return values
+
+
+def norm_over_shards(norms: torch.Tensor, params, norm_type: float) -> torch.Tensor:
+  """Row ``k`` of ``norms``, the ``norm_type``-norm of this rank's shard of
+  ``params[k]``, made the norm of the whole tensor (max / min of the shards'
+  for +-inf, the sum of their counts for 0, ``(sum |n|^p)^(1/p)`` otherwise).
+  Rows of plain params keep their value, bit for bit. Same collectives on every rank."""
+  params = list(params)
+  if all(_key(p) is None for p in params):
+    return norms
+  if math.isinf(norm_type):
+    op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
+    return sum_over_shards(norms, params, op)
+  if norm_type == 0:
+    return sum_over_shards(norms, params)
+  sharded = torch.tensor([_key(p) is not None for p in params], device=norms.device)
+  total = sum_over_shards(torch.where(sharded, norms ** norm_type, norms), params)
+  return torch.where(sharded, total ** (1.0 / norm_type), norms)
 
 
 def any_rank(flag: torch.Tensor, params) -> torch.Tensor:

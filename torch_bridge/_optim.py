@@ -186,6 +186,12 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
         raise ValueError(
             f"state {name!r} of param {old}: saved {value.dtype}{tuple(value.shape)}, "
             f"the optimizer holds {current.dtype}{tuple(current.shape)}.")
+      if torch.is_tensor(value) and torch.is_tensor(current) and (
+          _dist.layout(value) != _dist.layout(current)):
+        raise ValueError(
+            f"state {name!r} of param {old}: saved {_dist.layout(value)}, the optimizer "
+            f"holds {_dist.layout(current)}. Load each rank's own state_dict into the "
+            "same sharding (FSDP2), or a whole-tensor one into unsharded params.")
 
   @torch.no_grad()
   def load() -> None:

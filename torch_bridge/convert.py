@@ -88,11 +88,13 @@ class _Leaves:
     self.positions = [i for i, x in enumerate(leaves) if oh._util.is_float(x)]
     self.names = [jax.tree_util.keystr(path) for path, _ in
                   jax.tree_util.tree_flatten_with_path(params)[0]]
-    n = sum(len(g["params"]) for g in optimizer.param_groups)
-    if n != len(self.positions):
+    torch_params = [p for g in optimizer.param_groups for p in g["params"]]
+    if len(torch_params) != len(self.positions):
       raise ValueError(
-          f"convert: the optimizer has {n} params; the params tree has "
+          f"convert: the optimizer has {len(torch_params)} params; the params tree has "
           f"{len(self.positions)} float leaves (they must be the same, in order).")
+    for k, p in enumerate(torch_params):  # FSDP2: state sharded like the params
+      _check_local(p, f"the torch param of {self.name(k)}")
 
   def get(self, tree) -> list:
     """Per torch param (in order), its entry of a tree shaped like the params."""
@@ -231,14 +233,19 @@ def _check_scaler(loss_scale, scaler) -> None:
     raise ValueError("convert: scaler= was given, but the JAX state has no dynamic_loss_scale.")
 
 
-def _skip_counters(state, optimizer) -> tuple:
-  """(the counters of ``skip_nonfinite`` or None, the state inside them)."""
+def _check_skip(state, optimizer) -> bool:
+  """Whether ``optimizer`` skips non-finite steps; the JAX state must agree."""
   skips = getattr(optimizer, "_skip_nonfinite", False)
   if isinstance(state, optax.ApplyIfFiniteState) != skips:
     raise ValueError(
         f"convert: the torch optimizer has skip_nonfinite={skips}; the JAX state "
         f"{'has' if not skips else 'has no'} skip counters (optax.ApplyIfFiniteState).")
-  if not skips:
+  return skips
+
+
+def _skip_counters(state, optimizer) -> tuple:
+  """(the counters of ``skip_nonfinite`` or None, the state inside them)."""
+  if not _check_skip(state, optimizer):
     return None, state
   counters = {"notfinite_count": int(state.notfinite_count),
               "last_finite": bool(state.last_finite),
@@ -246,18 +253,18 @@ def _skip_counters(state, optimizer) -> tuple:
   return counters, state.inner_state
 
 
-def _state_dict(state, optimizer, leaves: _Leaves) -> dict:
-  """The ``state_dict`` of ``optimizer`` holding the values of the JAX ``state``."""
-  if isinstance(optimizer, LowPrecisionAdamW):
-    return _adamw_dict(state, optimizer, leaves)
-  if isinstance(optimizer, ScaledAdam):
-    return _scaled_adam_dict(state, optimizer, leaves)
-  if isinstance(optimizer, LowPrecisionWrapper):
-    return _wrapper_dict(state, optimizer, leaves)
-  if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-    return _adam_dict(state, optimizer, leaves)
+def _codec(optimizer) -> tuple:
+  """(JAX state -> state_dict, torch optimizer -> JAX state) for ``optimizer``."""
+  for kind, to_torch, to_jax in _CODECS:
+    if isinstance(optimizer, kind):
+      return to_torch, to_jax
   raise TypeError(f"convert: no mapping for a {type(optimizer).__name__} (see the table in "
                   "torch_bridge.convert).")
+
+
+def _state_dict(state, optimizer, leaves: _Leaves) -> dict:
+  """The ``state_dict`` of ``optimizer`` holding the values of the JAX ``state``."""
+  return _codec(optimizer)[0](state, optimizer, leaves)
 
 
 def _expect(state, kind, what: str):
@@ -296,7 +303,6 @@ def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
   elif isinstance(wrapper, oh.MasterWeightsState):
     buffers = leaves.get(wrapper.master)
   out = copy.copy(optimizer.state_dict())
-  params = [p for g in optimizer.param_groups for p in g["params"]]
   out["state"] = {}
   for k, (mu, nu, buf) in enumerate(zip(leaves.get(core.mu), leaves.get(core.nu), buffers)):
     entry = {"step": torch.tensor(count, dtype=torch.int64), "mu": _to_torch(mu),
@@ -304,7 +310,6 @@ def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
     if _present(buf):
       key = "compensation" if isinstance(wrapper, oh.KahanSummationState) else "master"
       entry[key] = _to_torch(buf)
-    _check_local(params[k], leaves.name(k))
     out["state"][k] = entry
   out["seed"] = seed
   if counters is not None:
@@ -312,12 +317,16 @@ def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
   return _groups_with(out, count=count)
 
 
-def _scaled_adam_dict(state, optimizer: ScaledAdam, leaves: _Leaves) -> dict:
-  counters, state = _skip_counters(state, optimizer)
-  state = _expect(state, oh.ScaledAdamState, "a ScaledAdam")
+def _one_group(optimizer: ScaledAdam) -> None:
   if len(optimizer.param_groups) != 1:
     raise ValueError("convert: scaled_adam keeps one clipping state for all params; the "
                      f"torch ScaledAdam has {len(optimizer.param_groups)} param groups.")
+
+
+def _scaled_adam_dict(state, optimizer: ScaledAdam, leaves: _Leaves) -> dict:
+  counters, state = _skip_counters(state, optimizer)
+  state = _expect(state, oh.ScaledAdamState, "a ScaledAdam")
+  _one_group(optimizer)
   count = int(state.count)
   out = copy.copy(optimizer.state_dict())
   fields = ("delta", "exp_avg_sq", "param_rms", "scale_exp_avg_sq", "scale_grads")
@@ -427,22 +436,13 @@ def torch_state_to_optax(optimizer: torch.optim.Optimizer, params, opt_state,
 
 
 def _jax_state(state, optimizer, leaves: _Leaves):
-  if isinstance(optimizer, LowPrecisionAdamW):
-    return _adamw_state(state, optimizer, leaves)
-  if isinstance(optimizer, ScaledAdam):
-    return _scaled_adam_state(state, optimizer, leaves)
-  if isinstance(optimizer, LowPrecisionWrapper):
-    return _wrapper_state(state, optimizer, leaves)
-  if isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-    return _adam_state(state, optimizer, leaves)
-  raise TypeError(f"convert: no mapping for a {type(optimizer).__name__} (see the table in "
-                  "torch_bridge.convert).")
+  """The JAX ``state`` (a template) holding the values of ``optimizer``."""
+  return _codec(optimizer)[1](state, optimizer, leaves)
 
 
 def _with_skip_counters(state, optimizer, fill):
   """``fill(inner state)`` inside the ``skip_nonfinite`` counters, if any."""
-  _skip_counters_check(state, optimizer)
-  if not isinstance(state, optax.ApplyIfFiniteState):
+  if not _check_skip(state, optimizer):
     return fill(state)
   c = optimizer.nonfinite
   return state._replace(
@@ -452,17 +452,9 @@ def _with_skip_counters(state, optimizer, fill):
       inner_state=fill(state.inner_state))
 
 
-def _skip_counters_check(state, optimizer) -> None:
-  skips = getattr(optimizer, "_skip_nonfinite", False)
-  if isinstance(state, optax.ApplyIfFiniteState) != skips:
-    raise ValueError(
-        f"convert: the torch optimizer has skip_nonfinite={skips}; the JAX state "
-        f"{'has' if not skips else 'has no'} skip counters (optax.ApplyIfFiniteState).")
-
-
-def _one_count(optimizer, states: list, key: str = "step") -> Optional[int]:
+def _one_count(states: list) -> Optional[int]:
   """The step count every param shares (None before the first step)."""
-  counts = {_scalar(s[key]) for s in states if key in s}
+  counts = {_scalar(s["step"]) for s in states if "step" in s}
   if len(counts) > 1:
     raise ValueError(f"convert: the torch params were stepped different numbers of times "
                      f"({sorted(counts)}); the JAX state keeps one count for all.")
@@ -473,18 +465,24 @@ def _states(optimizer) -> list:
   return [optimizer.state.get(p, {}) for g in optimizer.param_groups for p in g["params"]]
 
 
+def _from_torch(leaves: _Leaves, states: list, key: str, tree):
+  """``tree`` (a params-shaped part of a JAX state) with each param's entry
+  replaced by ``states[k][key]``; entries torch has no value for are kept."""
+  return leaves.put(tree, [
+      _to_jax(s[key], like, f"{key} of {leaves.name(k)}") if key in s and _present(like)
+      else None for k, (s, like) in enumerate(zip(states, leaves.get(tree)))])
+
+
 def _adamw_state(state, optimizer: LowPrecisionAdamW, leaves: _Leaves):
   what = f"a LowPrecisionAdamW (compensation={optimizer._compensation!r})"
 
   def fill(state):
     wrapper, core = _core_of(state, optimizer._compensation, what)
     states = _states(optimizer)
-    count = _one_count(optimizer, states)
+    count = _one_count(states)
     count = optimizer.param_groups[0]["count"] if count is None else count
     seed = jnp.asarray(optimizer._seed, jnp.uint32)
-    new = lambda key, tree: leaves.put(tree, [  # noqa: E731
-        _to_jax(s[key], like, f"{key} of {leaves.name(k)}") if key in s else None
-        for k, (s, like) in enumerate(zip(states, leaves.get(tree)))])
+    new = lambda key, tree: _from_torch(leaves, states, key, tree)  # noqa: E731
     core = core._replace(count=jnp.asarray(count, core.count.dtype), seed=seed,
                          mu=new("mu", core.mu), nu=new("nu", core.nu))
     if wrapper is None:
@@ -503,20 +501,14 @@ def _adamw_state(state, optimizer: LowPrecisionAdamW, leaves: _Leaves):
 
 
 def _scaled_adam_state(state, optimizer: ScaledAdam, leaves: _Leaves):
-  if len(optimizer.param_groups) != 1:
-    raise ValueError("convert: scaled_adam keeps one clipping state for all params; the "
-                     f"torch ScaledAdam has {len(optimizer.param_groups)} param groups.")
+  _one_group(optimizer)
 
   def fill(state):
     state = _expect(state, oh.ScaledAdamState, "a ScaledAdam")
     states = _states(optimizer)
     gstate = optimizer.group_state[0]
-    new = {}
-    for f in ("delta", "exp_avg_sq", "param_rms", "scale_exp_avg_sq", "scale_grads"):
-      tree = getattr(state, f)
-      new[f] = leaves.put(tree, [
-          _to_jax(s[f], like, f"{f} of {leaves.name(k)}") if f in s and _present(like) else None
-          for k, (s, like) in enumerate(zip(states, leaves.get(tree)))])
+    new = {f: _from_torch(leaves, states, f, getattr(state, f))
+           for f in ("delta", "exp_avg_sq", "param_rms", "scale_exp_avg_sq", "scale_grads")}
     clipping = state.clipping
     if "model_norms" in gstate:
       clipping = clipping._replace(**{f: _to_jax(gstate[f], getattr(clipping, f), f)
@@ -529,16 +521,11 @@ def _scaled_adam_state(state, optimizer: ScaledAdam, leaves: _Leaves):
 
 def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
   state = _expect(state, _WRAPPER_STATES[optimizer._mode], f"a {optimizer._mode} wrapper")
-  params = [p for g in optimizer.param_groups for p in g["params"]]
-  states = [optimizer.state.get(p, {}) for p in params]
+  states = _states(optimizer)
   inner, index = _optimizer_part(state.inner_state)
   new_inner = _replace_part(state.inner_state, index,
                             _jax_state(inner, optimizer.inner, leaves))
-
-  def new(key, tree):
-    return leaves.put(tree, [
-        _to_jax(s[key], like, f"{key} of {leaves.name(k)}") if key in s else None
-        for k, (s, like) in enumerate(zip(states, leaves.get(tree)))])
+  new = lambda key, tree: _from_torch(leaves, states, key, tree)  # noqa: E731
 
   if isinstance(state, oh.KahanSummationState):
     return state._replace(compensation=new("compensation", state.compensation),
@@ -546,7 +533,7 @@ def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
   if isinstance(state, oh.MasterWeightsState):
     return state._replace(master=new("master", state.master), inner_state=new_inner)
   if isinstance(state, oh.StochasticRoundingState):
-    count = _one_count(optimizer, states)
+    count = _one_count(states)
     return state._replace(seed=jnp.asarray(optimizer._seed, jnp.uint32),
                           count=jnp.asarray(count or 0, state.count.dtype),
                           inner_state=new_inner)
@@ -556,18 +543,21 @@ def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
 def _adam_state(state, optimizer, leaves: _Leaves):
   adam, schedules = _adam_parts(state)
   states = _states(optimizer)
-  count = _one_count(optimizer, states) or 0
-
-  def new(key, tree):
-    return leaves.put(tree, [
-        _to_jax(s[key], like, f"{key} of {leaves.name(k)}") if key in s else None
-        for k, (s, like) in enumerate(zip(states, leaves.get(tree)))])
-
+  count = _one_count(states) or 0
   new_adam = adam._replace(count=jnp.asarray(count, adam.count.dtype),
-                           mu=new("exp_avg", adam.mu), nu=new("exp_avg_sq", adam.nu))
+                           mu=_from_torch(leaves, states, "exp_avg", adam.mu),
+                           nu=_from_torch(leaves, states, "exp_avg_sq", adam.nu))
   replace = {id(adam): new_adam}
   for s in schedules:
     replace[id(s)] = s._replace(count=jnp.asarray(count, s.count.dtype))
   kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
   return jax.tree.map(lambda s: replace.get(id(s), s), state,
                       is_leaf=lambda x: isinstance(x, kinds))
+
+
+_CODECS = (
+    (LowPrecisionAdamW, _adamw_dict, _adamw_state),
+    (ScaledAdam, _scaled_adam_dict, _scaled_adam_state),
+    (LowPrecisionWrapper, _wrapper_dict, _wrapper_state),
+    ((torch.optim.Adam, torch.optim.AdamW), _adam_dict, _adam_state),
+)

@@ -36,7 +36,6 @@ import math
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from torch_bridge import _dist, rounding
 from torch_bridge._optim import check_loss_scale_args, f32, step_grad
@@ -196,14 +195,14 @@ class DynamicLossScaler:
       return torch.zeros((), dtype=torch.float32)
     local = [_dist.local(g) for g in grads]
     device = local[0].device
-    norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
-                         for g in local])
-    if any(_dist.is_dtensor(g) for g in grads):  # the norms of whole tensors, from their shards
-      if math.isinf(norm_type):
-        op = dist.ReduceOp.MAX if norm_type > 0 else dist.ReduceOp.MIN
-        norms = _dist.sum_over_shards(norms, grads, op)
-      else:
-        norms = _dist.sum_over_shards(norms ** norm_type, grads) ** (1.0 / norm_type)
+
+    def norm(g):
+      if g.numel() == 0 and math.isinf(norm_type):  # an empty shard: the max's (min's) identity
+        return torch.full((), 0.0 if norm_type > 0 else math.inf, dtype=torch.float32,
+                          device=device)
+      return torch.linalg.vector_norm(g, norm_type, dtype=torch.float32).to(device)
+    # Sharded gradients: the norms of the whole tensors, from their shards' (no-op otherwise).
+    norms = _dist.norm_over_shards(torch.stack([norm(g) for g in local]), grads, norm_type)
     total = torch.linalg.vector_norm(norms, norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in local:

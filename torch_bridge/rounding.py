@@ -83,16 +83,17 @@ def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> tor
 
 def _counter(shape, device, index) -> torch.Tensor:
   """The int32 random-bit counter (uint32 bits) of every element of ``shape``."""
-  if torch.is_tensor(index):  # every element's index, e.g. a strided shard's
-    c = index.to(torch.int64).reshape(tuple(shape)) & _MASK
-    return torch.where(c >= 2**31, c - 2**32, c).to(torch.int32)
   numel = 1
   for d in shape:
     numel *= int(d)
-  if not index:
+  if not torch.is_tensor(index) and not index:
     return torch.arange(numel, dtype=torch.int32, device=device).reshape(tuple(shape))
-  c = (torch.arange(numel, dtype=torch.int64, device=device) + int(index)) & _MASK
-  return torch.where(c >= 2**31, c - 2**32, c).to(torch.int32).reshape(tuple(shape))
+  if torch.is_tensor(index):  # every element's index, e.g. a strided shard's
+    c = index.to(torch.int64)
+  else:  # a shard's offset
+    c = torch.arange(numel, dtype=torch.int64, device=device) + int(index)
+  c = c.reshape(tuple(shape)) & _MASK  # mod 2^32, as int32 bits
+  return torch.where(c >= 2**31, c - 2**32, c).to(torch.int32)
 
 
 def bits_from_key(key, shape, device=None, index=0) -> torch.Tensor:

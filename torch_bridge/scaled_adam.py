@@ -165,10 +165,11 @@ class ScaledAdam(torch.optim.Optimizer):
 
   def _mean_squares(self, params: list) -> list:
     """``mean(p * p)`` in fp32 for each param, from all its shards."""
-    def one(p):
+    values = []
+    for p in params:  # one fp32 copy at a time
       p32 = rounding.widen(_dist.local(p))
-      return (p32 * p32).sum() if _dist.is_dtensor(p) else (p32 * p32).mean()
-    return self._reduce([one(p) for p in params], params, [True] * len(params))
+      values.append(_local_mean(p32 * p32, p))
+    return self._reduce(values, params, [True] * len(params))
 
   @staticmethod
   def _init_clipping(period: int, device) -> dict:
@@ -275,7 +276,7 @@ class ScaledAdam(torch.optim.Optimizer):
       means.append(False)
       if int(state["step"]) % S == S - 1:
         slots[-1] = (slots[-1][0], len(values))
-        values.append((p32 * p32).sum() if _dist.is_dtensor(p) else (p32 * p32).mean())
+        values.append(_local_mean(p32 * p32, p))
         params.append(p)
         means.append(True)
     values = self._reduce(values, params, means) if values else values
@@ -394,6 +395,9 @@ class ScaledAdam(torch.optim.Optimizer):
     # Size update: learn the tensor's scale, in log space, every S steps.
     is_size_step = t % S == S - 1
     sg = state["scale_grads"]
+    # sum(p * g) and mean(p * p), which JAX computes here, come from
+    # _param_sums: the same values, taken for all params before any steps (so
+    # that sharded params reduce them over the ranks in one collective).
     sg[t % S] = scale_grad
     rms_buf = state["param_rms"]
     if is_size_step:
@@ -417,6 +421,12 @@ class ScaledAdam(torch.optim.Optimizer):
     delta = delta + (g / denom) * alpha
     delta_buf.copy_(delta)
     p.add_(delta_buf)
+
+
+def _local_mean(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+  """``x.mean()`` for ``x`` computed from a whole param; from a shard, the sum
+  over it (``ScaledAdam._reduce`` adds the shards' sums and divides by the size)."""
+  return x.sum() if _dist.is_dtensor(p) else x.mean()
 
 
 def _names(group: dict) -> list:

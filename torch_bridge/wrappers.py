@@ -38,10 +38,6 @@ import math
 
 import torch
 
-try:
-  from torch.distributed.tensor import DTensor
-except ImportError:  # pragma: no cover - torch built without distributed
-  DTensor = None
 
 from torch_bridge import _dist, rounding
 from torch_bridge._optim import (check_kind, check_param, optimizer_kind, prepare_load,
@@ -155,11 +151,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     """A stand-in with no elements yet. For a sharded param it is a DTensor laid
     out like the param (so the inner optimizer's state made from it is sharded
     the same way) whose local tensor is filled during each step only."""
-    empty = torch.empty(0, dtype=torch.float32, device=_dist.local(p).device)
-    if not _dist.is_dtensor(p):
-      return empty
-    return DTensor.from_local(empty, p.device_mesh, p.placements, run_check=False,
-                              shape=p.shape, stride=p.stride())
+    return _dist.like(torch.empty(0, dtype=torch.float32, device=_dist.local(p).device), p)
 
   @staticmethod
   def _fill(work: torch.Tensor, x) -> None:
