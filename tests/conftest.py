@@ -4,6 +4,7 @@ import importlib.util
 
 import jax
 import numpy as np
+import optax
 import pytest
 
 # The `parity` fixture, loaded the way users opt in to it. Only with torch
@@ -42,6 +43,15 @@ def random_tree(seed, shapes, dtype):
   key = jax.random.key(seed)
   return {name: jax.random.normal(jax.random.fold_in(key, i), shape).astype(dtype)
           for i, (name, shape) in enumerate(shapes.items())}
+
+
+def jit_step(tx):
+  """One jitted step of ``tx``: ``(params, state, grads) -> (params, state)``."""
+  @jax.jit
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+  return step
 
 
 @pytest.fixture

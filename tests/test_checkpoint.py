@@ -19,7 +19,7 @@ import pytest
 
 import optax_half as oh
 from optax_half import checkpoint
-from conftest import bitwise_equal
+from conftest import bitwise_equal, jit_step
 
 N = 12
 SHAPES = {"w": ((24, 16), jnp.bfloat16), "b": ((16,), jnp.bfloat16),
@@ -65,10 +65,7 @@ def _grads():
 
 
 def _run(tx, params, state, grads):
-  @jax.jit
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+  step = jit_step(tx)
   for g in grads:
     params, state = step(params, state, g)
   return params, state

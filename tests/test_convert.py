@@ -24,7 +24,7 @@ torch = pytest.importorskip("torch")
 import optax_half as oh  # noqa: E402
 import torch_bridge as tb  # noqa: E402
 from torch_bridge import convert, dlpack  # noqa: E402
-from conftest import bitwise_equal  # noqa: E402
+from conftest import bitwise_equal, jit_step  # noqa: E402
 
 N = 50
 SHAPES = {"w": ((24, 16), "bfloat16"), "b": ((16,), "bfloat16"), "f": ((8, 4), "float32"),
@@ -96,15 +96,8 @@ def _torch_params(params):
   return [dlpack.to_torch(params[k]).clone().requires_grad_() for k in sorted(params)]
 
 
-def _jax_order(tree):
-  return [tree[k] for k in sorted(tree)]
-
-
 def _run_jax(tx, params, state, grads):
-  @jax.jit
-  def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+  step = jit_step(tx)
   for g in grads:
     scale = float(oh.loss_scale(state)) if _has_scale(state) else 1.0
     g = {k: jnp.asarray(v * np.float32(scale)).astype(params[k].dtype) for k, v in g.items()}

@@ -282,6 +282,15 @@ def _core_of(state, compensation: str, what: str):
   return wrapper, _expect(wrapper.inner_state, oh.ScaleByAdamWState, what)
 
 
+def _buffers(wrapper, leaves: _Leaves) -> tuple:
+  """(torch state key, per torch param the JAX buffer or None) of a wrapper state."""
+  if isinstance(wrapper, oh.KahanSummationState):
+    return "compensation", leaves.get(wrapper.compensation)
+  if isinstance(wrapper, oh.MasterWeightsState):
+    return "master", leaves.get(wrapper.master)
+  return None, [None] * len(leaves.positions)
+
+
 def _groups_with(state_dict: dict, **values) -> dict:
   for group in state_dict["param_groups"]:
     group.update(values)
@@ -297,18 +306,13 @@ def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
       int(wrapper.seed) != seed or int(wrapper.count) != count):
     raise ValueError("convert: the stochastic-rounding seed or count differs from the "
                      "moments' (torch_bridge keeps one of each).")
-  buffers = [None] * len(leaves.positions)
-  if isinstance(wrapper, oh.KahanSummationState):
-    buffers = leaves.get(wrapper.compensation)
-  elif isinstance(wrapper, oh.MasterWeightsState):
-    buffers = leaves.get(wrapper.master)
+  key, buffers = _buffers(wrapper, leaves)
   out = copy.copy(optimizer.state_dict())
   out["state"] = {}
   for k, (mu, nu, buf) in enumerate(zip(leaves.get(core.mu), leaves.get(core.nu), buffers)):
     entry = {"step": torch.tensor(count, dtype=torch.int64), "mu": _to_torch(mu),
              "nu": _to_torch(nu)}
     if _present(buf):
-      key = "compensation" if isinstance(wrapper, oh.KahanSummationState) else "master"
       entry[key] = _to_torch(buf)
     out["state"][k] = entry
   out["seed"] = seed
@@ -350,12 +354,7 @@ def _wrapper_dict(state, optimizer: LowPrecisionWrapper, leaves: _Leaves) -> dic
   what = f"a {mode} wrapper"
   state = _expect(state, _WRAPPER_STATES[mode], what)
   out = copy.copy(optimizer.state_dict())
-  buffers = [None] * len(leaves.positions)
-  key = None
-  if isinstance(state, oh.KahanSummationState):
-    buffers, key = leaves.get(state.compensation), "compensation"
-  elif isinstance(state, oh.MasterWeightsState):
-    buffers, key = leaves.get(state.master), "master"
+  key, buffers = _buffers(state, leaves)
   out["state"] = {}
   for k, buf in enumerate(buffers):
     entry = {}
@@ -485,17 +484,7 @@ def _adamw_state(state, optimizer: LowPrecisionAdamW, leaves: _Leaves):
     new = lambda key, tree: _from_torch(leaves, states, key, tree)  # noqa: E731
     core = core._replace(count=jnp.asarray(count, core.count.dtype), seed=seed,
                          mu=new("mu", core.mu), nu=new("nu", core.nu))
-    if wrapper is None:
-      return core
-    if isinstance(wrapper, oh.KahanSummationState):
-      return wrapper._replace(compensation=new("compensation", wrapper.compensation),
-                              inner_state=core)
-    if isinstance(wrapper, oh.MasterWeightsState):
-      return wrapper._replace(master=new("master", wrapper.master), inner_state=core)
-    if isinstance(wrapper, oh.StochasticRoundingState):
-      return wrapper._replace(seed=seed, count=jnp.asarray(count, wrapper.count.dtype),
-                              inner_state=core)
-    return wrapper._replace(inner_state=core)
+    return core if wrapper is None else _fill_wrapper(wrapper, new, core, seed, count)
 
   return _with_skip_counters(state, optimizer, fill)
 
@@ -526,18 +515,22 @@ def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
   new_inner = _replace_part(state.inner_state, index,
                             _jax_state(inner, optimizer.inner, leaves))
   new = lambda key, tree: _from_torch(leaves, states, key, tree)  # noqa: E731
+  return _fill_wrapper(state, new, new_inner, optimizer._seed, _one_count(states) or 0)
 
-  if isinstance(state, oh.KahanSummationState):
-    return state._replace(compensation=new("compensation", state.compensation),
-                          inner_state=new_inner)
-  if isinstance(state, oh.MasterWeightsState):
-    return state._replace(master=new("master", state.master), inner_state=new_inner)
-  if isinstance(state, oh.StochasticRoundingState):
-    count = _one_count(states)
-    return state._replace(seed=jnp.asarray(optimizer._seed, jnp.uint32),
-                          count=jnp.asarray(count or 0, state.count.dtype),
-                          inner_state=new_inner)
-  return state._replace(inner_state=new_inner)
+
+def _fill_wrapper(wrapper, new, inner_state, seed: int, count: int):
+  """A JAX wrapper state holding torch's buffers (``new(key, tree)``), seed
+  and count, around ``inner_state``."""
+  if isinstance(wrapper, oh.KahanSummationState):
+    return wrapper._replace(compensation=new("compensation", wrapper.compensation),
+                            inner_state=inner_state)
+  if isinstance(wrapper, oh.MasterWeightsState):
+    return wrapper._replace(master=new("master", wrapper.master), inner_state=inner_state)
+  if isinstance(wrapper, oh.StochasticRoundingState):
+    return wrapper._replace(seed=jnp.asarray(seed, jnp.uint32),
+                            count=jnp.asarray(count, wrapper.count.dtype),
+                            inner_state=inner_state)
+  return wrapper._replace(inner_state=inner_state)
 
 
 def _adam_state(state, optimizer, leaves: _Leaves):
