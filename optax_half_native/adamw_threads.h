@@ -43,6 +43,11 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
   }
 }
 
+// Built with OpenMP (the torch library: torch's own libgomp.so.1 is then the
+// one loaded, so the step runs on torch's thread team instead of competing
+// with its workers, which spin for milliseconds after each parallel op), the
+// spans go to an OpenMP team; otherwise (the XLA FFI library) to std::threads.
+// Which thread steps which span changes no bit.
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
 void step_all(const Tensor* ts, int n, int nthreads) {
   int64_t total = 0;
@@ -50,6 +55,13 @@ void step_all(const Tensor* ts, int n, int nthreads) {
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(nthreads, total / kMinPerThread));
   int64_t per = (total + workers - 1) / workers;
   per = (per + kAlign - 1) / kAlign * kAlign;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+  for (int64_t w = 0; w < workers; ++w) {
+    step_span<P, G, M, V, MODE, SR>(ts, n, std::min(total, w * per),
+                                    std::min(total, (w + 1) * per));
+  }
+#else
   std::vector<std::thread> threads;
   for (int64_t w = 1; w < workers; ++w) {
     threads.emplace_back(step_span<P, G, M, V, MODE, SR>, ts, n, w * per,
@@ -57,6 +69,7 @@ void step_all(const Tensor* ts, int n, int nthreads) {
   }
   step_span<P, G, M, V, MODE, SR>(ts, n, 0, std::min(total, per));
   for (auto& th : threads) th.join();
+#endif
 }
 
 }  // namespace oh
