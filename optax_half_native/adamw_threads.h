@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -43,15 +44,26 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
   }
 }
 
-// Built with OpenMP (the torch library: torch's own libgomp.so.1 is then the
+// Runs fn(0), ..., fn(nchunks - 1) on a caller's thread pool (the XLA FFI one).
+using ParallelFor = std::function<void(int64_t nchunks, const std::function<void(int64_t)>& fn)>;
+
+// Given a ParallelFor, the elements go in chunks of kMinPerThread to its
+// threads. Built with OpenMP (the torch library: torch's own libgomp.so.1 is then the
 // one loaded, so the step runs on torch's thread team instead of competing
 // with its workers, which spin for milliseconds after each parallel op), the
 // spans go to an OpenMP team; otherwise (the XLA FFI library) to std::threads.
 // Which thread steps which span changes no bit.
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
-void step_all(const Tensor* ts, int n, int nthreads) {
+void step_all(const Tensor* ts, int n, int nthreads, const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
   for (int k = 0; k < n; ++k) total += ts[k].numel;
+  if (parallel != nullptr && total > kMinPerThread) {
+    (*parallel)((total + kMinPerThread - 1) / kMinPerThread, [&](int64_t c) {
+      step_span<P, G, M, V, MODE, SR>(ts, n, c * kMinPerThread,
+                                      std::min(total, (c + 1) * kMinPerThread));
+    });
+    return;
+  }
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(nthreads, total / kMinPerThread));
   int64_t per = (total + workers - 1) / workers;
   per = (per + kAlign - 1) / kAlign * kAlign;
