@@ -39,8 +39,10 @@ inline float round_nearest(float x, float) { return x; }
 inline void store(bf16* to, bf16 v) { to->bits = v.bits; }
 inline void store(float* to, float v) { *to = v; }
 
-// rounding.mix32: a bijective 32-bit hash.
-inline uint32_t mix32(uint32_t x) {
+// rounding.mix32: a bijective 32-bit hash (of one word, or of each lane of
+// a vector of words).
+template <typename U>
+inline U mix32(U x) {
   x ^= x >> 16;
   x *= kM1;
   x ^= x >> 15;
@@ -90,6 +92,160 @@ struct Scalars {
   float lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay;
 };
 
+// One element at a time: the reference the wide lanes below must equal, and
+// the tail of every range. `get` reads an element widened to fp32, `to`
+// rounds fp32 to a storage type (nearest, or stochastically with `bits`),
+// `put` stores a rounded value.
+struct Scalar {
+  using F = float;
+  using U = uint32_t;
+  static constexpr int kWidth = 1;
+  template <typename T> static F get(const T* a, int64_t i) { return oh::widen(a[i]); }
+  template <typename T> static F widen(T v) { return oh::widen(v); }
+  static F join_at(const bf16* hi, const int16_t* lo, int64_t i) { return join(hi[i], lo[i]); }
+  static F sqrt(F x) { return std::sqrt(x); }
+  static U counter(uint64_t first) { return uint32_t(first); }
+  template <typename T> static T to(F x, T tag) { return round_nearest(x, tag); }
+  template <typename T> static T to_stochastic(F x, U bits, T tag) {
+    return round_stochastic(x, bits, tag);
+  }
+  template <typename T> static void put(T* a, int64_t i, T v) { store(&a[i], v); }
+  static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) { split(x, &hi[i], &lo[i]); }
+};
+
+}  // namespace oh
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512BF16__)
+#include <immintrin.h>
+#define OH_LANES16 1
+
+namespace oh {
+
+// 16 elements at a time with AVX-512, the same operations lane by lane as
+// Scalar (every fp32 op is the same IEEE op; integer ops wrap alike), so the
+// bits are Scalar's. Rounding to bf16 uses vcvtneps2bf16, which rounds to
+// nearest even exactly as round_nearest does except that it reads
+// subnormals as 0 and writes NaNs of its own: lanes holding a subnormal or
+// a NaN (fpclass, one instruction) take round_nearest's integer rounding.
+struct Lanes16 {
+  using F = __m512;
+  typedef uint32_t U __attribute__((vector_size(64)));
+  static constexpr int kWidth = 16;
+  static constexpr int kNanOrSubnormal = 0x01 | 0x80 | 0x20;  // fpclass: QNaN, SNaN, denormal
+
+  static U bits(F x) { return (U)_mm512_castps_si512(x); }
+  static F floats(U u) { return _mm512_castsi512_ps((__m512i)u); }
+  static U widen16(__m256i h) { return (U)_mm512_cvtepu16_epi32(h); }
+  static __m256i narrow16(U u) { return _mm512_cvtepi32_epi16((__m512i)u); }
+
+  static F get(const float* a, int64_t i) { return _mm512_loadu_ps(a + i); }
+  static F get(const bf16* a, int64_t i) { return widen(load16(a, i)); }
+  static __m256i load16(const void* a, int64_t i) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i));
+  }
+  static F widen(__m256i h) { return floats(widen16(h) << 16); }
+  static F widen(F x) { return x; }
+  static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
+    const U l = (U)_mm512_cvtepi16_epi32(load16(lo, i));  // sign-extended, as int32(lo)
+    return floats((widen16(load16(hi, i)) << 16) + l);
+  }
+  static F sqrt(F x) { return _mm512_sqrt_ps(x); }
+  static U counter(uint64_t first) {
+    const U step = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return uint32_t(first) + step;
+  }
+  static __mmask16 nan_mask(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
+
+  static F to(F x, float) { return x; }
+  static __m256i to(F x, bf16) {
+    __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
+    const __mmask16 odd = _mm512_fpclass_ps_mask(x, kNanOrSubnormal);
+    if (__builtin_expect(odd != 0, 0)) {  // round_nearest's integer rounding for those lanes
+      const U u = bits(x);
+      U exact = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+      exact = (U)_mm512_mask_mov_epi32((__m512i)exact, nan_mask(x),
+                                       _mm512_set1_epi32(kBf16QuietNan));
+      r = _mm256_mask_blend_epi16(odd, r, narrow16(exact));
+    }
+    return r;
+  }
+  static F to_stochastic(F x, U, float) { return x; }
+  static __m256i to_stochastic(F x, U r, bf16) {
+    U y = (bits(x) + (r >> 16)) >> 16;
+    y = (U)_mm512_mask_mov_epi32((__m512i)y, nan_mask(x), _mm512_set1_epi32(kBf16QuietNan));
+    return narrow16(y);
+  }
+  static void put(float* a, int64_t i, F v) { _mm512_storeu_ps(a + i, v); }
+  static void put(bf16* a, int64_t i, __m256i v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(a) + i), v);
+  }
+  static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
+    const U b = bits(x);
+    U h = (b + 0x8000u) >> 16;
+    U l = b - (h << 16);
+    const __mmask16 nan = nan_mask(x);
+    h = (U)_mm512_mask_mov_epi32((__m512i)h, nan, _mm512_set1_epi32(kBf16QuietNan));
+    l = (U)_mm512_maskz_mov_epi32(__mmask16(~nan), (__m512i)l);
+    put(hi, i, narrow16(h));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo + i), narrow16(l));
+  }
+};
+
+}  // namespace oh
+#endif
+
+namespace oh {
+
+// The AdamW step of the L::kWidth elements from i, on lanes L (Scalar or
+// Lanes16): one source for both, line for line torch_bridge.adam.adamw_step.
+template <typename L, typename P, typename G, typename M, typename V, int MODE, bool SR>
+inline __attribute__((always_inline)) void adamw_lanes(
+    int64_t i, uint64_t index0, const P* p, P* p_out, const G* g, M* __restrict mu,
+    V* __restrict nu, float* __restrict master, int16_t* __restrict low, P* __restrict comp,
+    const Scalars& s, uint32_t key_p, uint32_t key_mu, uint32_t key_nu) {
+  using F = typename L::F;
+  // The element index is the random-bit counter, a uint32 (mod 2^32) as in
+  // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
+  const auto index = L::counter(index0 + uint64_t(i));
+  const F gi = L::get(g, i);
+  F x;
+  if constexpr (MODE == kMaster) x = L::get(master, i);
+  else if constexpr (MODE == kSplit) x = L::join_at(p, low, i);
+  else if constexpr (MODE == kKahan) x = L::get(p, i) + L::get(comp, i);
+  else x = L::get(p, i);
+  const F m32 = s.b1 * L::get(mu, i) + s.one_minus_b1 * gi;
+  const F v32 = s.b2 * L::get(nu, i) + s.one_minus_b2 * (gi * gi);
+  const F m_hat = m32 * s.inv_bc1;
+  const F v_hat = v32 * s.inv_bc2;
+  F u = m_hat / (L::sqrt(v_hat) + s.eps);
+  u = u + s.weight_decay * x;
+  u = -s.lr * u;
+  if constexpr (MODE == kDirect) {
+    L::put(p_out, i, L::to(L::get(p, i) + u, P{}));
+  } else if constexpr (MODE == kUpdate) {
+    L::put(p_out, i, L::to(u, P{}));
+  } else {
+    const F x_new = x + u;
+    if constexpr (MODE == kMaster) {
+      L::put(master, i, x_new);
+      L::put(p_out, i, L::to(x_new, P{}));
+    } else if constexpr (MODE == kSplit) {
+      L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
+    } else if constexpr (MODE == kKahan) {
+      const auto new_p = L::to(x_new, P{});
+      L::put(comp, i, L::to(x_new - L::widen(new_p), P{}));
+      L::put(p_out, i, new_p);
+    } else if constexpr (MODE == kStochastic) {
+      L::put(p_out, i, L::to_stochastic(x_new, mix32(index ^ key_p), P{}));
+    } else {
+      L::put(p_out, i, L::to(x_new, P{}));
+    }
+  }
+  L::put(mu, i, SR ? L::to_stochastic(m32, mix32(index ^ key_mu), M{}) : L::to(m32, M{}));
+  L::put(nu, i, SR ? L::to_stochastic(v32, mix32(index ^ key_nu), V{}) : L::to(v32, V{}));
+}
+
 // One AdamW step on elements [begin, end) of one tensor, whose element 0 has
 // random-bit counter `index0` (its row-major index in the whole tensor: 0, or
 // a shard's offset in it). P: param, G: grad,
@@ -97,57 +253,26 @@ struct Scalars {
 // or the Kahan compensation of type P); SR: stochastic moment writes.
 // The new param goes to p_out, which may be p itself (torch: in place) or
 // another array, possibly the gradient's (JAX, whose update needs the old
-// param too); element i of p and g is read before p_out[i] is written. The
-// moments and the buffer are updated in place.
+// param too); the elements of p and g are read before p_out's same elements
+// are written. The moments and the buffer are updated in place.
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
-                 M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& s,
+                 M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
                  uint32_t key_p, uint32_t key_mu, uint32_t key_nu) {
-  float* __restrict master = static_cast<float*>(buffer);
-  int16_t* __restrict low = static_cast<int16_t*>(buffer);
-  P* __restrict comp = static_cast<P*>(buffer);
-  const float lr = s.lr, b1 = s.b1, b2 = s.b2, omb1 = s.one_minus_b1, omb2 = s.one_minus_b2;
-  const float ibc1 = s.inv_bc1, ibc2 = s.inv_bc2, eps = s.eps, wd = s.weight_decay;
-  // The element index is the random-bit counter, a uint32 (mod 2^32) as in
-  // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
-  uint32_t index = uint32_t(index0 + uint64_t(begin));
-  for (int64_t i = begin; i < end; ++i, ++index) {
-    const float gi = widen(g[i]);
-    float x;
-    if constexpr (MODE == kMaster) x = master[i];
-    else if constexpr (MODE == kSplit) x = join(p[i], low[i]);
-    else if constexpr (MODE == kKahan) x = widen(p[i]) + widen(comp[i]);
-    else x = widen(p[i]);
-    const float m32 = b1 * widen(mu[i]) + omb1 * gi;
-    const float v32 = b2 * widen(nu[i]) + omb2 * (gi * gi);
-    const float m_hat = m32 * ibc1;
-    const float v_hat = v32 * ibc2;
-    float u = m_hat / (std::sqrt(v_hat) + eps);
-    u = u + wd * x;
-    u = -lr * u;
-    if constexpr (MODE == kDirect) {
-      store(&p_out[i], round_nearest(widen(p[i]) + u, P{}));
-    } else if constexpr (MODE == kUpdate) {
-      store(&p_out[i], u);
-    } else {
-      const float x_new = x + u;
-      if constexpr (MODE == kMaster) {
-        master[i] = x_new;
-        store(&p_out[i], round_nearest(x_new, P{}));
-      } else if constexpr (MODE == kSplit) {
-        split(x_new, reinterpret_cast<bf16*>(&p_out[i]), &low[i]);
-      } else if constexpr (MODE == kKahan) {
-        const P new_p = round_nearest(x_new, P{});
-        store(&comp[i], round_nearest(x_new - widen(new_p), P{}));
-        store(&p_out[i], new_p);
-      } else if constexpr (MODE == kStochastic) {
-        store(&p_out[i], round_stochastic(x_new, mix32(index ^ key_p), P{}));
-      } else {
-        store(&p_out[i], round_nearest(x_new, P{}));
-      }
-    }
-    store(&mu[i], SR ? round_stochastic(m32, mix32(index ^ key_mu), M{}) : round_nearest(m32, M{}));
-    store(&nu[i], SR ? round_stochastic(v32, mix32(index ^ key_nu), V{}) : round_nearest(v32, V{}));
+  float* master = static_cast<float*>(buffer);
+  int16_t* low = static_cast<int16_t*>(buffer);
+  P* comp = static_cast<P*>(buffer);
+  const Scalars s = scalars;  // a local copy: the stores cannot alias it, it stays in registers
+  int64_t i = begin;
+#ifdef OH_LANES16
+  for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
+    adamw_lanes<Lanes16, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low,
+                                               comp, s, key_p, key_mu, key_nu);
+  }
+#endif
+  for (; i < end; ++i) {
+    adamw_lanes<Scalar, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low, comp,
+                                              s, key_p, key_mu, key_nu);
   }
 }
 

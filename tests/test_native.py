@@ -322,3 +322,44 @@ def test_the_custom_call_checks_its_operands():
     jax_native._leaf(p, p, p, p, jnp.zeros(8, jnp.int16), scalars, keys, "master", False)
   with pytest.raises(Exception, match="p, g, mu, nu and p_out must have one size"):
     jax_native._leaf(p, p, jnp.ones(4, jnp.bfloat16), p, p, scalars, keys, "kahan", False)
+
+
+def _log_uniform(seed, n, lo, hi):
+  rng = np.random.default_rng(seed)
+  signs = np.where(rng.random(n) < 0.5, -1.0, 1.0)
+  return np.asarray(signs * 10.0 ** rng.uniform(lo, hi, n), np.float32)
+
+
+@pytest.mark.parametrize("config", [
+    dict(compensation=c, state_rounding=r, mu_dtype=m)
+    for c in ("kahan", "split", "stochastic", "none") for r in ("nearest", "stochastic")
+    for m in (None, torch.float32)], ids=str)
+def test_torch_kernel_rounds_subnormals_and_nans_as_the_eager_step(config):
+  """The kernel's wide lanes round to bf16 with vcvtneps2bf16, which reads
+  subnormals as 0 and writes NaNs of its own; lanes holding either take the
+  exact integer rounding. Params, gradients and lr here keep the values
+  rounded (params, Kahan residuals, moments) around the fp32 subnormal range
+  (1e-45 .. 1e-25), in 4099 elements (256 wide blocks and a tail), and a few
+  gradients are NaN: every bit equals the eager step's, and every NaN the
+  kernel writes to a bf16 buffer is 0x7FC0, in the wide lanes and the tail."""
+  n = 4099
+  w = _log_uniform(1, n, -45, -25)
+  grads = [_log_uniform(2 + t, n, -45, -25) for t in range(3)]
+  grads[1][[5, 40, 4097]] = np.nan
+  runs = []
+  for fused in (None, False):
+    p = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16))
+    opt = tb.adamw_bf16([p], 1e-6, key=5, fused=fused, **config)
+    for g in grads:
+      p.grad = torch.from_numpy(g).to(torch.bfloat16)
+      opt.step()
+    runs.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
+  subnormal = 0
+  for a, b in zip(*runs):
+    _same_but_nan_bits(a.float().numpy(), b.float().numpy(), config)
+    if a.dtype == torch.bfloat16:
+      bits = a.view(torch.int16).numpy().view(np.uint16)
+      nan = np.isnan(a.float().numpy())
+      assert (bits[nan] == 0x7FC0).all(), config
+      subnormal += int(((bits & 0x7F80) == 0).sum() - (bits & 0x7FFF == 0).sum())
+  assert subnormal > 0, subnormal  # the run reached the subnormal range
