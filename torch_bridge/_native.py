@@ -22,6 +22,7 @@ import optax_half_native as native
 __all__ = ["Batch", "available"]
 
 _CODES = {torch.bfloat16: "B", torch.float32: "F"}
+_KERNELS: dict = {}  # ((dtypes, mode), stochastic moments) -> kernel or None
 
 
 def available() -> bool:
@@ -46,12 +47,14 @@ class Batch:
     whole tensor); a tensor of counters (a strided shard) is not taken.
     """
     p, grad, mu, nu, buffer = tensors
-    codes = [_CODES.get(t.dtype) for t in (p, grad, mu, nu)]
-    if None in codes or torch.is_tensor(index) or any(
-        t is not None and (t.device.type != "cpu" or not t.is_contiguous()) for t in tensors):
-      return False
-    fn = native.kernel(*codes, mode, self._stochastic)
-    if fn is None:
+    config = (p.dtype, grad.dtype, mu.dtype, nu.dtype, mode)
+    fn = _KERNELS.get((config, self._stochastic), False)
+    if fn is False:  # looked up once per configuration
+      codes = [_CODES.get(d) for d in config[:4]]
+      fn = None if None in codes else native.kernel(*codes, mode, self._stochastic)
+      _KERNELS[(config, self._stochastic)] = fn
+    if fn is None or torch.is_tensor(index) or not all(
+        t is None or (t.is_cpu and t.is_contiguous()) for t in tensors):
       return False
     values = scalars()
     host = self._scalars.get(id(values))

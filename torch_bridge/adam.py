@@ -284,10 +284,13 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         step = int(state["step"])
         buffer = state.get("master", state.get("compensation"))
         mode = _mode(self._compensation, p.dtype)
-        # Sharded params (FSDP2's DTensors) step their local shards; the
-        # random-bit counter is the elements' index in the whole tensor.
-        tensors = tuple(_dist.local(t) for t in (p, grad, state["mu"], state["nu"], buffer))
-        index = _dist.index(p)
+        tensors = (p, grad, state["mu"], state["nu"], buffer)
+        index = 0
+        if _dist.is_dtensor(p):
+          # Sharded params (FSDP2's DTensors) step their local shards; the
+          # random-bit counter is the elements' index in the whole tensor.
+          tensors = tuple(_dist.local(t) for t in tensors)
+          index = _dist.index(p)
         if native is not None and native.add(
             tensors, mode, state["step"], leaf,
             lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index):
