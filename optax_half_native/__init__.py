@@ -110,6 +110,11 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
   target = _cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:16]}.so"
   if target.exists():
     return target
+  # A build with extra flags (OpenMP) that failed once is not tried again;
+  # the plain build always is (its failure may have been passing).
+  failed = target.with_suffix(".failed")
+  if extra and failed.exists():
+    raise RuntimeError(f"{cxx} failed before: {failed.read_text()[-2000:]}")
   target.parent.mkdir(parents=True, exist_ok=True)
   # Build to a temporary name, then rename: concurrent builders never see half a file.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -118,6 +123,8 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
     out = subprocess.run([cxx, *flags, "-w", "-o", tmp, str(_HERE / source)],
                          capture_output=True, text=True)
     if out.returncode != 0:
+      if extra:
+        failed.write_text(out.stderr[-2000:])
       raise RuntimeError(f"{cxx} failed:\n{out.stderr[-2000:]}")
     os.replace(tmp, target)
   finally:
@@ -126,10 +133,25 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
   return target
 
 
+def _build_and_load(cxx: str, source: str, include_dirs, extra) -> ctypes.CDLL:
+  lib = ctypes.CDLL(str(_build(cxx, source, _HEADERS, tuple(include_dirs), tuple(extra))))
+  if lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize:
+    raise RuntimeError("struct layout differs from TENSOR_DTYPE")
+  return lib
+
+
+def _gcc(cxx: str) -> bool:
+  """Whether ``cxx`` is GCC, whose -fopenmp links libgomp (clang's links libomp,
+  a second OpenMP runtime next to torch's: no gain)."""
+  version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+  return "clang" not in version.lower()
+
+
 def _load(source: str, include_dirs: tuple = (), extra: tuple = ()) -> Optional[ctypes.CDLL]:
   """Builds (once per source, flags, compiler and CPU) and loads one library;
   None, with one warning, if that fails. ``extra``: flags tried first; if the
-  build fails with them (a compiler without OpenMP), it is built without."""
+  library cannot be built or loaded with them (a compiler without OpenMP), it
+  is built without (a failed build is remembered in the cache)."""
   if source in _libs:
     return _libs[source]
   with _lock:
@@ -142,15 +164,14 @@ def _load(source: str, include_dirs: tuple = (), extra: tuple = ()) -> Optional[
       cxx = _compiler()
       if cxx is None:
         raise RuntimeError("no C++ compiler ($CXX or g++) on PATH")
+      if "-fopenmp" in extra and not _gcc(cxx):
+        extra = ()
       try:
-        path = _build(cxx, source, _HEADERS, tuple(include_dirs), tuple(extra))
-      except RuntimeError:
+        lib = _build_and_load(cxx, source, include_dirs, extra)
+      except (RuntimeError, OSError):
         if not extra:
           raise
-        path = _build(cxx, source, _HEADERS, tuple(include_dirs))
-      lib = ctypes.CDLL(str(path))
-      if lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize:
-        raise RuntimeError("struct layout differs from TENSOR_DTYPE")
+        lib = _build_and_load(cxx, source, include_dirs, ())
     except Exception as e:  # noqa: BLE001 (any failure means: use the framework path)
       lib = None
       build_errors[source] = f"{type(e).__name__}: {e}"

@@ -363,3 +363,41 @@ def test_torch_kernel_rounds_subnormals_and_nans_as_the_eager_step(config):
       assert (bits[nan] == 0x7FC0).all(), config
       subnormal += int(((bits & 0x7F80) == 0).sum() - (bits & 0x7FFF == 0).sum())
   assert subnormal > 0, subnormal  # the run reached the subnormal range
+
+
+_FALLBACK = r"""
+import glob, os, sys
+import optax_half_native as native
+lib = native._load("adamw_cpu.cc", extra=("-fno-such-flag-optax-half",))
+assert lib is not None, native.build_errors
+cache = os.environ["OPTAX_HALF_CACHE"]
+assert len(glob.glob(os.path.join(cache, "*.failed"))) == 1, os.listdir(cache)
+assert len(glob.glob(os.path.join(cache, "*.so"))) == 1, os.listdir(cache)
+print("ok")
+"""
+
+
+def test_a_build_with_extra_flags_that_fails_falls_back_and_is_remembered(tmp_path):
+  """The OpenMP build is tried first; if it cannot be built (here: a flag the
+  compiler refuses) the plain library is built and loaded, and the failure is
+  remembered in the cache, so the next process does not compile it again."""
+  script = tmp_path / "fallback.py"
+  script.write_text(_FALLBACK)
+  env = dict(os.environ, OPTAX_HALF_CACHE=str(tmp_path / "cache"))
+  for _ in range(2):  # the second run finds the marker and the plain build
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_tensors_the_kernel_cannot_take_build_nothing(monkeypatch):
+  """Non-CPU (here: meta) or non-contiguous tensors go to the eager step
+  before any kernel is looked up, so a GPU run never compiles the CPU library."""
+  def no_build(*args):
+    raise AssertionError("the CPU kernel was looked up")
+  monkeypatch.setattr(torch_native.native, "kernel", no_build)
+  batch = torch_native.Batch(0, "stochastic")
+  meta = [torch.empty(4, dtype=torch.bfloat16, device="meta") for _ in range(4)]
+  assert not batch.add((*meta, None), "kahan", torch.tensor(0), 0, lambda: ())
+  strided = [torch.zeros(4, 4, dtype=torch.bfloat16).t() for _ in range(4)]
+  assert not batch.add((*strided, None), "kahan", torch.tensor(0), 0, lambda: ())

@@ -47,14 +47,16 @@ class Batch:
     whole tensor); a tensor of counters (a strided shard) is not taken.
     """
     p, grad, mu, nu, buffer = tensors
+    if torch.is_tensor(index) or not all(
+        t is None or (t.is_cpu and t.is_contiguous()) for t in tensors):
+      return False  # checked first: no CPU tensor, no build
     config = (p.dtype, grad.dtype, mu.dtype, nu.dtype, mode)
     fn = _KERNELS.get((config, self._stochastic), False)
     if fn is False:  # looked up once per configuration
       codes = [_CODES.get(d) for d in config[:4]]
       fn = None if None in codes else native.kernel(*codes, mode, self._stochastic)
       _KERNELS[(config, self._stochastic)] = fn
-    if fn is None or torch.is_tensor(index) or not all(
-        t is None or (t.is_cpu and t.is_contiguous()) for t in tensors):
+    if fn is None:
       return False
     values = scalars()
     host = self._scalars.get(id(values))
