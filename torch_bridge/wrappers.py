@@ -38,7 +38,6 @@ import math
 
 import torch
 
-
 from torch_bridge import _dist, rounding
 from torch_bridge._optim import (check_kind, check_param, optimizer_kind, prepare_load,
                                  run_step, seed_from_key, step_grad, stepping_params)
