@@ -151,8 +151,7 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
 
   def one(p, g, m, v, buf, i):
     keys = jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, i),
-                      rounding._leaf_key(core.seed, core.count, rounding.STREAM_MU, i),
-                      rounding._leaf_key(core.seed, core.count, rounding.STREAM_NU, i)])
+                      rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, i)])
     if p.dtype == jnp.float32:  # the wrappers hand 32-bit leaves to the core as they are
       u, m, v, _ = _leaf(p, g, m, v, None, scalars, keys, "update", state_rounding == "stochastic")
       return u, m, v, buf

@@ -141,7 +141,8 @@ def scale_by_adamw(
   ``scale_by_learning_rate``; ``eta`` is evaluated at the pre-increment count).
   ``m_t`` and ``v_t`` are stored in ``mu_dtype``/``nu_dtype`` (default: the
   param dtype), rounded to nearest or stochastically
-  (``state_rounding="stochastic"``, streams ``STREAM_MU``/``STREAM_NU``); the
+  (``state_rounding="stochastic"``: ``rounding.round_moments``, one hash per
+  element for both); the
   update itself uses the unrounded fp32 ``m_t`` and ``v_t``. Updates are fp32.
 
   Every product that is added is rounded to fp32 first (``rounding.no_fma``:
@@ -194,10 +195,8 @@ def scale_by_adamw(
       if not _is_zero(weight_decay):
         u = u + rounded(wd_ * rounding.widen(x))
       u = rounded(-lr * u)  # the caller adds it to the params
-      m_new = rounding.round_to(m32, m.dtype, state_rounding, state.seed,
-                                state.count, rounding.STREAM_MU, i)
-      v_new = rounding.round_to(v32, v.dtype, state_rounding, state.seed,
-                                state.count, rounding.STREAM_NU, i)
+      m_new, v_new = rounding.round_moments(m32, v32, m.dtype, v.dtype, state_rounding,
+                                            state.seed, state.count, i)
       return u, m_new, v_new
 
     out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index)

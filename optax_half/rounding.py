@@ -34,15 +34,17 @@ __all__ = [
     "random_bits",
     "stochastic_round",
     "round_to",
+    "swap_halves",
+    "round_moments",
     "STREAM_PARAMS",
-    "STREAM_MU",
-    "STREAM_NU",
+    "STREAM_MOMENTS",
 ]
 
 # Streams keep the random bits of different buffers independent for one step.
+# The two moments share one stream: one word per element, whose halves round
+# the first and the second moment (``round_moments``).
 STREAM_PARAMS = 0
-STREAM_MU = 1
-STREAM_NU = 2
+STREAM_MOMENTS = 1
 
 _M1 = 0x21F0AAAD
 _M2 = 0x735A2D97
@@ -90,6 +92,16 @@ def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
     size *= int(d)
   index = lax.iota(jnp.uint32, size).reshape(shape)
   return mix32(index ^ key)
+
+
+def swap_halves(bits: jax.Array) -> jax.Array:
+  """``bits`` with their 16-bit halves exchanged (a rotation by 16).
+
+  The second moment's word: rounding to bf16 draws a word's high half, so
+  ``w`` and ``swap_halves(w)`` round the two moments with disjoint bits.
+  """
+  bits = _u32(bits)
+  return (bits << 16) | (bits >> 16)
 
 
 def widen(p: jax.Array) -> jax.Array:
@@ -279,3 +291,20 @@ def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
   if rounding == "stochastic" and dtype.itemsize < 4:
     return stochastic_round(x, dtype, random_bits(seed, step, stream, leaf, x.shape))
   return jnp.asarray(x).astype(dtype)
+
+
+def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: str,
+                  seed=None, step=None, leaf: int = 0) -> tuple[jax.Array, jax.Array]:
+  """Round Adam's fp32 moments to their storage dtypes, as one pair.
+
+  Stochastic rounding draws one word per element,
+  ``w = random_bits(seed, step, STREAM_MOMENTS, leaf, shape)``: ``m32``
+  rounds with ``w`` and ``v32`` with ``swap_halves(w)`` (one hash for both,
+  and for bf16 moments disjoint halves of it). 32-bit targets, and
+  ``rounding="nearest"``, round to nearest.
+  """
+  m_dtype, v_dtype = jnp.dtype(m_dtype), jnp.dtype(v_dtype)
+  if rounding != "stochastic" or (m_dtype.itemsize >= 4 and v_dtype.itemsize >= 4):
+    return jnp.asarray(m32).astype(m_dtype), jnp.asarray(v32).astype(v_dtype)
+  w = random_bits(seed, step, STREAM_MOMENTS, leaf, m32.shape)
+  return stochastic_round(m32, m_dtype, w), stochastic_round(v32, v_dtype, swap_halves(w))

@@ -10,7 +10,9 @@ tensors of one configuration in one call, its elements split over threads.
 The library is compiled on first use with the machine's C++ compiler (``$CXX``
 or ``g++``, ``-O3 -march=native``) into a cache folder
 (``$OPTAX_HALF_CACHE``, default ``~/.cache/optax_half``), named by a hash of
-the sources, the flags, the compiler and the CPU, and reused after. Without a
+the sources, the flags, the compiler and the CPU, and reused after.
+``$OPTAX_HALF_NATIVE_FLAGS`` adds compiler flags (e.g. ``-mno-avx512f``: the
+AVX2 lanes on a CPU that has AVX-512; ``lanes()`` says which). Without a
 compiler (or if the build fails) ``library()`` returns None, with one warning,
 and callers keep their pure-framework path. Nothing here imports JAX or torch.
 """
@@ -31,7 +33,7 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["library", "ffi_library", "kernel", "leaf_keys", "TENSOR_DTYPE", "MODES",
+__all__ = ["library", "ffi_library", "kernel", "lanes", "leaf_keys", "TENSOR_DTYPE", "MODES",
            "build_errors"]
 
 _HERE = Path(__file__).resolve().parent
@@ -48,10 +50,10 @@ TENSOR_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("p_out", np.uint64), ("g", np.uint64),
     ("mu", np.uint64),
     ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (9,)),
-    ("keys", np.uint32, (3,)), ("index", np.uint64)], align=True)
+    ("keys", np.uint32, (2,)), ("index", np.uint64)], align=True)
 
 _M1, _M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
-_STREAMS = [np.uint32((s * 0x9E3779B9) & 0xFFFFFFFF) for s in range(3)]  # stream * golden
+_STREAMS = [np.uint32((s * 0x9E3779B9) & 0xFFFFFFFF) for s in range(2)]  # stream * golden
 
 
 def _mix32(x: np.ndarray) -> np.ndarray:
@@ -63,8 +65,8 @@ def _mix32(x: np.ndarray) -> np.ndarray:
 
 
 def leaf_keys(seed: int, steps, leaves) -> np.ndarray:
-  """``rounding.leaf_key(seed, step, stream, leaf)`` for streams 0, 1, 2 (the
-  param, mu and nu) of many (step, leaf) pairs at once: a uint32 (n, 3) array."""
+  """``rounding.leaf_key(seed, step, stream, leaf)`` for streams 0 and 1 (the
+  param and the moments) of many (step, leaf) pairs at once: a uint32 (n, 2) array."""
   steps = np.asarray(steps, np.uint64).astype(np.uint32)
   leaves = np.asarray(leaves, np.uint64).astype(np.uint32)
   k = _mix32(_mix32(np.full(steps.shape, seed, np.uint32)) ^ steps)
@@ -99,7 +101,8 @@ def _cache_dir() -> Path:
 def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
            extra: tuple = ()) -> Path:
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-  flags = _FLAGS + list(extra) + [f"-I{_HERE}"] + [f"-I{d}" for d in include_dirs]
+  flags = (_FLAGS + list(extra) + os.environ.get("OPTAX_HALF_NATIVE_FLAGS", "").split()
+           + [f"-I{_HERE}"] + [f"-I{d}" for d in include_dirs])
   digest = hashlib.sha256()
   for name in (source, *headers):
     digest.update((_HERE / name).read_bytes())
@@ -199,6 +202,13 @@ def ffi_library(xla_include_dir: str) -> Optional[ctypes.CDLL]:
   """The XLA FFI handler library (symbol ``OhAdamw``), built against the XLA
   FFI headers in ``xla_include_dir`` (``jax.ffi.include_dir()``)."""
   return _load("adamw_ffi.cc", (xla_include_dir,))
+
+
+def lanes() -> int:
+  """Elements per iteration of the torch library's loop: 16 (AVX-512 with
+  BF16), 8 (AVX2) or 1; 0 if it is unavailable."""
+  lib = library()
+  return 0 if lib is None else int(lib.oh_lanes())
 
 
 def kernel(param: str, grad: str, mu: str, nu: str, mode: str, stochastic_moments: bool):

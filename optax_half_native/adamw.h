@@ -193,17 +193,99 @@ struct Lanes16 {
 };
 
 }  // namespace oh
+
+#elif defined(__AVX2__)
+#include <immintrin.h>
+#define OH_LANES8 1
+
+namespace oh {
+
+// 8 elements at a time with AVX2 (CPUs without AVX-512: GCC does not
+// vectorize Scalar's loop for AVX2). Every operation is Scalar's, lane by
+// lane, rounding to bf16 included (the integer round to nearest even, a NaN
+// written as 0x7FC0), so the bits are Scalar's.
+struct Lanes8 {
+  using F = __m256;
+  typedef uint32_t U __attribute__((vector_size(32)));
+  static constexpr int kWidth = 8;
+
+  static U bits(F x) { return (U)_mm256_castps_si256(x); }
+  static F floats(U u) { return _mm256_castsi256_ps((__m256i)u); }
+  static __m128i load8(const void* a, int64_t i) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(a) + i));
+  }
+  static U widen16(__m128i h) { return (U)_mm256_cvtepu16_epi32(h); }
+  // The low 16 bits of each lane (truncation, as uint16_t(x)).
+  static __m128i narrow16(U u) {
+    const __m256i pick = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1,
+                                          -1, 0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1,
+                                          -1, -1);
+    const __m256i t = _mm256_shuffle_epi8((__m256i)u, pick);
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(t, 0x08));
+  }
+  static U nan_lanes(F x) { return bits(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }  // all ones if NaN
+  static U select(U mask, U a, U b) { return (a & mask) | (b & ~mask); }
+
+  static F get(const float* a, int64_t i) { return _mm256_loadu_ps(a + i); }
+  static F get(const bf16* a, int64_t i) { return widen(load8(a, i)); }
+  static F widen(__m128i h) { return floats(widen16(h) << 16); }
+  static F widen(F x) { return x; }
+  static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
+    const U l = (U)_mm256_cvtepi16_epi32(load8(lo, i));  // sign-extended, as int32(lo)
+    return floats((widen16(load8(hi, i)) << 16) + l);
+  }
+  static F sqrt(F x) { return _mm256_sqrt_ps(x); }
+  static U counter(uint64_t first) {
+    const U step = {0, 1, 2, 3, 4, 5, 6, 7};
+    return uint32_t(first) + step;
+  }
+
+  static F to(F x, float) { return x; }
+  static __m128i to(F x, bf16) {  // round_nearest
+    const U u = bits(x);
+    const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, r));
+  }
+  static F to_stochastic(F x, U, float) { return x; }
+  static __m128i to_stochastic(F x, U r, bf16) {
+    const U y = (bits(x) + (r >> 16)) >> 16;
+    return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, y));
+  }
+  static void put(float* a, int64_t i, F v) { _mm256_storeu_ps(a + i, v); }
+  static void put(bf16* a, int64_t i, __m128i v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(a) + i), v);
+  }
+  static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
+    const U b = bits(x);
+    const U h = (b + 0x8000u) >> 16;
+    const U l = b - (h << 16);
+    const U nan = nan_lanes(x);
+    put(hi, i, narrow16(select(nan, U{} + kBf16QuietNan, h)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(lo + i), narrow16(l & ~nan));
+  }
+};
+
+}  // namespace oh
 #endif
 
 namespace oh {
 
-// The AdamW step of the L::kWidth elements from i, on lanes L (Scalar or
-// Lanes16): one source for both, line for line torch_bridge.adam.adamw_step.
+// How many elements one step of the loop takes: 16 (AVX-512), 8 (AVX2) or 1.
+#if defined(OH_LANES16)
+constexpr int kLanes = 16;
+#elif defined(OH_LANES8)
+constexpr int kLanes = 8;
+#else
+constexpr int kLanes = 1;
+#endif
+
+// The AdamW step of the L::kWidth elements from i, on lanes L (Scalar,
+// Lanes8 or Lanes16): one source for all, line for line torch_bridge.adam.adamw_step.
 template <typename L, typename P, typename G, typename M, typename V, int MODE, bool SR>
 inline __attribute__((always_inline)) void adamw_lanes(
     int64_t i, uint64_t index0, const P* p, P* p_out, const G* g, M* __restrict mu,
     V* __restrict nu, float* __restrict master, int16_t* __restrict low, P* __restrict comp,
-    const Scalars& s, uint32_t key_p, uint32_t key_mu, uint32_t key_nu) {
+    const Scalars& s, uint32_t key_p, uint32_t key_m) {
   using F = typename L::F;
   // The element index is the random-bit counter, a uint32 (mod 2^32) as in
   // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
@@ -242,8 +324,14 @@ inline __attribute__((always_inline)) void adamw_lanes(
       L::put(p_out, i, L::to(x_new, P{}));
     }
   }
-  L::put(mu, i, SR ? L::to_stochastic(m32, mix32(index ^ key_mu), M{}) : L::to(m32, M{}));
-  L::put(nu, i, SR ? L::to_stochastic(v32, mix32(index ^ key_nu), V{}) : L::to(v32, V{}));
+  if constexpr (SR) {  // rounding.round_moments: one word, its halves swapped for nu
+    const auto w = mix32(index ^ key_m);
+    L::put(mu, i, L::to_stochastic(m32, w, M{}));
+    L::put(nu, i, L::to_stochastic(v32, (w << 16) | (w >> 16), V{}));
+  } else {
+    L::put(mu, i, L::to(m32, M{}));
+    L::put(nu, i, L::to(v32, V{}));
+  }
 }
 
 // One AdamW step on elements [begin, end) of one tensor, whose element 0 has
@@ -258,21 +346,26 @@ inline __attribute__((always_inline)) void adamw_lanes(
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
-                 uint32_t key_p, uint32_t key_mu, uint32_t key_nu) {
+                 uint32_t key_p, uint32_t key_m) {
   float* master = static_cast<float*>(buffer);
   int16_t* low = static_cast<int16_t*>(buffer);
   P* comp = static_cast<P*>(buffer);
   const Scalars s = scalars;  // a local copy: the stores cannot alias it, it stays in registers
   int64_t i = begin;
-#ifdef OH_LANES16
+#if defined(OH_LANES16)
   for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
     adamw_lanes<Lanes16, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low,
-                                               comp, s, key_p, key_mu, key_nu);
+                                               comp, s, key_p, key_m);
+  }
+#elif defined(OH_LANES8)
+  for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
+    adamw_lanes<Lanes8, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low,
+                                              comp, s, key_p, key_m);
   }
 #endif
   for (; i < end; ++i) {
     adamw_lanes<Scalar, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low, comp,
-                                              s, key_p, key_mu, key_nu);
+                                              s, key_p, key_m);
   }
 }
 

@@ -2,7 +2,7 @@
 //
 // Operands: p, g, mu, nu, buffer (a 0-element array for modes without one),
 // scalars f32[9] (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd), keys
-// u32[3] (the leaf keys of the param, mu and nu streams). Results: p_out (a new array), mu, nu, buffer
+// u32[2] (the leaf keys of the param and moments streams). Results: p_out (a new array), mu, nu, buffer
 // (aliased to their operands: updated in place). Attributes: mode (oh::Mode;
 // kUpdate for fp32 params: p_out is the update),
 // sr (stochastic moment writes), nthreads.
@@ -109,8 +109,8 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
                      ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
                      ffi::Result<ffi::AnyBuffer> buffer_out, int32_t mode, bool sr,
                      int32_t nthreads) {
-  if (scalars.element_count() != 9 || keys.element_count() != 3) {
-    return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[9] and keys u32[3]");
+  if (scalars.element_count() != 9 || keys.element_count() != 2) {
+    return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[9] and keys u32[2]");
   }
   const size_t n = p.element_count();
   if (g.element_count() != n || mu.element_count() != n || nu.element_count() != n ||
@@ -139,8 +139,7 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
   std::memcpy(&t.s, scalars.typed_data(), sizeof(oh::Scalars));
   const uint32_t* key = keys.typed_data();
   t.key_p = key[0];
-  t.key_mu = key[1];
-  t.key_nu = key[2];
+  t.key_m = key[1];
   const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
   const bool ok = with_type(p.element_type(), [&](auto pt) {
     return with_type(g.element_type(), [&](auto gt) {
@@ -159,6 +158,7 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
 }  // namespace
 
 extern "C" int oh_tensor_struct_size() { return int(sizeof(oh::Tensor)); }
+extern "C" int oh_lanes() { return oh::kLanes; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamw, AdamwImpl,
                               ffi::Ffi::Bind()

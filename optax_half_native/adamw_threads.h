@@ -18,7 +18,7 @@ struct Tensor {
   int64_t numel;
   uint64_t p, p_out, g, mu, nu, buffer;  // addresses; p_out may equal p; buffer may be 0
   Scalars s;
-  uint32_t key_p, key_mu, key_nu;        // rounding.leaf_key(seed, step, stream, leaf)
+  uint32_t key_p, key_m;                 // rounding.leaf_key(seed, step, stream, leaf), streams 0, 1
   uint64_t index;                        // random-bit counter of element 0 (a shard's offset)
 };
 
@@ -38,7 +38,7 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
           reinterpret_cast<P*>(t.p_out),
           reinterpret_cast<const G*>(t.g), reinterpret_cast<M*>(t.mu),
           reinterpret_cast<V*>(t.nu), reinterpret_cast<void*>(t.buffer), t.s, t.key_p,
-          t.key_mu, t.key_nu);
+          t.key_m);
     }
     start = end;
   }

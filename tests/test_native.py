@@ -315,7 +315,7 @@ def test_the_custom_call_checks_its_operands():
   """A mistaken call is an error, not an out-of-bounds write."""
   assert jax_native.available()  # registers the handler
   p = jnp.ones(8, jnp.bfloat16)
-  scalars, keys = jnp.zeros(9, jnp.float32), jnp.zeros(3, jnp.uint32)
+  scalars, keys = jnp.zeros(9, jnp.float32), jnp.zeros(2, jnp.uint32)
   with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
     jax_native._leaf(p, p, p, p, None, scalars, keys, "kahan", False)
   with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
@@ -401,3 +401,48 @@ def test_tensors_the_kernel_cannot_take_build_nothing(monkeypatch):
   assert not batch.add((*meta, None), "kahan", torch.tensor(0), 0, lambda: ())
   strided = [torch.zeros(4, 4, dtype=torch.bfloat16).t() for _ in range(4)]
   assert not batch.add((*strided, None), "kahan", torch.tensor(0), 0, lambda: ())
+
+
+def _cpu_flags() -> set:
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("flags"):
+          return set(line.split(":", 1)[1].split())
+  except OSError:
+    pass
+  return set()
+
+
+def test_the_kernel_steps_as_many_lanes_as_the_cpu_has():
+  """16 elements a step with AVX-512 (F, BW, DQ, BF16), 8 with AVX2 (or when
+  OPTAX_HALF_NATIVE_FLAGS turns AVX-512 off), else 1."""
+  import optax_half_native as native  # noqa: PLC0415
+  flags = _cpu_flags()
+  if not flags:
+    pytest.skip("no /proc/cpuinfo flags")
+  no512 = "-mno-avx512f" in os.environ.get("OPTAX_HALF_NATIVE_FLAGS", "")
+  if not no512 and {"avx512f", "avx512bw", "avx512dq", "avx512_bf16"} <= flags:
+    want = 16
+  elif "avx2" in flags:
+    want = 8
+  else:
+    want = 1
+  assert native.lanes() == want
+
+
+@pytest.mark.skipif(not {"avx2", "avx512f"} <= _cpu_flags(),
+                    reason="needs a CPU with AVX-512 (the default lanes) and AVX2")
+def test_the_avx2_lanes_have_the_same_bits(tmp_path):
+  """The AVX2 build (Lanes8, for CPUs without AVX-512) runs the bit-exactness
+  tests above in a process of its own: torch kernel == eager step in every
+  configuration (subnormals and NaNs included), JAX kernel == composed."""
+  env = dict(os.environ, OPTAX_HALF_CACHE=str(tmp_path / "cache"),
+             OPTAX_HALF_NATIVE_FLAGS="-mno-avx512f")
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+       "lanes_as_the_cpu or equals_the_eager_step or subnormals or "
+       "jax_kernel_equals_the_composed"],
+      env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
+  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]

@@ -76,6 +76,47 @@ def test_stochastic_round_is_unbiased(dtype, rng):
   assert np.all(lo[exact] == hi[exact])
 
 
+def test_round_moments_draws_one_word_and_its_swapped_halves():
+  m = jnp.linspace(-1, 1, 4099, dtype=jnp.float32) * 1.001
+  v = m * m + 1e-3
+  w = rounding.random_bits(9, 4, rounding.STREAM_MOMENTS, 2, m.shape)
+  mb, vb = rounding.round_moments(m, v, jnp.bfloat16, jnp.bfloat16, "stochastic", 9, 4, 2)
+  assert bitwise_equal(mb, rounding.stochastic_round(m, jnp.bfloat16, w))
+  swapped = (np.asarray(w) << np.uint32(16)) | (np.asarray(w) >> np.uint32(16))
+  assert np.array_equal(np.asarray(rounding.swap_halves(w)), swapped)
+  assert bitwise_equal(vb, rounding.stochastic_round(v, jnp.bfloat16, jnp.asarray(swapped)))
+  # Nearest rounding, and 32-bit targets, draw nothing.
+  mn, vn = rounding.round_moments(m, v, jnp.bfloat16, jnp.float32, "nearest", 9, 4, 2)
+  assert bitwise_equal(mn, m.astype(jnp.bfloat16)) and bitwise_equal(vn, v)
+  mf, vf = rounding.round_moments(m, v, jnp.float32, jnp.float32, "stochastic", 9, 4, 2)
+  assert bitwise_equal(mf, m) and bitwise_equal(vf, v)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_round_moments_unbiased_each_and_bf16_decisions_independent(dtype):
+  # Both moments at random fractions between two neighbours: each is unbiased over 4096 steps; for bf16 the up/down decisions of the
+  # two moments, drawn from disjoint halves of one word, are uncorrelated.
+  rng = np.random.default_rng(3)
+  frac = rng.uniform(0.05, 0.95, 512).astype(np.float32)
+  gap = 2.0**-7 if dtype == jnp.bfloat16 else 2.0**-10
+  m = jnp.asarray(np.float32(1.0) + frac * np.float32(gap))
+  v = jnp.asarray(np.float32(2.0) + (1 - frac) * np.float32(2 * gap))
+  n = 4096
+  mu, nu = jax.vmap(lambda s: rounding.round_moments(
+      m, v, dtype, dtype, "stochastic", 1, s, 0))(jnp.arange(n))
+  up_m = np.asarray(mu, np.float64) > np.asarray(m)
+  up_v = np.asarray(nu, np.float64) > np.asarray(v)
+  for up, p in ((up_m, frac), (up_v, 1 - frac)):
+    sigma = np.sqrt(p * (1 - p) / n)
+    assert np.all(np.abs(up.mean(0) - p) <= 5 * sigma), (np.abs(up.mean(0) - p) / sigma).max()
+  # Correlation of the two decisions, pooled over the 512 elements.
+  zm = (up_m - frac) / np.sqrt(frac * (1 - frac))
+  zv = (up_v - (1 - frac)) / np.sqrt(frac * (1 - frac))
+  corr = float(np.mean(zm * zv))
+  if dtype == jnp.bfloat16:
+    assert abs(corr) < 5 / np.sqrt(n * 512), corr  # independent within 5 standard errors
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_stochastic_round_keeps_non_finite(dtype):
   x = jnp.array([np.nan, np.inf, -np.inf, 0.0, -0.0], jnp.float32)

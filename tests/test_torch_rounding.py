@@ -54,6 +54,22 @@ def test_stochastic_round_matches(dtype, rng):
   assert np.isnan(t.float().numpy()[nan]).all()
 
 
+@pytest.mark.parametrize("m_dtype, v_dtype", [("bfloat16", "bfloat16"), ("float16", "float16"),
+                                              ("bfloat16", "float32"), ("float32", "float16")])
+def test_round_moments_matches(m_dtype, v_dtype, rng):
+  m = np.concatenate([_values(rng, 20_000), rng.uniform(-3, 3, 20_000).astype(np.float32)])
+  v = np.abs(m[::-1]).copy()
+  seed, step, leaf = 77, 12, 3
+  jm, jv = jr.round_moments(jnp.asarray(m), jnp.asarray(v), getattr(jnp, m_dtype),
+                            getattr(jnp, v_dtype), "stochastic", seed, step, leaf)
+  key = tr.key_tensor(seed, step, tr.STREAM_MOMENTS, leaf)
+  tm, tv = tr.round_moments(torch.from_numpy(m), torch.from_numpy(v), getattr(torch, m_dtype),
+                            getattr(torch, v_dtype), "stochastic", key)
+  for x, j, t in ((m, jm, tm), (v, jv, tv)):
+    keep = ~np.isnan(x)
+    assert bitwise_equal(np.asarray(j.astype(jnp.float32))[keep], t.float().numpy()[keep])
+
+
 @pytest.mark.parametrize("b", [0.0, 0.3, 0.5, 0.9, 0.95, 0.98, 0.99, 0.999, 0.9999])
 def test_one_minus_pow_is_accurate_and_the_same_in_both(b):
   b32 = np.float32(b)

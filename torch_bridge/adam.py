@@ -59,7 +59,7 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
   inv_bc1, inv_bc2, eps, weight_decay)`` (``inv_bc = 1 / (1 - b ** t)`` from
   ``rounding.one_minus_pow``); ``keys``: int32 0-dim tensors, the random keys
-  of the param, mu and nu streams; ``index``: the random-bit counter of the
+  of the param and moments streams; ``index``: the random-bit counter of the
   elements (``rounding.bits_from_key``: 0 for a whole tensor, a shard's
   offset, or every element's). Written with tensor scalars only, so that
   ``torch.compile`` turns it into one loop without recompiling when the
@@ -67,7 +67,7 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   compiles with ``-ffp-contract=off``); the JAX side matches with ``no_fma``.
   """
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
-  key_p, key_mu, key_nu = keys
+  key_p, key_m = keys
   g = rounding.widen(grad)
   if mode == _MASTER:
     x = buffer
@@ -104,15 +104,10 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
       param.copy_(rounding.stochastic_round(x_new, param.dtype, bits))
     else:
       param.copy_(x_new)
-  mu.copy_(_round_state(m32, mu.dtype, state_rounding, key_mu, index))
-  nu.copy_(_round_state(v32, nu.dtype, state_rounding, key_nu, index))
-
-
-def _round_state(x, dtype, state_rounding, key, index):
-  if state_rounding == "stochastic" and dtype.itemsize < 4:
-    bits = rounding.bits_from_key(key, x.shape, x.device, index)
-    return rounding.stochastic_round(x, dtype, bits)
-  return x.to(dtype)
+  m_new, v_new = rounding.round_moments(m32, v32, mu.dtype, nu.dtype, state_rounding, key_m,
+                                        index)
+  mu.copy_(m_new)
+  nu.copy_(v_new)
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,7 +293,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache)
         keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
-                     for s in (rounding.STREAM_PARAMS, rounding.STREAM_MU, rounding.STREAM_NU))
+                     for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
           # Flat views: the element index (the random-bit counter) is the
           # row-major index either way.

@@ -25,14 +25,14 @@ __all__ = [
     "random_bits",
     "stochastic_round",
     "round_to",
+    "swap_halves",
+    "round_moments",
     "STREAM_PARAMS",
-    "STREAM_MU",
-    "STREAM_NU",
+    "STREAM_MOMENTS",
 ]
 
 STREAM_PARAMS = 0
-STREAM_MU = 1
-STREAM_NU = 2
+STREAM_MOMENTS = 1  # one word per element for both moments (round_moments)
 
 _M1 = 0x21F0AAAD
 _M2 = 0x735A2D97
@@ -228,3 +228,23 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0,
     bits = random_bits(seed, step, stream, leaf, x.shape, device=x.device, index=index)
     return stochastic_round(x, dtype, bits)
   return x.to(dtype)
+
+
+def swap_halves(bits: torch.Tensor) -> torch.Tensor:
+  """``optax_half.rounding.swap_halves`` on int32 words: the 16-bit halves exchanged."""
+  return ((bits & 0xFFFF) * 65536) | ((bits >> 16) & 0xFFFF)
+
+
+def round_moments(m32: torch.Tensor, v32: torch.Tensor, m_dtype: torch.dtype,
+                  v_dtype: torch.dtype, rounding: str, key=0, index=0):
+  """``optax_half.rounding.round_moments``: both moments from one word per element.
+
+  ``key``: the leaf key of ``STREAM_MOMENTS``, as ``bits_from_key`` takes it
+  (``key_tensor``, or a Python int in int32 range);
+  ``m32`` rounds with ``w = bits_from_key(key, shape, index=index)`` and
+  ``v32`` with ``swap_halves(w)``.
+  """
+  if rounding != "stochastic" or (m_dtype.itemsize >= 4 and v_dtype.itemsize >= 4):
+    return m32.to(m_dtype), v32.to(v_dtype)
+  w = bits_from_key(key, m32.shape, m32.device, index)
+  return stochastic_round(m32, m_dtype, w), stochastic_round(v32, v_dtype, swap_halves(w))
