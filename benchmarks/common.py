@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import platform
+import random
 import statistics
 
 # (shape, count): ~16.8M params in 16 leaves of mixed shapes, or in 512 small leaves.
@@ -26,6 +27,18 @@ BANDWIDTH_BYTES = 256 * 2**20
 
 def shapes(tree: str) -> list:
   return [shape for shape, count in TREES[tree] for _ in range(count)]
+
+
+def interleaved(runs: dict, reps: int):
+  """The runs in the order of each repetition: all of them every time, in
+  an order shuffled anew each repetition (seeded), so no run always follows
+  the same one (a step right after a heavy one can run slower:
+  benchmarks/README.md)."""
+  order = list(runs.values())
+  rng = random.Random(0)
+  for _ in range(reps):
+    rng.shuffle(order)
+    yield from order
 
 
 def median_ms(times) -> float:

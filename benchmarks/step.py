@@ -3,14 +3,17 @@
     python -m benchmarks.step [--tree standard|many|quick] [--quick] [--reps N]
                               [--grads input|in-step] [--json PATH]
 
-Every optimizer runs jitted with donated params, state and gradients (a copy
-made before each step, untimed: a training step's gradients are dead after
-the update, and XLA may reuse their buffers), interleaved
-(A B C ... A B C ...), the median of the repetitions after a warm-up; compile
-time is reported separately ("setup s"). Bytes/param count the params, one
-gradient and the optimizer state actually allocated; "moved" is the
-algorithm's minimum traffic (benchmarks/common.py) and "xla B/p" what XLA's
-``cost_analysis()`` says the compiled step accesses. Findings: benchmarks/README.md.
+Every optimizer runs jitted (``tx.update`` + ``optax.apply_updates``, and
+for the native-kernel optimizers also ``oh.update_and_apply``, which writes
+the params in place) with donated params, state and gradients (a copy made
+before each step, untimed: a training step's gradients are dead after the
+update, and XLA may reuse their buffers), interleaved (every run once per
+repetition, in an order shuffled each repetition), the median of the
+repetitions after a warm-up; compile time is reported separately ("setup
+s"). Bytes/param count the params, one gradient and the optimizer state
+actually allocated; "moved" is the algorithm's minimum traffic
+(benchmarks/common.py) and "xla B/p" what XLA's ``cost_analysis()`` says the
+compiled step accesses (custom calls count as 0 there). Findings: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -49,6 +52,21 @@ def candidates(lr=1e-3):
       "dynamic_loss_scale(adamw_bf16 kahan)": (bf16, oh.dynamic_loss_scale(oh.adamw_bf16(lr))),
       "scaled_adam": (bf16, oh.scaled_adam(lr)),
   }
+
+
+# Stepped with oh.update_and_apply (the kernel writes the new params into their
+# donated buffers) instead of tx.update + optax.apply_updates.
+IN_PLACE = ("adamw_bf16 kahan", "adamw_bf16 split", "adamw_bf16 stochastic", "adam_fp32_master",
+            "dynamic_loss_scale(adamw_bf16 kahan)")
+IN_PLACE_SUFFIX = " (update_and_apply)"
+
+
+def all_candidates(lr=1e-3):
+  """(dtype, tx, in_place) by name: every candidate, then the in-place steps."""
+  out = {name: (dtype, tx, False) for name, (dtype, tx) in candidates(lr).items()}
+  for name in IN_PLACE:
+    out[name + IN_PLACE_SUFFIX] = (*out[name][:2], True)
+  return out
 
 
 def bandwidth() -> dict:
@@ -99,22 +117,24 @@ def main(argv=None):
   tree32 = make_tree(tree_name)
   n = sum(x.size for x in jax.tree.leaves(tree32))
   bw = bandwidth()
-  chosen = candidates()
+  chosen = all_candidates()
   if args.only:
     keep = {"optax.adamw fp32 (reference)", *args.only.split(",")}
     chosen = {k: v for k, v in chosen.items() if k in keep}
 
   runs = {}
-  for name, (dtype, tx) in chosen.items():
+  for name, (dtype, tx, in_place) in chosen.items():
     params = jax.tree.map(lambda x: jnp.array(x, dtype=dtype, copy=True), tree32)
     grads = jax.tree.map(lambda x: (x * 0.1).astype(
         jnp.float32 if args.grads == "in-step" else dtype), tree32)
     state = tx.init(params)
 
-    def step(p, s, g, tx=tx):
+    def step(p, s, g, tx=tx, in_place=in_place):
       if args.grads == "in-step":  # g: fp32 coefficients c of the loss sum(p * c)
         g = jax.grad(lambda p: sum(jnp.vdot(a.astype(jnp.float32), b) for a, b in zip(
             jax.tree.leaves(p), jax.tree.leaves(g))).astype(jnp.float32))(p)
+      if in_place:
+        return oh.update_and_apply(tx, g, s, p)
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s
 
@@ -134,13 +154,12 @@ def main(argv=None):
       r["params"], r["state"] = fn(r["params"], r["state"], fresh(grads))
     jax.block_until_ready(r["params"])
 
-  for _ in range(reps):  # interleaved repetitions
-    for r in runs.values():
-      g = fresh(r["grads"])  # untimed: a step's gradients are its own, dead after it
-      start = time.perf_counter()
-      r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
-      jax.block_until_ready(r["params"])
-      r["times"].append(time.perf_counter() - start)
+  for r in common.interleaved(runs, reps):
+    g = fresh(r["grads"])  # untimed: a step's gradients are its own, dead after it
+    start = time.perf_counter()
+    r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
+    jax.block_until_ready(r["params"])
+    r["times"].append(time.perf_counter() - start)
 
   out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}",
                       runs, "optax.adamw fp32 (reference)", n, bw, args.json,

@@ -2,12 +2,13 @@
 
     python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N] [--json PATH]
 
-The trees of benchmarks/step.py. Runs are interleaved (A B C ... A B C ...),
-the median of the repetitions after a warm-up step ("setup s": the first
-step, which builds the native kernel or compiles ``fused=True`` code the
-first time in a process). Bytes/param count the params, one gradient and
-every state tensor the optimizer holds; "moved" is the algorithm's minimum
-traffic (benchmarks/common.py). ``optimi`` (``pip install torch-optimi``, the
+The trees of benchmarks/step.py. Runs are interleaved (every run once per
+repetition, in an order shuffled each repetition), the median of the
+repetitions after a warm-up step ("setup s": the first step, which builds the
+native kernel or compiles ``fused=True`` code the first time in a process).
+Bytes/param count the params, one gradient and every state tensor the
+optimizer holds; "moved" is the algorithm's minimum traffic
+(benchmarks/common.py). ``optimi`` (``pip install torch-optimi``, the
 ``bench`` extra) is skipped when it is not installed. Findings:
 benchmarks/README.md.
 """
@@ -111,11 +112,10 @@ def main(argv=None):
     runs[name] = dict(opt=opt, times=[], setup_s=setup,
                       bytes_per_param=(persistent + param_bytes) / n,
                       moved_per_param=(2 * persistent + param_bytes) / n)
-  for _ in range(reps):
-    for run in runs.values():
-      start = time.perf_counter()
-      run["opt"].step()
-      run["times"].append(time.perf_counter() - start)
+  for run in common.interleaved(runs, reps):
+    start = time.perf_counter()
+    run["opt"].step()
+    run["times"].append(time.perf_counter() - start)
   return common.report(
       f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,

@@ -10,11 +10,14 @@ ScaledAdam (icefall) and its schedule:
   scaled_adam, scaled_adam_stats, eden
 Schedules:
   preheat_decay_schedule, eden
+One step with the params written in place (the native kernel, on CPU):
+  update_and_apply
 Checkpoints (Orbax, checked leaf by leaf):
   checkpoint.save, checkpoint.restore
 """
 
 from optax_half import checkpoint, rounding
+from optax_half._in_place import update_and_apply
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
 from optax_half.loss_scale import (
     DynamicLossScaleState,
@@ -62,6 +65,7 @@ __all__ = [
     "scaled_adam",
     "scaled_adam_stats",
     "stochastic_rounding",
+    "update_and_apply",
     "value_and_scaled_grad",
     "DynamicLossScaleState",
     "KahanSummationState",

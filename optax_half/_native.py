@@ -54,12 +54,19 @@ def _threads() -> int:
 _EMPTY = np.zeros((0,), np.float32)
 
 
-def _leaf(p, g, mu, nu, buffer, scalars, keys, mode: str, stochastic_moments: bool):
-  """One custom call: (p_out, mu', nu', buffer'), the last three in place."""
+def _leaf(p, g, mu, nu, buffer, scalars, keys, mode: str, stochastic_moments: bool,
+          in_place: bool = False):
+  """One custom call: (p_out, mu', nu', buffer'), the last three in place, and
+  with ``in_place`` the new param too (into p's buffer)."""
   out_dtype = jnp.float32 if mode == "update" else p.dtype
   buffer = jnp.asarray(_EMPTY) if buffer is None else buffer
   aliases = {2: 1, 3: 2, 4: 3}  # mu, nu and the buffer in place
-  if g.dtype == out_dtype:
+  if in_place:
+    # The new param into the param's own buffer: with the params donated to
+    # the jitted step nothing is copied; without, XLA copies p first.
+    assert out_dtype == p.dtype, mode
+    aliases[0] = 0
+  elif g.dtype == out_dtype:
     # The new param (or fp32 update) into the gradient's buffer: gradients
     # computed in the same jitted step are dead after it, and XLA copies them
     # first where they are not. A fresh temporary would cost page faults on
@@ -103,36 +110,56 @@ def _maybe_sharded(params) -> bool:
 
 
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
-  """The update of ``adamw_bf16(compensation=kind)`` or (``kind="master"``)
-  ``adam_fp32_master``, with the kernel on CPU; ``tx_update`` (the composed
-  transformation's update) elsewhere. ``hyperparams``: (learning_rate, b1,
-  b2, eps, weight_decay) as the core takes them."""
+  """``(update, update_and_apply)`` of ``adamw_bf16(compensation=kind)`` or
+  (``kind="master"``) ``adam_fp32_master``, with the kernel on CPU and
+  ``tx_update`` (the composed transformation's update) elsewhere.
+  ``update`` is the transformation's update; ``update_and_apply(updates,
+  state, params)`` returns ``(new_params, new_state)``, the same bits as
+  ``update`` followed by ``optax.apply_updates``, with the kernel writing the
+  new params into the params' own buffers (``optax_half.update_and_apply``).
+  ``hyperparams``: (learning_rate, b1, b2, eps, weight_decay) as the core
+  takes them."""
   from optax_half import adam  # noqa: PLC0415 (adam imports this module)
   assert kind in _KINDS, kind
 
-  def update(updates, state, params=None, **extra_args):
-    core = state.inner_state
+  def native(updates, state, params) -> bool:
     # Off CPU (jax.default_backend()), nothing is built: the composed
     # transformation is what would be lowered anyway. With several devices, or
     # under a mesh, the params may be sharded, and the custom call has no
     # partitioning rule: the composed transformation, which XLA partitions
     # elementwise, runs there.
-    if (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
-        or not _takes(params, updates, core) or not available()):
-      return tx_update(updates, state, params, **extra_args)
+    return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
+                or not _takes(params, updates, state.inner_state) or not available())
 
-    def on_cpu():
-      return _native_update(kind, hyperparams, state_rounding, updates, state, params, adam)
-
+  def update(updates, state, params=None, **extra_args):
     def elsewhere():
       return tx_update(updates, state, params, **extra_args)
 
-    return jax.lax.platform_dependent(cpu=on_cpu, default=elsewhere)
+    if not native(updates, state, params):
+      return elsewhere()
+    return jax.lax.platform_dependent(
+        cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
+                                   adam),
+        default=elsewhere)
 
-  return update
+  def update_and_apply(updates, state, params, **extra_args):
+    def elsewhere():
+      new_updates, new_state = tx_update(updates, state, params, **extra_args)
+      return optax.apply_updates(params, new_updates), new_state
+
+    if not native(updates, state, params):
+      return elsewhere()
+    return jax.lax.platform_dependent(
+        cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
+                                   adam, in_place=True),
+        default=elsewhere)
+
+  return update, update_and_apply
 
 
-def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam):
+def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam,
+                   in_place=False):
+  """(updates, state), or with ``in_place`` (new params, state)."""
   params = jax.tree.map(jnp.asarray, params)
   core = state.inner_state
   c = adam.coefficients(*hyperparams, core.count)
@@ -154,10 +181,14 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
                       rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, i)])
     if p.dtype == jnp.float32:  # the wrappers hand 32-bit leaves to the core as they are
       u, m, v, _ = _leaf(p, g, m, v, None, scalars, keys, "update", state_rounding == "stochastic")
+      if in_place:  # what optax.apply_updates does with it
+        return (p + u).astype(p.dtype), m, v, buf
       return u, m, v, buf
     has_buffer = not isinstance(buf, optax.MaskedNode)
     p_out, m, v, new_buf = _leaf(p, g, m, v, buf if has_buffer else None, scalars, keys, kind,
-                                 state_rounding == "stochastic")
+                                 state_rounding == "stochastic", in_place)
+    if in_place:
+      return p_out, m, v, new_buf if has_buffer else buf
     # The wrappers' fp32 update: optax.apply_updates(p, u) lands on p_out exactly.
     u = rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
     return u, m, v, new_buf if has_buffer else buf

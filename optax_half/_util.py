@@ -8,6 +8,8 @@ import numpy as np
 import optax
 from jax.experimental.shard_alike import shard_alike
 
+from optax_half import _in_place
+
 
 def is_float(x) -> bool:
   return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
@@ -134,7 +136,54 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(checks))
 
 
-def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
+def if_finite(finite, apply, skip, elsewhere: str = "cond"):
+  """``apply()`` if ``finite`` else ``skip()``, both returning the same types.
+
+  Under ``jax.jit`` on CPU a ``lax.cond``: one branch runs, so ``apply`` may
+  update its buffers in place (the native kernel does), which a select
+  between both results would not allow. On other platforms a ``lax.cond``
+  too, or with ``elsewhere="select"`` both are computed and selected with
+  ``jnp.where`` (no predicate read back by the device's runtime to pick a
+  branch). Called eagerly, the branch is taken in Python.
+  """
+  if not isinstance(finite, jax.core.Tracer):
+    return apply() if bool(finite) else skip()
+
+  def branch():
+    return jax.lax.cond(finite, apply, skip)
+
+  if elsewhere == "cond":
+    return branch()
+  assert elsewhere == "select", elsewhere
+  return jax.lax.platform_dependent(cpu=branch, default=lambda: select(finite, apply, skip))
+
+
+def select(finite, apply, skip):
+  """``jnp.where(finite, apply(), skip())`` leaf by leaf: both computed."""
+  return jax.tree.map(lambda a, b: jnp.where(finite, a, b), apply(), skip())
+
+
+def skipped(apply, state, first=None):
+  """What a skipped step returns, typed like ``apply()``'s ``(first, state)``.
+
+  ``first`` (the params of an in-place step) and ``state`` as they were, or
+  with ``first=None`` updates of ``-0.0``: ``p + (-0.0)`` is ``p`` bit for
+  bit, signed zeros included (+0.0 is not). Leaves are cast (exactly: only
+  ever widened) to the dtypes ``apply`` returns, as a select between the two
+  would promote them: a plain ``optax.adam`` given fp32 gradients returns fp32
+  moments for bf16 ones. With explicit sharding the types include the sharding.
+  """
+  first_types, state_types = jax.eval_shape(apply)
+  if first is None:
+    first = jax.tree.map(
+        lambda s: jax.lax.full(s.shape, -0.0 if jnp.issubdtype(s.dtype, jnp.floating) else 0,
+                               s.dtype, sharding=getattr(s, "sharding", None)), first_types)
+  else:
+    first = jax.tree.map(lambda s, x: jnp.asarray(x).astype(s.dtype), first_types, first)
+  return first, jax.tree.map(lambda s, x: jnp.asarray(x).astype(s.dtype), state_types, state)
+
+
+def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None):
   """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
 
   ``optax.apply_if_finite`` never giving up, for transformations whose updates
@@ -146,11 +195,14 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
   ``jax.jit`` the check is one device-side reduction and a ``lax.cond``: no
   host sync. Called eagerly (op by op), the branch is taken in Python, so the
   step runs op by op too, on whatever devices its leaves are on.
+
+  ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
+  if it has one; the result gets one too, which keeps the params on a skip.
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
-    return tx
+    return tx if update_and_apply is None else _in_place.register(tx, update_and_apply)
   inner = optax.with_extra_args_support(tx)
 
   def init(params):
@@ -158,30 +210,36 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool):
         notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
-  def update(updates, state, params=None, **extra_args):
-    finite = all_finite(updates)
-
-    def apply():
-      return inner.update(updates, state.inner_state, params, **extra_args)
-
-    def skip():
-      shapes, _ = jax.eval_shape(apply)
-      # -0.0: p + (-0.0) is p bit for bit, signed zeros included (+0.0 is not).
-      # With explicit sharding the branches' types include the sharding.
-      zeros = jax.tree.map(
-          lambda s: jax.lax.full(s.shape, -0.0 if jnp.issubdtype(s.dtype, jnp.floating) else 0,
-                                 s.dtype, sharding=getattr(s, "sharding", None)), shapes)
-      return zeros, state.inner_state
-
-    if isinstance(finite, jax.core.Tracer):
-      new_updates, inner_state = jax.lax.cond(finite, apply, skip)
-    else:
-      new_updates, inner_state = apply() if bool(finite) else skip()
-    return new_updates, optax.ApplyIfFiniteState(
+  def next_state(state, finite, inner_state):
+    return optax.ApplyIfFiniteState(
         notfinite_count=jnp.where(finite, 0, optax.safe_increment(state.notfinite_count)),
         last_finite=finite,
         total_notfinite=jnp.where(finite, state.total_notfinite,
                                   optax.safe_increment(state.total_notfinite)),
         inner_state=inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  def update(updates, state, params=None, **extra_args):
+    finite = all_finite(updates)
+
+    def apply():
+      return inner.update(updates, state.inner_state, params, **extra_args)
+
+    new_updates, inner_state = if_finite(finite, apply,
+                                         lambda: skipped(apply, state.inner_state))
+    return new_updates, next_state(state, finite, inner_state)
+
+  out = optax.GradientTransformationExtraArgs(init, update)
+  if update_and_apply is None:
+    return out
+
+  def step(updates, state, params, **extra_args):
+    finite = all_finite(updates)
+
+    def apply():
+      return update_and_apply(updates, state.inner_state, params, **extra_args)
+
+    new_params, inner_state = if_finite(finite, apply,
+                                        lambda: skipped(apply, state.inner_state, params))
+    return new_params, next_state(state, finite, inner_state)
+
+  return _in_place.register(out, step)

@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_half import rounding
-from optax_half._util import all_finite, is_float
+from optax_half import _in_place, rounding
+from optax_half._util import all_finite, if_finite, is_float, skipped
 
 __all__ = [
     "DynamicLossScaleState",
@@ -153,32 +153,57 @@ def dynamic_loss_scale(
         last_finite=jnp.ones((), jnp.bool_),
         inner_state=inner.init(params))
 
-  def update_fn(updates, state, params=None, **extra_args):
+  def unscale(updates, state):
     scale = jnp.asarray(state.scale, jnp.float32)
     inv_scale = jnp.float32(1.0) / scale
     grads = jax.tree.map(
         lambda g: rounding.widen(g) * inv_scale if is_float(g) else g, updates)
-    finite = all_finite(grads)
-    new_updates, new_inner = inner.update(grads, state.inner_state, params, **extra_args)
-    new_updates = jax.tree.map(
-        lambda u: jnp.where(finite, u, jnp.full_like(u, -0.0)) if is_float(u) else u,
-        new_updates)
-    new_inner = optax.tree.where(finite, new_inner, state.inner_state)
+    return grads, all_finite(grads)
 
+  def next_state(state, finite, new_inner):
+    scale = jnp.asarray(state.scale, jnp.float32)
     tracker = state.growth_tracker + 1
     at_interval = tracker == interval
     grown = scale * growth
     scale_if_finite = jnp.where(at_interval & jnp.isfinite(grown), grown, scale)
     scale_if_not = jnp.maximum(scale * backoff, floor)
-    new_state = DynamicLossScaleState(
+    return DynamicLossScaleState(
         scale=jnp.where(finite, scale_if_finite, scale_if_not),
         growth_tracker=jnp.where(finite & ~at_interval, tracker, 0).astype(jnp.int32),
         skipped_steps=state.skipped_steps + (~finite).astype(jnp.int32),
         last_finite=finite,
         inner_state=new_inner)
-    return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  def update_fn(updates, state, params=None, **extra_args):
+    grads, finite = unscale(updates, state)
+
+    def apply():
+      return inner.update(grads, state.inner_state, params, **extra_args)
+
+    # On CPU a lax.cond: the inner step runs only on a finite step, and the
+    # kernel updates its state in place; elsewhere a select (docs/algorithms.md, section 8).
+    new_updates, new_inner = if_finite(finite, apply, lambda: skipped(apply, state.inner_state),
+                                       elsewhere="select")
+    return new_updates, next_state(state, finite, new_inner)
+
+  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  inner_step = _in_place.step_of(inner)
+  if inner_step is None:
+    return tx
+
+  def update_and_apply_fn(updates, state, params, **extra_args):
+    # optax_half.update_and_apply: the inner optimizer writes the params in place.
+    grads, finite = unscale(updates, state)
+
+    def apply():
+      return inner_step(grads, state.inner_state, params, **extra_args)
+
+    new_params, new_inner = if_finite(finite, apply,
+                                      lambda: skipped(apply, state.inner_state, params),
+                                      elsewhere="select")
+    return new_params, next_state(state, finite, new_inner)
+
+  return _in_place.register(tx, update_and_apply_fn)
 
 
 def _value(x):

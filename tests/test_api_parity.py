@@ -4,8 +4,8 @@ Every public function in ``optax_half.__all__`` (a transformation, optimizer
 or schedule factory) must exist in ``torch_bridge`` with the same parameters
 in the same order with the same defaults, once the param-like first argument
 is set aside (``inner`` in JAX, ``optimizer``/``params`` in torch). Torch may
-add keyword-only extensions listed in ``TORCH_ONLY``; the loss-scaling helpers
-in ``JAX_ONLY`` are scaler methods in torch; anything else is drift.
+add keyword-only extensions listed in ``TORCH_ONLY``; the helpers
+in ``JAX_ONLY`` are scaler or optimizer methods in torch; anything else is drift.
 """
 
 import inspect
@@ -23,12 +23,13 @@ import torch_bridge  # noqa: E402
 TORCH_ONLY = {
     "fused": "picks the step's implementation (native kernel, eager, torch.compile); XLA compiles",
 }
-# JAX helpers whose torch counterparts are methods of the scaler object.
+# JAX helpers whose torch counterparts are methods of the scaler or the optimizer.
 JAX_ONLY = {
     "scale_loss": "torch: scaler.scale(loss)",
     "loss_scale": "torch: scaler.get_scale() / scaler.counters()",
     "value_and_scaled_grad": "torch: scaler.scale(loss).backward()",
     "find_loss_scale_state": "torch: the scaler object is the state (scaler.state_dict())",
+    "update_and_apply": "torch: optimizer.step() writes the params in place",
 }
 # Readers of an optimizer's statistics: JAX finds them in a state pytree and
 # names leaves by the params tree; torch reads them from the optimizer object.

@@ -27,9 +27,9 @@ def _check(out, path, expected_bytes):
 def test_jax_benchmark_quick(tmp_path):
   path = tmp_path / "jax.json"
   out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
-                   "adamw_bf16 kahan,adam_fp32_master"])
+                   "adamw_bf16 kahan,adam_fp32_master,adamw_bf16 kahan (update_and_apply)"])
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
-                     "adam_fp32_master": (16, 30)})
+                     "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18)})
   assert out["runs"]["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
 
 

@@ -4,6 +4,8 @@ GradScaler's scale arithmetic, compositions (clipping, MultiSteps, nnx), helpers
 The scale trajectory against ``torch.amp.GradScaler`` is in
 ``test_torch_loss_scale.py`` (it needs torch)."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,7 +14,11 @@ import pytest
 
 import optax_half as oh
 from conftest import bitwise_equal
+from optax_half import _util
 from test_trees import OPTIMIZERS, mixed_grads, mixed_params
+
+# The module (optax_half.loss_scale is also the name of a function).
+loss_scale_module = importlib.import_module("optax_half.loss_scale")
 
 
 def _leaves_equal(a, b):
@@ -88,6 +94,38 @@ def test_a_nonfinite_element_anywhere_changes_nothing(name):
   updates, state = update(_scaled(mixed_grads(params, 99), state.scale), state, params)
   assert bool(state.last_finite)
   assert not _leaves_equal(optax.apply_updates(params, updates), params)
+
+
+@pytest.mark.parametrize("name", ["adamw_bf16_kahan", "adamw_bf16_stochastic", "adam_fp32_master"])
+def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, monkeypatch):
+  """Off CPU the skip is a select of both results (no branch picked by the
+  device's runtime), on CPU a lax.cond (the kernel updates the state in
+  place): the same bits, a skipped step included. (Plain optax inner
+  transformations may differ in the last bit: XLA contracts their a*b+c into
+  FMAs differently inside and outside a branch; ours never contract.)"""
+  def run():
+    tx = oh.dynamic_loss_scale(TRANSFORMS[name](), init_scale=2.0**10)
+    params = mixed_params()
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    rng = np.random.default_rng(0)
+    for t in range(4):
+      grads = _scaled(mixed_grads(params, t), state.scale)
+      if t == 2:
+        grads, _ = _poison(grads, 0, np.nan, rng)
+      updates, state = update(grads, state, params)
+      params = optax.apply_updates(params, updates)
+    assert int(state.skipped_steps) == 1
+    return params, state
+
+  branch = run()
+  with monkeypatch.context() as m:
+    def select_only(finite, apply, skip, elsewhere="cond"):
+      assert elsewhere == "select"
+      return _util.select(finite, apply, skip)
+    m.setattr(loss_scale_module, "if_finite", select_only)
+    selected = run()
+  assert _leaves_equal(branch, selected)
 
 
 def test_fp16_grads_are_upcast_before_unscaling():

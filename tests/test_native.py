@@ -11,6 +11,7 @@ jitted and op by op. (JAX vs torch with the kernel on both sides: test_parity.)
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 
@@ -138,17 +139,31 @@ JAX_CONFIGS = {
 }
 
 
-def _jax_run(make, fp32_leaves=(), jit=True):
+def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None):
+  """STEPS steps: tx.update + optax.apply_updates, or (``in_place``)
+  ``oh.update_and_apply``. ``jit``: True jits tx.update (the in-place step:
+  the whole step), "step" the whole step, both with the params and state
+  donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN."""
   params = {k: jnp.asarray(_values(i, s, 0.5)).astype(
       jnp.float32 if k in fp32_leaves else jnp.bfloat16) for i, (k, s) in enumerate(SHAPES.items())}
   tx = make()
   state = tx.init(params)
-  update = jax.jit(tx.update) if jit else tx.update
+  update = jax.jit(tx.update) if jit is True else tx.update
+
+  def step(params, state, grads):
+    if in_place:
+      return oh.update_and_apply(tx, grads, state, params)
+    u, state = update(grads, state, params)
+    return optax.apply_updates(params, u), state
+
+  if (in_place and jit) or jit == "step":
+    step = jax.jit(step, donate_argnums=(0, 1))
   for t in range(STEPS):
     grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1)).astype(params[k].dtype)
              for i, (k, s) in enumerate(SHAPES.items())}
-    u, state = update(grads, state, params)
-    params = optax.apply_updates(params, u)
+    if t == nan_step:
+      grads["vec"] = grads["vec"].at[3].set(jnp.nan)
+    params, state = step(params, state, grads)
   return jax.tree.leaves((params, state))
 
 
@@ -207,6 +222,118 @@ def test_jax_kernel_updates_the_state_in_place_when_it_is_donated():
   assert hlo.count("custom-call(") == 1
   # new param -> the gradient's buffer; mu, nu, compensation -> their own.
   assert "output_to_operand_aliasing={{0}: (1, {}), {1}: (2, {}), {2}: (3, {}), {3}: (4, {})}" in hlo
+
+
+def _entry(hlo: str) -> list:
+  lines = hlo.splitlines()
+  entry = lines[next(i for i, line in enumerate(lines) if line.startswith("ENTRY")):]
+  return entry[:entry.index("}")]
+
+
+def test_update_and_apply_writes_the_new_params_into_their_own_buffers():
+  """``oh.update_and_apply`` with the params donated: the custom call's new
+  param aliases the param, and nothing else touches a param-sized buffer but
+  the gradient's own computation (no copy, no apply_updates pass; the
+  update + apply_updates step has one more fusion)."""
+  tx = oh.adamw_bf16(1e-3)
+  params = {"w": jnp.ones((256, 128), jnp.bfloat16)}
+  state = tx.init(params)
+  c = jnp.ones((256, 128), jnp.float32)
+
+  def grads(p, c):
+    return jax.grad(lambda p: jnp.vdot(p["w"].astype(jnp.float32), c).astype(jnp.float32))(p)
+
+  def in_place(p, s, c):
+    return oh.update_and_apply(tx, grads(p, c), s, p)
+
+  def protocol(p, s, c):
+    u, s = tx.update(grads(p, c), s, p)
+    return optax.apply_updates(p, u), s
+
+  def big_ops(step):
+    hlo = jax.jit(step, donate_argnums=(0, 1)).lower(params, state, c).compile().as_text()
+    ops = [re.match(r"\s*(?:ROOT )?%\S+ = (.*?) ([a-z][a-z0-9-]*)\(", line)
+           for line in _entry(hlo)]
+    return hlo, sorted(op[2] for op in ops if op and "bf16[256,128]" in op[1]
+                       and op[2] not in ("parameter", "get-tuple-element", "tuple"))
+
+  hlo, ops = big_ops(in_place)
+  assert ops == ["custom-call", "fusion"], ops  # the kernel, and the gradient's convert
+  assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (2, {}), {2}: (3, {}), {3}: (4, {})}" in hlo
+  _, ops = big_ops(protocol)
+  assert ops == ["custom-call", "fusion", "fusion"], ops  # + the apply_updates pass
+
+
+@pytest.mark.parametrize("name", list(JAX_CONFIGS))
+def test_update_and_apply_equals_update_then_apply_updates(name, monkeypatch):
+  """The in-place step (jitted with the params and state donated) gives the
+  bits of the composed transformation's update + ``optax.apply_updates``,
+  bf16 and fp32 leaves mixed."""
+  make = JAX_CONFIGS[name]
+  fp32_leaves = ("mat", "scalar")
+  with monkeypatch.context() as m:
+    m.setattr(jax_native, "available", lambda: False)
+    composed = _jax_run(make, fp32_leaves)
+  assert len(composed) == len(in_place := _jax_run(make, fp32_leaves, in_place=True))
+  for a, b in zip(in_place, composed):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("name", ["adamw_bf16 skip_nonfinite", "adam_fp32_master skip_nonfinite",
+                                  "loss scale", "loss scale, op by op"])
+def test_update_and_apply_skips_nonfinite_steps_as_update_then_apply_updates(name):
+  """The wrappers that skip non-finite steps (a lax.cond under jit) step in
+  place too, and give the bits of tx.update + optax.apply_updates, a skipped
+  step (a NaN in the second step's gradients) included."""
+  make, jit = {
+      "adamw_bf16 skip_nonfinite": (lambda: oh.adamw_bf16(1e-2, skip_nonfinite=True), "step"),
+      "adam_fp32_master skip_nonfinite": (
+          lambda: oh.adam_fp32_master(1e-2, skip_nonfinite=True), "step"),
+      "loss scale": (lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2)), "step"),
+      "loss scale, op by op": (lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2)), False),
+  }[name]
+  tx = make()
+  params = {"w": jnp.ones((256,), jnp.bfloat16)}
+  step = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+  calls = step.lower(params, tx.init(params), params).compile().as_text()
+  assert "output_to_operand_aliasing={{0}: (0, {})" in calls  # in place
+  a = _jax_run(make, ("mat",), jit=jit, in_place=True, nan_step=1)
+  b = _jax_run(make, ("mat",), jit=jit, nan_step=1)
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+  skipped = [x for x in a if np.asarray(x).dtype == np.int32 and np.asarray(x).shape == ()]
+  assert 1 in [int(x) for x in skipped]  # the skip was counted
+
+
+@pytest.mark.parametrize("name", ["optax.adam", "chain"])
+def test_update_and_apply_of_anything_else_is_update_then_apply_updates(name):
+  """Transformations without an in-place step give what tx.update +
+  optax.apply_updates give."""
+  make = {"optax.adam": lambda: optax.adam(1e-2),
+          "chain": lambda: optax.chain(optax.clip(1.0), oh.adamw_bf16(1e-2))}[name]
+  assert oh._in_place.step_of(make()) is None
+  a = _jax_run(make, ("mat",), jit="step", in_place=True)
+  b = _jax_run(make, ("mat",), jit="step")
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_update_and_apply_leaves_params_it_was_not_given_to_keep_alone():
+  """Not donated (op by op, or jitted without donate_argnums), the caller's
+  params are left as they were: XLA copies before the kernel writes."""
+  tx = oh.adamw_bf16(1e-2)
+  params = {"w": jnp.asarray(_values(0, (1000,), 0.5)).astype(jnp.bfloat16)}
+  before = np.asarray(params["w"]).tobytes()
+  state = tx.init(params)
+  grads = {"w": jnp.asarray(_values(1, (1000,), 0.1)).astype(jnp.bfloat16)}
+  for run in (lambda: oh.update_and_apply(tx, grads, state, params),
+              lambda: jax.jit(oh.update_and_apply, static_argnums=0)(tx, grads, state, params)):
+    new, _ = run()
+    assert np.asarray(params["w"]).tobytes() == before
+    assert np.asarray(new["w"]).tobytes() != before
 
 
 _WITHOUT_KERNEL = r"""

@@ -1,0 +1,62 @@
+"""``update_and_apply``: one optimizer step that may write the params in place.
+
+``optax.apply_updates(params, updates)`` is a pass of its own over the params
+and the updates after ``tx.update``. For the optimizers whose step is one
+native kernel (``adamw_bf16``, ``adam_fp32_master`` on CPU) that pass costs
+about as much again as the kernel's reads and writes of the param, and the
+kernel can write the new param itself: ``update_and_apply`` lets it, into the
+params' own buffers (donate the params to the jitted step, or XLA copies them
+first). Any other transformation runs ``tx.update`` then
+``optax.apply_updates``. Either way the result is the same bits.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import optax
+
+__all__ = ["update_and_apply"]
+
+# tx.update -> its (updates, state, params, **extra_args) -> (params, state).
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def register(tx, step):
+  """Records ``step`` as ``tx``'s in-place step; returns ``tx``."""
+  _STEPS[tx.update] = step
+  return tx
+
+
+def step_of(tx):
+  """``tx``'s in-place step, or None."""
+  return _STEPS.get(tx.update)
+
+
+def update_and_apply(tx, updates, opt_state, params, **extra_args):
+  """``tx.update`` followed by ``optax.apply_updates``, in one step.
+
+  Returns ``(new_params, new_opt_state)``, bit for bit what
+
+      updates, new_opt_state = tx.update(updates, opt_state, params, **extra_args)
+      new_params = optax.apply_updates(params, updates)
+
+  returns. For ``adamw_bf16`` and ``adam_fp32_master`` on CPU (also with
+  ``skip_nonfinite=True`` and inside ``dynamic_loss_scale``, not inside an
+  ``optax.chain``), the native kernel writes the new params into the params'
+  buffers and no ``apply_updates`` pass runs: jit the step with the params and
+  the state donated (``donate_argnums``) so XLA has nothing to copy.
+  Elsewhere, and for any other transformation, the two calls above run.
+
+  Args:
+    tx: an ``optax.GradientTransformation``.
+    updates: the gradients (a tree like ``params``).
+    opt_state: ``tx``'s state.
+    params: the params; the update of every optimizer here needs them.
+    **extra_args: passed on to ``tx.update``.
+  """
+  step = step_of(tx)
+  if step is not None:
+    return step(updates, opt_state, params, **extra_args)
+  new_updates, new_state = tx.update(updates, opt_state, params, **extra_args)
+  return optax.apply_updates(params, new_updates), new_state
