@@ -7,7 +7,8 @@ about as much again as the kernel's reads and writes of the param, and the
 kernel can write the new param itself: ``update_and_apply`` lets it, into the
 params' own buffers (donate the params to the jitted step, or XLA copies them
 first). Any other transformation runs ``tx.update`` then
-``optax.apply_updates``. Either way the result is the same bits.
+``optax.apply_updates``. Either way the result is the same bits (two
+exceptions in ``update_and_apply``'s docstring).
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def register(tx, step):
 
 
 def step_of(tx):
-  """``tx``'s in-place step, or None."""
-  return _STEPS.get(tx.update)
+  """``tx``'s in-place step, or None (also for an ``update`` that cannot be
+  a weak key: an unhashable callable, one without weak references)."""
+  try:
+    return _STEPS.get(tx.update)
+  except TypeError:
+    return None
 
 
 def update_and_apply(tx, updates, opt_state, params, **extra_args):

@@ -179,8 +179,16 @@ def skipped(apply, state, first=None):
         lambda s: jax.lax.full(s.shape, -0.0 if jnp.issubdtype(s.dtype, jnp.floating) else 0,
                                s.dtype, sharding=getattr(s, "sharding", None)), first_types)
   else:
-    first = jax.tree.map(lambda s, x: jnp.asarray(x).astype(s.dtype), first_types, first)
-  return first, jax.tree.map(lambda s, x: jnp.asarray(x).astype(s.dtype), state_types, state)
+    first = jax.tree.map(_widened, first_types, first)
+  return first, jax.tree.map(_widened, state_types, state)
+
+
+def _widened(like, x):
+  x = jnp.asarray(x)
+  if jnp.promote_types(x.dtype, like.dtype) != like.dtype:
+    raise TypeError(f"a skipped step would narrow {x.dtype} to {like.dtype}: the inner "
+                    "update returns a narrower state than it was given.")
+  return x.astype(like.dtype)
 
 
 def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None):

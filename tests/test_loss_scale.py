@@ -97,20 +97,34 @@ def test_a_nonfinite_element_anywhere_changes_nothing(name):
 
 
 @pytest.mark.parametrize("name", ["adamw_bf16_kahan", "adamw_bf16_stochastic", "adam_fp32_master"])
-def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, monkeypatch):
+@pytest.mark.parametrize("tree", ["mixed", "kernel"])
+def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, tree, monkeypatch):
   """Off CPU the skip is a select of both results (no branch picked by the
-  device's runtime), on CPU a lax.cond (the kernel updates the state in
-  place): the same bits, a skipped step included. (Plain optax inner
-  transformations may differ in the last bit: XLA contracts their a*b+c into
-  FMAs differently inside and outside a branch; ours never contract.)"""
+  device's runtime), on CPU a lax.cond (the native kernel, which takes the
+  bf16/fp32 tree, updates the state in place inside it; the mixed tree, with
+  fp16 and integer leaves, runs the composed transformation): the same bits,
+  a skipped step included. (Plain optax inner transformations may differ in
+  the last bit: XLA contracts their a*b+c into FMAs differently inside and
+  outside a branch; ours never contract.)"""
+  selects = []
+
   def run():
     tx = oh.dynamic_loss_scale(TRANSFORMS[name](), init_scale=2.0**10)
-    params = mixed_params()
+    if tree == "mixed":
+      params = mixed_params()
+    else:
+      rng = np.random.default_rng(1)
+      params = {"a": jnp.asarray(rng.standard_normal((7, 3)), jnp.bfloat16),
+                "b": jnp.asarray(rng.standard_normal(5), jnp.float32)}
     state = tx.init(params)
     update = jax.jit(tx.update)
+    kernel = "optax_half_adamw" in update.lower(params, state, params).as_text()
+    assert kernel == (tree == "kernel")
     rng = np.random.default_rng(0)
     for t in range(4):
-      grads = _scaled(mixed_grads(params, t), state.scale)
+      grads = _scaled(mixed_grads(params, t), state.scale) if tree == "mixed" else {
+          k: (jnp.asarray(rng.standard_normal(v.shape)) * 0.1 * state.scale).astype(v.dtype)
+          for k, v in params.items()}
       if t == 2:
         grads, _ = _poison(grads, 0, np.nan, rng)
       updates, state = update(grads, state, params)
@@ -122,9 +136,11 @@ def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, monkeypatch
   with monkeypatch.context() as m:
     def select_only(finite, apply, skip, elsewhere="cond"):
       assert elsewhere == "select"
+      selects.append(1)
       return _util.select(finite, apply, skip)
     m.setattr(loss_scale_module, "if_finite", select_only)
     selected = run()
+  assert selects  # the select ran
   assert _leaves_equal(branch, selected)
 
 

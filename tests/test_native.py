@@ -270,6 +270,7 @@ def test_update_and_apply_equals_update_then_apply_updates(name, monkeypatch):
   bits of the composed transformation's update + ``optax.apply_updates``,
   bf16 and fp32 leaves mixed."""
   make = JAX_CONFIGS[name]
+  assert oh._in_place.step_of(make()) is not None  # the in-place step, not the fallback
   fp32_leaves = ("mat", "scalar")
   with monkeypatch.context() as m:
     m.setattr(jax_native, "available", lambda: False)
@@ -319,6 +320,42 @@ def test_update_and_apply_of_anything_else_is_update_then_apply_updates(name):
   assert len(a) == len(b)
   for x, y in zip(a, b):
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
+
+
+def test_update_and_apply_falls_back_for_an_update_that_is_not_a_weak_key():
+  """An update the registry cannot look up (unhashable, or without weak
+  references) takes tx.update + optax.apply_updates instead of failing."""
+  inner = optax.sgd(0.1)
+
+  class Update:  # __eq__ without __hash__ (unhashable), __slots__ (no weak references)
+    __slots__ = ()
+
+    def __eq__(self, other):
+      return self is other
+
+    def __call__(self, updates, state, params=None):
+      return inner.update(updates, state, params)
+
+  tx = optax.GradientTransformation(inner.init, Update())
+  params = {"w": jnp.arange(4.0)}
+  state = tx.init(params)
+  new, _ = oh.update_and_apply(tx, params, state, params)
+  np.testing.assert_array_equal(new["w"], optax.apply_updates(params, tx.update(params, state)[0])["w"])
+  assert np.asarray(new["w"]).tolist() != np.asarray(params["w"]).tolist()
+
+
+def test_a_skipped_in_place_step_keeps_subnormal_params():
+  """A skipped step leaves every param bit as it was, subnormals included
+  (XLA:CPU's apply_updates flushes a subnormal p + (-0.0) to zero; the
+  in-place step never adds)."""
+  tx = oh.adamw_bf16(1e-2, skip_nonfinite=True)
+  bits = np.array([11, 32779, 0x8000, 0x3F80, 0x0080], np.uint16)
+  params = {"w": jnp.asarray(bits).view(jnp.bfloat16)}
+  state = tx.init(params)
+  grads = {"w": jnp.full((5,), jnp.nan, jnp.bfloat16)}
+  new, new_state = jax.jit(oh.update_and_apply, static_argnums=0)(tx, grads, state, params)
+  assert (np.asarray(new["w"]).view(np.uint16) == bits).all()
+  assert int(new_state.total_notfinite) == 1
 
 
 def test_update_and_apply_leaves_params_it_was_not_given_to_keep_alone():
