@@ -131,28 +131,25 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
     return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
                 or not _takes(params, updates, state.inner_state) or not available())
 
-  def update(updates, state, params=None, **extra_args):
-    def elsewhere():
-      return tx_update(updates, state, params, **extra_args)
-
-    if not native(updates, state, params):
-      return elsewhere()
-    return jax.lax.platform_dependent(
-        cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
-                                   adam),
-        default=elsewhere)
-
-  def update_and_apply(updates, state, params, **extra_args):
+  def step(in_place, updates, state, params, extra_args):
     def elsewhere():
       new_updates, new_state = tx_update(updates, state, params, **extra_args)
-      return optax.apply_updates(params, new_updates), new_state
+      if in_place:
+        return optax.apply_updates(params, new_updates), new_state
+      return new_updates, new_state
 
     if not native(updates, state, params):
       return elsewhere()
     return jax.lax.platform_dependent(
         cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
-                                   adam, in_place=True),
+                                   adam, in_place=in_place),
         default=elsewhere)
+
+  def update(updates, state, params=None, **extra_args):
+    return step(False, updates, state, params, extra_args)
+
+  def update_and_apply(updates, state, params, **extra_args):
+    return step(True, updates, state, params, extra_args)
 
   return update, update_and_apply
 
