@@ -136,7 +136,7 @@ def all_finite(tree) -> jax.Array:
   return jnp.all(jnp.stack(checks))
 
 
-def if_finite(finite, apply, skip, elsewhere: str = "cond"):
+def if_finite(finite, apply, skip, elsewhere: str = "cond", branch_on_cpu: bool = True):
   """``apply()`` if ``finite`` else ``skip()``, both returning the same types.
 
   Under ``jax.jit`` on CPU a ``lax.cond``: one branch runs, so ``apply`` may
@@ -144,7 +144,9 @@ def if_finite(finite, apply, skip, elsewhere: str = "cond"):
   between both results would not allow. On other platforms a ``lax.cond``
   too, or with ``elsewhere="select"`` both are computed and selected with
   ``jnp.where`` (no predicate read back by the device's runtime to pick a
-  branch). Called eagerly, the branch is taken in Python.
+  branch). Called eagerly, the branch is taken in Python. With
+  ``elsewhere="select"`` and ``branch_on_cpu=False`` the select is used on
+  CPU too.
   """
   if not isinstance(finite, jax.core.Tracer):
     return apply() if bool(finite) else skip()
@@ -155,6 +157,8 @@ def if_finite(finite, apply, skip, elsewhere: str = "cond"):
   if elsewhere == "cond":
     return branch()
   assert elsewhere == "select", elsewhere
+  if not branch_on_cpu:
+    return select(finite, apply, skip)
   return jax.lax.platform_dependent(cpu=branch, default=lambda: select(finite, apply, skip))
 
 

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_half import _in_place, rounding
+from optax_half import _in_place, _native, rounding
 from optax_half._util import all_finite, if_finite, is_float, skipped
 
 __all__ = [
@@ -181,9 +181,11 @@ def dynamic_loss_scale(
       return inner.update(grads, state.inner_state, params, **extra_args)
 
     # On CPU a lax.cond: the inner step runs only on a finite step, and the
-    # kernel updates its state in place; elsewhere a select (docs/algorithms.md, section 8).
+    # kernel updates its state in place; elsewhere, and with several devices
+    # (where the kernel does not run), a select (docs/algorithms.md, section 8).
     new_updates, new_inner = if_finite(finite, apply, lambda: skipped(apply, state.inner_state),
-                                       elsewhere="select")
+                                       elsewhere="select",
+                                       branch_on_cpu=not _native._maybe_sharded(updates))
     return new_updates, next_state(state, finite, new_inner)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -200,7 +202,8 @@ def dynamic_loss_scale(
 
     new_params, new_inner = if_finite(finite, apply,
                                       lambda: skipped(apply, state.inner_state, params),
-                                      elsewhere="select")
+                                      elsewhere="select",
+                                      branch_on_cpu=not _native._maybe_sharded(updates))
     return new_params, next_state(state, finite, new_inner)
 
   return _in_place.register(tx, update_and_apply_fn)

@@ -134,7 +134,7 @@ def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, tree, monke
 
   branch = run()
   with monkeypatch.context() as m:
-    def select_only(finite, apply, skip, elsewhere="cond"):
+    def select_only(finite, apply, skip, elsewhere="cond", branch_on_cpu=True):
       assert elsewhere == "select"
       selects.append(1)
       return _util.select(finite, apply, skip)
