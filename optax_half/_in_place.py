@@ -21,21 +21,38 @@ __all__ = ["update_and_apply"]
 
 # tx.update -> its (updates, state, params, **extra_args) -> (params, state).
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# tx.update -> its scaled step (in_place, updates, inv_scale, state, params,
+# **extra_args): the bits of tx.update (in_place False) or of the in-place step
+# (True) given the gradients unscaled(updates, inv_scale) (_util.unscaled), for
+# a step that unscales the gradients as it reads them (dynamic_loss_scale).
+_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def register(tx, step):
-  """Records ``step`` as ``tx``'s in-place step; returns ``tx``."""
+def register(tx, step, scaled=None):
+  """Records ``step`` as ``tx``'s in-place step (and ``scaled``, if given, as
+  its scaled step); returns ``tx``."""
   _STEPS[tx.update] = step
+  if scaled is not None:
+    _SCALED[tx.update] = scaled
   return tx
+
+
+def _get(registry, tx):
+  try:
+    return registry.get(tx.update)
+  except TypeError:  # an update that cannot be a weak key: unhashable, no weak references
+    return None
 
 
 def step_of(tx):
   """``tx``'s in-place step, or None (also for an ``update`` that cannot be
   a weak key: an unhashable callable, one without weak references)."""
-  try:
-    return _STEPS.get(tx.update)
-  except TypeError:
-    return None
+  return _get(_STEPS, tx)
+
+
+def scaled_of(tx):
+  """``tx``'s scaled step (see ``_SCALED``), or None."""
+  return _get(_SCALED, tx)
 
 
 def update_and_apply(tx, updates, opt_state, params, **extra_args):

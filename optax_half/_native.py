@@ -25,7 +25,7 @@ import optax
 
 import optax_half_native as native
 from optax_half import rounding
-from optax_half._util import leaf_indices, unzip
+from optax_half._util import leaf_indices, unscaled, unzip
 
 __all__ = ["available", "fused"]
 
@@ -110,15 +110,18 @@ def _maybe_sharded(params) -> bool:
 
 
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
-  """``(update, update_and_apply)`` of ``adamw_bf16(compensation=kind)`` or
-  (``kind="master"``) ``adam_fp32_master``, with the kernel on CPU and
+  """``(update, update_and_apply, scaled)`` of ``adamw_bf16(compensation=kind)``
+  or (``kind="master"``) ``adam_fp32_master``, with the kernel on CPU and
   ``tx_update`` (the composed transformation's update) elsewhere.
   ``update`` is the transformation's update; ``update_and_apply(updates,
   state, params)`` returns ``(new_params, new_state)``, the same bits as
   ``update`` followed by ``optax.apply_updates``, with the kernel writing the
   new params into the params' own buffers (``optax_half.update_and_apply``).
-  ``hyperparams``: (learning_rate, b1, b2, eps, weight_decay) as the core
-  takes them."""
+  ``scaled(in_place, updates, inv_scale, state, params)`` is either of them
+  given the gradients ``_util.unscaled(updates, inv_scale)``, which the kernel
+  forms as it reads each gradient element (``dynamic_loss_scale``: no fp32
+  copy of the gradients). ``hyperparams``: (learning_rate, b1, b2, eps,
+  weight_decay) as the core takes them."""
   from optax_half import adam  # noqa: PLC0415 (adam imports this module)
   assert kind in _KINDS, kind
 
@@ -131,9 +134,15 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
     return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
                 or not _takes(params, updates, state.inner_state) or not available())
 
-  def step(in_place, updates, state, params, extra_args):
+  def step(in_place, updates, state, params, extra_args, inv_scale=None):
+    if inv_scale is not None and not native(updates, state, params):
+      # No kernel, or one that cannot read these gradients as they are (an
+      # fp32 param's bf16 gradient): unscaled first, as dynamic_loss_scale would.
+      return step(in_place, unscaled(updates, inv_scale), state, params, extra_args)
+
     def elsewhere():
-      new_updates, new_state = tx_update(updates, state, params, **extra_args)
+      grads = updates if inv_scale is None else unscaled(updates, inv_scale)
+      new_updates, new_state = tx_update(grads, state, params, **extra_args)
       if in_place:
         return optax.apply_updates(params, new_updates), new_state
       return new_updates, new_state
@@ -142,7 +151,7 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
       return elsewhere()
     return jax.lax.platform_dependent(
         cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
-                                   adam, in_place=in_place),
+                                   adam, in_place=in_place, grad_scale=inv_scale),
         default=elsewhere)
 
   def update(updates, state, params=None, **extra_args):
@@ -151,17 +160,23 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
   def update_and_apply(updates, state, params, **extra_args):
     return step(True, updates, state, params, extra_args)
 
-  return update, update_and_apply
+  def scaled(in_place, updates, inv_scale, state, params, **extra_args):
+    return step(in_place, updates, state, params, extra_args, jnp.asarray(inv_scale, jnp.float32))
+
+  return update, update_and_apply, scaled
 
 
 def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam,
-                   in_place=False):
-  """(updates, state), or with ``in_place`` (new params, state)."""
+                   in_place=False, grad_scale=None):
+  """(updates, state), or with ``in_place`` (new params, state). With
+  ``grad_scale`` (fp32), the step of the gradients ``unscaled(updates,
+  grad_scale)``: the kernel multiplies each gradient element by it as it reads it."""
   params = jax.tree.map(jnp.asarray, params)
   core = state.inner_state
   c = adam.coefficients(*hyperparams, core.count)
+  grad_scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale
   scalars = jnp.stack([c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2, c.inv_bc1, c.inv_bc2,
-                       c.eps, c.weight_decay]).astype(jnp.float32)
+                       c.eps, c.weight_decay, grad_scale]).astype(jnp.float32)
   if kind == "stochastic":  # the param stream is the wrapper's, the moments' the core's
     p_seed, p_count = state.seed, state.count
   else:

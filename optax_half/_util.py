@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from jax.experimental.shard_alike import shard_alike
 
-from optax_half import _in_place
+from optax_half import _in_place, rounding
 
 
 def is_float(x) -> bool:
@@ -128,12 +128,43 @@ def all_finite(tree) -> jax.Array:
   array, usable next to a leaf on any device.
   """
   checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
+  return _all(checks)
+
+
+def _all(checks):
+  """``all(checks)`` (bool scalars, one per leaf) as one bool scalar, True if
+  none; read on the host for eager checks on several devices."""
   if not checks:
     return jnp.ones((), jnp.bool_)
   devices = {d for c in checks if not isinstance(c, jax.core.Tracer) for d in c.devices()}
   if len(devices) > 1:
     return jnp.asarray(all(bool(c) for c in checks))
   return jnp.all(jnp.stack(checks))
+
+
+def unscaled(tree, inv_scale):
+  """Every float leaf widened exactly to fp32, then times ``inv_scale`` (fp32):
+  the gradients ``dynamic_loss_scale`` hands its inner transformation."""
+  return jax.tree.map(lambda g: rounding.widen(g) * inv_scale if is_float(g) else g, tree)
+
+
+def unscaled_all_finite(tree, inv_scale) -> jax.Array:
+  """``all_finite(unscaled(tree, inv_scale))`` without forming the products.
+
+  With ``M`` a leaf's largest ``|g|`` (a NaN if any element is NaN: XLA's max
+  propagates NaNs), every ``fl(g * inv_scale)`` of the leaf is finite exactly
+  when ``fl(M * inv_scale)`` is: ``|fl(g * s)| = fl(|g| * s)`` and rounding
+  is monotonic, so the largest product is ``M``'s, and a NaN or an Inf in
+  ``g`` or ``s`` makes that one a NaN or an Inf too. One max-reduction of each
+  gradient as it is (XLA:CPU reduces a float max faster than ``isfinite``'s
+  bools) and one product per leaf: the fp32 products are never materialised,
+  so a kernel that unscales as it reads (the native AdamW step) is the only
+  pass that forms them.
+  """
+  inv_scale = jnp.asarray(inv_scale, jnp.float32)
+  checks = [jnp.isfinite(rounding.widen(jnp.max(jnp.abs(x))) * inv_scale)
+            for x in jax.tree.leaves(tree) if is_float(x) and jnp.size(x) > 0]
+  return _all(checks)
 
 
 def if_finite(finite, apply, skip, elsewhere: str = "cond", branch_on_cpu: bool = True):
@@ -195,7 +226,7 @@ def _widened(like, x):
   return x.astype(like.dtype)
 
 
-def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None):
+def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled=None):
   """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
 
   ``optax.apply_if_finite`` never giving up, for transformations whose updates
@@ -210,11 +241,14 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None):
 
   ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
   if it has one; the result gets one too, which keeps the params on a skip.
+  ``scaled``: ``tx``'s scaled step (``_in_place._SCALED``), if it has one; so
+  does the result, which checks the unscaled gradients
+  (``unscaled_all_finite``).
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
-    return tx if update_and_apply is None else _in_place.register(tx, update_and_apply)
+    return tx if update_and_apply is None else _in_place.register(tx, update_and_apply, scaled)
   inner = optax.with_extra_args_support(tx)
 
   def init(params):
@@ -222,8 +256,12 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None):
         notfinite_count=jnp.zeros([], jnp.int32), last_finite=jnp.array(True),
         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
-  def next_state(state, finite, inner_state):
-    return optax.ApplyIfFiniteState(
+  def guarded(finite, state, apply, params=None):
+    """``apply()`` (``(first, inner_state)``) if ``finite``, else a skip:
+    ``params`` (an in-place step) or updates of -0.0 first."""
+    first, inner_state = if_finite(finite, apply,
+                                   lambda: skipped(apply, state.inner_state, params))
+    return first, optax.ApplyIfFiniteState(
         notfinite_count=jnp.where(finite, 0, optax.safe_increment(state.notfinite_count)),
         last_finite=finite,
         total_notfinite=jnp.where(finite, state.total_notfinite,
@@ -231,27 +269,22 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None):
         inner_state=inner_state)
 
   def update(updates, state, params=None, **extra_args):
-    finite = all_finite(updates)
-
-    def apply():
-      return inner.update(updates, state.inner_state, params, **extra_args)
-
-    new_updates, inner_state = if_finite(finite, apply,
-                                         lambda: skipped(apply, state.inner_state))
-    return new_updates, next_state(state, finite, inner_state)
+    return guarded(all_finite(updates), state,
+                   lambda: inner.update(updates, state.inner_state, params, **extra_args))
 
   out = optax.GradientTransformationExtraArgs(init, update)
   if update_and_apply is None:
     return out
 
   def step(updates, state, params, **extra_args):
-    finite = all_finite(updates)
+    return guarded(all_finite(updates), state,
+                   lambda: update_and_apply(updates, state.inner_state, params, **extra_args),
+                   params)
 
-    def apply():
-      return update_and_apply(updates, state.inner_state, params, **extra_args)
+  def scaled_step(in_place, updates, inv_scale, state, params, **extra_args):
+    return guarded(unscaled_all_finite(updates, inv_scale), state,
+                   lambda: scaled(in_place, updates, inv_scale, state.inner_state, params,
+                                  **extra_args),
+                   params if in_place else None)
 
-    new_params, inner_state = if_finite(finite, apply,
-                                        lambda: skipped(apply, state.inner_state, params))
-    return new_params, next_state(state, finite, inner_state)
-
-  return _in_place.register(out, step)
+  return _in_place.register(out, step, None if scaled is None else scaled_step)

@@ -233,10 +233,10 @@ def adam_fp32_master(
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                         state_rounding="nearest")
   tx = wrappers.master_weights(core, master_dtype=jnp.float32)
-  update, update_and_apply = _native.fused(
+  update, update_and_apply, scaled = _native.fused(
       "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.update)
   return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(tx.init, update),
-                              skip_nonfinite, update_and_apply)
+                              skip_nonfinite, update_and_apply, scaled)
 
 
 def adamw_bf16(
@@ -310,7 +310,7 @@ def adamw_bf16(
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
-  update, update_and_apply = _native.fused(
+  update, update_and_apply, scaled = _native.fused(
       compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, tx.update)
   return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
-                              skip_nonfinite, update_and_apply)
+                              skip_nonfinite, update_and_apply, scaled)

@@ -8,8 +8,12 @@ small fp16 gradients stay above fp16's underflow. ``update`` then:
 1. upcasts every gradient leaf to fp32 (exactly, ``rounding.widen``) **before**
    unscaling, so an fp16 gradient is never divided in fp16:
    ``g = widen(g_scaled) * inv_scale`` with ``inv_scale = 1 / scale`` in fp32;
-2. checks, over the whole tree at once, that every unscaled value is finite;
-3. if so, runs ``inner`` on the fp32 ``g``; if not, returns updates of ``-0.0``
+2. checks, over the whole tree at once, that every unscaled value is finite
+   (from each leaf's largest ``|g_scaled|``, the products never formed:
+   ``_util.unscaled_all_finite``);
+3. if so, runs ``inner`` on the fp32 ``g`` (``adamw_bf16`` and
+   ``adam_fp32_master`` with the native kernel form ``g`` as they read the
+   scaled gradients, the same bits); if not, returns updates of ``-0.0``
    (``p + (-0.0) == p`` bitwise for every ``p``, ``-0.0`` included) and keeps
    the inner state exactly as it was;
 4. updates the scale as ``torch.amp.GradScaler.update`` does, plus a floor:
@@ -37,8 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from optax_half import _in_place, _native, rounding
-from optax_half._util import all_finite, if_finite, is_float, skipped
+from optax_half import _in_place, _native
+from optax_half._util import if_finite, skipped, unscaled, unscaled_all_finite
 
 __all__ = [
     "DynamicLossScaleState",
@@ -153,12 +157,8 @@ def dynamic_loss_scale(
         last_finite=jnp.ones((), jnp.bool_),
         inner_state=inner.init(params))
 
-  def unscale(updates, state):
-    scale = jnp.asarray(state.scale, jnp.float32)
-    inv_scale = jnp.float32(1.0) / scale
-    grads = jax.tree.map(
-        lambda g: rounding.widen(g) * inv_scale if is_float(g) else g, updates)
-    return grads, all_finite(grads)
+  def inverse(state):
+    return jnp.float32(1.0) / jnp.asarray(state.scale, jnp.float32)
 
   def next_state(state, finite, new_inner):
     scale = jnp.asarray(state.scale, jnp.float32)
@@ -174,37 +174,44 @@ def dynamic_loss_scale(
         last_finite=finite,
         inner_state=new_inner)
 
-  def update_fn(updates, state, params=None, **extra_args):
-    grads, finite = unscale(updates, state)
+  inner_step = _in_place.step_of(inner)
+  # An inner step that unscales the gradients as it reads them (the native
+  # kernel's): the fp32 unscaled gradients are then never materialised.
+  scaled = _in_place.scaled_of(inner)
 
-    def apply():
-      return inner.update(grads, state.inner_state, params, **extra_args)
+  def step(in_place, updates, state, params, extra_args):
+    inv_scale = inverse(state)
+    finite = unscaled_all_finite(updates, inv_scale)
+    if scaled is not None:
+      def apply():
+        return scaled(in_place, updates, inv_scale, state.inner_state, params, **extra_args)
+    else:
+      grads = unscaled(updates, inv_scale)
+      run = inner_step if in_place else inner.update
+
+      def apply():
+        return run(grads, state.inner_state, params, **extra_args)
 
     # On CPU a lax.cond: the inner step runs only on a finite step, and the
     # kernel updates its state in place; elsewhere, and with several devices
     # (where the kernel does not run), a select (docs/algorithms.md, section 8).
-    new_updates, new_inner = if_finite(finite, apply, lambda: skipped(apply, state.inner_state),
-                                       elsewhere="select",
-                                       branch_on_cpu=not _native._maybe_sharded(updates))
-    return new_updates, next_state(state, finite, new_inner)
+    first, new_inner = if_finite(finite, apply,
+                                 lambda: skipped(apply, state.inner_state,
+                                                 params if in_place else None),
+                                 elsewhere="select",
+                                 branch_on_cpu=not _native._maybe_sharded(updates))
+    return first, next_state(state, finite, new_inner)
+
+  def update_fn(updates, state, params=None, **extra_args):
+    return step(False, updates, state, params, extra_args)
 
   tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
-  inner_step = _in_place.step_of(inner)
   if inner_step is None:
     return tx
 
   def update_and_apply_fn(updates, state, params, **extra_args):
     # optax_half.update_and_apply: the inner optimizer writes the params in place.
-    grads, finite = unscale(updates, state)
-
-    def apply():
-      return inner_step(grads, state.inner_state, params, **extra_args)
-
-    new_params, new_inner = if_finite(finite, apply,
-                                      lambda: skipped(apply, state.inner_state, params),
-                                      elsewhere="select",
-                                      branch_on_cpu=not _native._maybe_sharded(updates))
-    return new_params, next_state(state, finite, new_inner)
+    return step(True, updates, state, params, extra_args)
 
   return _in_place.register(tx, update_and_apply_fn)
 

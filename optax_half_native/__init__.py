@@ -49,7 +49,7 @@ MODES = {"direct": 0, "master": 1, "split": 2, "kahan": 3, "stochastic": 4, "non
 TENSOR_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("p_out", np.uint64), ("g", np.uint64),
     ("mu", np.uint64),
-    ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (9,)),
+    ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (10,)),
     ("keys", np.uint32, (2,)), ("index", np.uint64)], align=True)
 
 _M1, _M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)

@@ -87,9 +87,14 @@ enum Mode : int {
   kDirect = 0, kMaster = 1, kSplit = 2, kKahan = 3, kStochastic = 4, kNearest = 5, kUpdate = 6
 };
 
-// The fp32 scalars of one tensor's step, as torch_bridge.adam computes them.
+// The fp32 scalars of one tensor's step, as torch_bridge.adam computes them,
+// and grad_scale, the factor every gradient element is multiplied by as it is
+// read: 1 / the loss scale when the step unscales (optax_half's
+// dynamic_loss_scale, which widens and multiplies exactly so), else 1, which
+// changes no bit of the result (x * 1 is x, a NaN stays a NaN, and with
+// subnormal inputs read as 0 the products that read gi read it as 0 too).
 struct Scalars {
-  float lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay;
+  float lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay, grad_scale;
 };
 
 // One element at a time: the reference the wide lanes below must equal, and
@@ -290,7 +295,7 @@ inline __attribute__((always_inline)) void adamw_lanes(
   // The element index is the random-bit counter, a uint32 (mod 2^32) as in
   // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
   const auto index = L::counter(index0 + uint64_t(i));
-  const F gi = L::get(g, i);
+  const F gi = L::get(g, i) * s.grad_scale;
   F x;
   if constexpr (MODE == kMaster) x = L::get(master, i);
   else if constexpr (MODE == kSplit) x = L::join_at(p, low, i);

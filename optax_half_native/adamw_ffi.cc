@@ -1,7 +1,8 @@
 // The AdamW kernel (adamw.h) as an XLA FFI custom call for JAX on CPU.
 //
 // Operands: p, g, mu, nu, buffer (a 0-element array for modes without one),
-// scalars f32[9] (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd), keys
+// scalars f32[10] (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd,
+// grad_scale), keys
 // u32[2] (the leaf keys of the param and moments streams). Results: p_out (a new array), mu, nu, buffer
 // (aliased to their operands: updated in place). Attributes: mode (oh::Mode;
 // kUpdate for fp32 params: p_out is the update),
@@ -109,8 +110,8 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
                      ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
                      ffi::Result<ffi::AnyBuffer> buffer_out, int32_t mode, bool sr,
                      int32_t nthreads) {
-  if (scalars.element_count() != 9 || keys.element_count() != 2) {
-    return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[9] and keys u32[2]");
+  if (scalars.element_count() != 10 || keys.element_count() != 2) {
+    return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[10] and keys u32[2]");
   }
   const size_t n = p.element_count();
   if (g.element_count() != n || mu.element_count() != n || nu.element_count() != n ||

@@ -139,11 +139,12 @@ JAX_CONFIGS = {
 }
 
 
-def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None):
+def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad_scale=1.0):
   """STEPS steps: tx.update + optax.apply_updates, or (``in_place``)
   ``oh.update_and_apply``. ``jit``: True jits tx.update (the in-place step:
   the whole step), "step" the whole step, both with the params and state
-  donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN."""
+  donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN.
+  ``grad_scale``: the gradients' values are multiplied by it (a loss scale)."""
   params = {k: jnp.asarray(_values(i, s, 0.5)).astype(
       jnp.float32 if k in fp32_leaves else jnp.bfloat16) for i, (k, s) in enumerate(SHAPES.items())}
   tx = make()
@@ -159,7 +160,7 @@ def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None):
   if (in_place and jit) or jit == "step":
     step = jax.jit(step, donate_argnums=(0, 1))
   for t in range(STEPS):
-    grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1)).astype(params[k].dtype)
+    grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1 * grad_scale)).astype(params[k].dtype)
              for i, (k, s) in enumerate(SHAPES.items())}
     if t == nan_step:
       grads["vec"] = grads["vec"].at[3].set(jnp.nan)
@@ -306,6 +307,72 @@ def test_update_and_apply_skips_nonfinite_steps_as_update_then_apply_updates(nam
     assert np.asarray(x).tobytes() == np.asarray(y).tobytes()
   skipped = [x for x in a if np.asarray(x).dtype == np.int32 and np.asarray(x).shape == ()]
   assert 1 in [int(x) for x in skipped]  # the skip was counted
+
+
+LOSS_SCALED = {
+    "kahan": lambda: oh.adamw_bf16(1e-2, key=3),
+    "split, fp32 moments": lambda: oh.adamw_bf16(1e-2, compensation="split",
+                                                 mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+    "stochastic, nearest moments": lambda: oh.adamw_bf16(1e-2, compensation="stochastic",
+                                                         state_rounding="nearest"),
+    "none": lambda: oh.adamw_bf16(1e-2, compensation="none"),
+    "adam_fp32_master": lambda: oh.adam_fp32_master(1e-2, weight_decay=0.1),
+    "kahan skip_nonfinite": lambda: oh.adamw_bf16(1e-2, skip_nonfinite=True),
+}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_and_apply"])
+@pytest.mark.parametrize("name", list(LOSS_SCALED))
+def test_loss_scale_unscales_in_the_kernel_as_the_composed_transformation(name, in_place,
+                                                                        monkeypatch):
+  """``dynamic_loss_scale`` around a kernel optimizer hands the kernel the
+  scaled gradients as they are and 1 / scale, which it multiplies each
+  element by as it reads it (no fp32 copy of the gradients); the composed
+  transformation is given the fp32 unscaled copies: the same bits, with a
+  scale whose inverse is inexact (3000), bf16 and fp32 leaves mixed, and a
+  NaN step (skipped, the scale halved) in between."""
+  def make():
+    return oh.dynamic_loss_scale(LOSS_SCALED[name](), init_scale=3000.0)
+
+  assert oh._in_place.scaled_of(LOSS_SCALED[name]()) is not None
+  runs = []
+  for kernel in (True, False):
+    with monkeypatch.context() as m:
+      if not kernel:
+        m.setattr(jax_native, "available", lambda: False)
+      runs.append(_jax_run(make, ("mat",), jit="step", in_place=in_place, nan_step=2,
+                           grad_scale=3000.0))
+  native, composed = runs
+  assert len(native) == len(composed)
+  for a, b in zip(native, composed):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+  scales = [float(x) for x in native if np.asarray(x).dtype == np.float32
+            and np.asarray(x).shape == () and float(x) in (3000.0, 1500.0)]
+  assert scales == [1500.0]  # one skip, counted
+
+
+def test_loss_scale_never_forms_fp32_copies_of_the_gradients():
+  """``update_and_apply(dynamic_loss_scale(adamw_bf16), ...)`` jitted with the
+  params and state donated compiles to a step with no fp32 array of a param's
+  size anywhere (the branch included): the finiteness check reduces the
+  scaled bf16 gradient as it is, the kernel unscales as it reads it and
+  writes the new param into the param's buffer. Before, the unscaled fp32
+  gradients were a pass and a fresh array of their own."""
+  tx = oh.dynamic_loss_scale(oh.adamw_bf16(1e-3))
+  params = {"w": jnp.ones((256, 128), jnp.bfloat16)}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+  hlo = step.lower(params, state, params).compile().as_text()
+  assert hlo.count("custom-call(") == 1
+  assert "output_to_operand_aliasing={{0}: (0, {})" in hlo  # in place
+  # Every buffer of the step: the results of the entry computation's and the
+  # branches' instructions (a fusion's inner values live in registers).
+  computations = [c for c in hlo.split("\n\n") if not c.lstrip().startswith(
+      ("%fused_computation", "%wrapped_"))]
+  assert any("custom-call(" in c for c in computations)
+  assert not [line for c in computations for line in c.splitlines()
+              if re.match(r"\s*(ROOT )?%\S+ = [^=]*f32\[256,128\]", line)]
 
 
 @pytest.mark.parametrize("name", ["optax.adam", "chain"])
@@ -479,13 +546,15 @@ def test_the_custom_call_checks_its_operands():
   """A mistaken call is an error, not an out-of-bounds write."""
   assert jax_native.available()  # registers the handler
   p = jnp.ones(8, jnp.bfloat16)
-  scalars, keys = jnp.zeros(9, jnp.float32), jnp.zeros(2, jnp.uint32)
+  scalars, keys = jnp.zeros(10, jnp.float32), jnp.zeros(2, jnp.uint32)
   with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
     jax_native._leaf(p, p, p, p, None, scalars, keys, "kahan", False)
   with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
     jax_native._leaf(p, p, p, p, jnp.zeros(8, jnp.int16), scalars, keys, "master", False)
   with pytest.raises(Exception, match="p, g, mu, nu and p_out must have one size"):
     jax_native._leaf(p, p, jnp.ones(4, jnp.bfloat16), p, p, scalars, keys, "kahan", False)
+  with pytest.raises(Exception, match=r"scalars must be f32\[10\]"):
+    jax_native._leaf(p, p, p, p, p, jnp.zeros(9, jnp.float32), keys, "kahan", False)
 
 
 def _log_uniform(seed, n, lo, hi):
