@@ -22,6 +22,22 @@ constexpr uint32_t kM1 = 0x21F0AAADu, kM2 = 0x735A2D97u, kGolden = 0x9E3779B9u;
 inline uint32_t as_u32(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; }
 inline float as_f32(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 
+// The integer halves of the bf16 roundings, on the bits u of an fp32 value:
+// one word (uint32_t) or each lane of a vector of words (Lanes8, Lanes16),
+// so every lane width computes the same expression. Each returns the bf16
+// bits in the low 16 bits; NaNs are each caller's to handle.
+template <typename U>
+inline U nearest_even_bits(U u) {  // round to nearest, ties to even
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+template <typename U>
+inline U stochastic_bits(U u, U random) {  // add 16 random bits below the bf16 mantissa, truncate
+  return (u + (random >> 16)) >> 16;
+}
+// split_f32's bf16 half (the int16 half is u - (high << 16)).
+template <typename U>
+inline U split_high(U u) { return (u + 0x8000u) >> 16; }
+
 // Exact widening to fp32.
 inline float widen(bf16 h) { return as_f32(uint32_t(h.bits) << 16); }
 inline float widen(float x) { return x; }
@@ -29,7 +45,7 @@ inline float widen(float x) { return x; }
 // fp32 -> bf16, round to nearest even; NaN -> the quiet NaN 0x7FC0.
 inline bf16 round_nearest(float x, bf16) {
   uint32_t u = as_u32(x);
-  uint16_t r = uint16_t((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  uint16_t r = uint16_t(nearest_even_bits(u));
   return bf16{x != x ? kBf16QuietNan : r};
 }
 inline float round_nearest(float x, float) { return x; }
@@ -62,7 +78,7 @@ inline uint32_t leaf_key(uint32_t seed, uint32_t step, uint32_t stream, uint32_t
 // rounding.stochastic_round to bf16 with the word mix32(index ^ key): add 16
 // random bits below the bf16 mantissa and truncate; NaN rounds to nearest.
 inline bf16 round_stochastic(float x, uint32_t bits, bf16 like) {
-  uint16_t y = uint16_t((as_u32(x) + (bits >> 16)) >> 16);
+  uint16_t y = uint16_t(stochastic_bits(as_u32(x), bits));
   return x != x ? round_nearest(x, like) : bf16{y};
 }
 inline float round_stochastic(float x, uint32_t, float) { return x; }
@@ -70,7 +86,7 @@ inline float round_stochastic(float x, uint32_t, float) { return x; }
 // rounding.split_f32 / join_f32: fp32 = bf16 high half + int16 low half.
 inline void split(float x, bf16* hi, int16_t* lo) {
   uint32_t bits = as_u32(x);
-  uint32_t h = (bits + 0x8000u) >> 16;
+  uint32_t h = split_high(bits);
   uint32_t l = bits - (h << 16);
   bool nan = x != x;
   hi->bits = nan ? kBf16QuietNan : uint16_t(h);
@@ -168,7 +184,7 @@ struct Lanes16 {
     const __mmask16 odd = _mm512_fpclass_ps_mask(x, kNanOrSubnormal);
     if (__builtin_expect(odd != 0, 0)) {  // round_nearest's integer rounding for those lanes
       const U u = bits(x);
-      U exact = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+      U exact = nearest_even_bits(u);
       exact = (U)_mm512_mask_mov_epi32((__m512i)exact, nan_mask(x),
                                        _mm512_set1_epi32(kBf16QuietNan));
       r = _mm256_mask_blend_epi16(odd, r, narrow16(exact));
@@ -177,7 +193,7 @@ struct Lanes16 {
   }
   static F to_stochastic(F x, U, float) { return x; }
   static __m256i to_stochastic(F x, U r, bf16) {
-    U y = (bits(x) + (r >> 16)) >> 16;
+    U y = stochastic_bits(bits(x), r);
     y = (U)_mm512_mask_mov_epi32((__m512i)y, nan_mask(x), _mm512_set1_epi32(kBf16QuietNan));
     return narrow16(y);
   }
@@ -187,7 +203,7 @@ struct Lanes16 {
   }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
-    U h = (b + 0x8000u) >> 16;
+    U h = split_high(b);
     U l = b - (h << 16);
     const __mmask16 nan = nan_mask(x);
     h = (U)_mm512_mask_mov_epi32((__m512i)h, nan, _mm512_set1_epi32(kBf16QuietNan));
@@ -248,12 +264,12 @@ struct Lanes8 {
   static F to(F x, float) { return x; }
   static __m128i to(F x, bf16) {  // round_nearest
     const U u = bits(x);
-    const U r = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    const U r = nearest_even_bits(u);
     return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, r));
   }
   static F to_stochastic(F x, U, float) { return x; }
   static __m128i to_stochastic(F x, U r, bf16) {
-    const U y = (bits(x) + (r >> 16)) >> 16;
+    const U y = stochastic_bits(bits(x), r);
     return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, y));
   }
   static void put(float* a, int64_t i, F v) { _mm256_storeu_ps(a + i, v); }
@@ -262,7 +278,7 @@ struct Lanes8 {
   }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
-    const U h = (b + 0x8000u) >> 16;
+    const U h = split_high(b);
     const U l = b - (h << 16);
     const U nan = nan_lanes(x);
     put(hi, i, narrow16(select(nan, U{} + kBf16QuietNan, h)));
