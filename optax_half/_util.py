@@ -148,25 +148,6 @@ def unscaled(tree, inv_scale):
   return jax.tree.map(lambda g: rounding.widen(g) * inv_scale if is_float(g) else g, tree)
 
 
-def unscaled_all_finite(tree, inv_scale) -> jax.Array:
-  """``all_finite(unscaled(tree, inv_scale))`` without forming the products.
-
-  With ``M`` a leaf's largest ``|g|`` (a NaN if any element is NaN: XLA's max
-  propagates NaNs), every ``fl(g * inv_scale)`` of the leaf is finite exactly
-  when ``fl(M * inv_scale)`` is: ``|fl(g * s)| = fl(|g| * s)`` and rounding
-  is monotonic, so the largest product is ``M``'s, and a NaN or an Inf in
-  ``g`` or ``s`` makes that one a NaN or an Inf too. One max-reduction of each
-  gradient as it is (XLA:CPU reduces a float max faster than ``isfinite``'s
-  bools) and one product per leaf: the fp32 products are never materialised,
-  so a kernel that unscales as it reads (the native AdamW step) is the only
-  pass that forms them.
-  """
-  inv_scale = jnp.asarray(inv_scale, jnp.float32)
-  checks = [jnp.isfinite(rounding.widen(jnp.max(jnp.abs(x))) * inv_scale)
-            for x in jax.tree.leaves(tree) if is_float(x) and jnp.size(x) > 0]
-  return _all(checks)
-
-
 def if_finite(finite, apply, skip, elsewhere: str = "cond", branch_on_cpu: bool = True):
   """``apply()`` if ``finite`` else ``skip()``, both returning the same types.
 
@@ -242,8 +223,7 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
   ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
   if it has one; the result gets one too, which keeps the params on a skip.
   ``scaled``: ``tx``'s scaled step (``_in_place._SCALED``), if it has one; so
-  does the result, which checks the unscaled gradients
-  (``unscaled_all_finite``).
+  does the result, which checks the unscaled gradients.
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
@@ -282,7 +262,7 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
                    params)
 
   def scaled_step(in_place, updates, inv_scale, state, params, **extra_args):
-    return guarded(unscaled_all_finite(updates, inv_scale), state,
+    return guarded(all_finite(unscaled(updates, inv_scale)), state,
                    lambda: scaled(in_place, updates, inv_scale, state.inner_state, params,
                                   **extra_args),
                    params if in_place else None)

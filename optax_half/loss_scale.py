@@ -8,9 +8,7 @@ small fp16 gradients stay above fp16's underflow. ``update`` then:
 1. upcasts every gradient leaf to fp32 (exactly, ``rounding.widen``) **before**
    unscaling, so an fp16 gradient is never divided in fp16:
    ``g = widen(g_scaled) * inv_scale`` with ``inv_scale = 1 / scale`` in fp32;
-2. checks, over the whole tree at once, that every unscaled value is finite
-   (from each leaf's largest ``|g_scaled|``, the products never formed:
-   ``_util.unscaled_all_finite``);
+2. checks, over the whole tree at once, that every unscaled value is finite;
 3. if so, runs ``inner`` on the fp32 ``g`` (``adamw_bf16`` and
    ``adam_fp32_master`` with the native kernel form ``g`` as they read the
    scaled gradients, the same bits); if not, returns updates of ``-0.0``
@@ -42,7 +40,7 @@ import numpy as np
 import optax
 
 from optax_half import _in_place, _native
-from optax_half._util import if_finite, skipped, unscaled, unscaled_all_finite
+from optax_half._util import all_finite, if_finite, skipped, unscaled
 
 __all__ = [
     "DynamicLossScaleState",
@@ -181,7 +179,9 @@ def dynamic_loss_scale(
 
   def step(in_place, updates, state, params, extra_args):
     inv_scale = inverse(state)
-    finite = unscaled_all_finite(updates, inv_scale)
+    # The unscaled values are formed here only inside the reduction (XLA fuses
+    # them into it); a scaled inner step forms them again as it reads.
+    finite = all_finite(unscaled(updates, inv_scale))
     if scaled is not None:
       def apply():
         return scaled(in_place, updates, inv_scale, state.inner_state, params, **extra_args)

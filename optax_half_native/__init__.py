@@ -138,7 +138,9 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
 
 def _build_and_load(cxx: str, source: str, include_dirs, extra) -> ctypes.CDLL:
   lib = ctypes.CDLL(str(_build(cxx, source, _HEADERS, tuple(include_dirs), tuple(extra))))
-  if lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize:
+  offsets = [lib.oh_tensor_field_offset(k) for k in range(len(TENSOR_DTYPE.names))]
+  if (lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize
+      or offsets != [TENSOR_DTYPE.fields[name][1] for name in TENSOR_DTYPE.names]):
     raise RuntimeError("struct layout differs from TENSOR_DTYPE")
   return lib
 

@@ -30,5 +30,4 @@ OH_MODES(bf16, B)
 OH_MODES(float, F)
 OH_ENTRY(FFFF, float, float, float, float, 0, 0)
 
-extern "C" int oh_tensor_struct_size() { return int(sizeof(oh::Tensor)); }
 extern "C" int oh_lanes() { return oh::kLanes; }

@@ -158,7 +158,6 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
 
 }  // namespace
 
-extern "C" int oh_tensor_struct_size() { return int(sizeof(oh::Tensor)); }
 extern "C" int oh_lanes() { return oh::kLanes; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamw, AdamwImpl,

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <functional>
 #include <thread>
 #include <vector>
@@ -21,6 +22,20 @@ struct Tensor {
   uint32_t key_p, key_m;                 // rounding.leaf_key(seed, step, stream, leaf), streams 0, 1
   uint64_t index;                        // random-bit counter of element 0 (a shard's offset)
 };
+
+// The layout of Tensor, which optax_half_native checks TENSOR_DTYPE against
+// on loading a library: its size and each field's offset, in TENSOR_DTYPE's
+// order (key_p is the start of its "keys"). Each library (adamw_cpu.cc,
+// adamw_ffi.cc) is one translation unit that includes this header once.
+extern "C" int oh_tensor_struct_size() { return int(sizeof(Tensor)); }
+extern "C" int oh_tensor_field_offset(int k) {
+  const size_t offsets[] = {offsetof(Tensor, numel), offsetof(Tensor, p),
+                            offsetof(Tensor, p_out), offsetof(Tensor, g),
+                            offsetof(Tensor, mu), offsetof(Tensor, nu),
+                            offsetof(Tensor, buffer), offsetof(Tensor, s),
+                            offsetof(Tensor, key_p), offsetof(Tensor, index)};
+  return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
+}
 
 constexpr int64_t kAlign = 256;          // elements of the concatenation
 constexpr int64_t kMinPerThread = 1 << 16;

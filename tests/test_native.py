@@ -139,11 +139,13 @@ JAX_CONFIGS = {
 }
 
 
-def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad_scale=1.0):
+def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad_scale=1.0,
+             nan_leaf="vec"):
   """STEPS steps: tx.update + optax.apply_updates, or (``in_place``)
   ``oh.update_and_apply``. ``jit``: True jits tx.update (the in-place step:
   the whole step), "step" the whole step, both with the params and state
-  donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN.
+  donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN
+  (in ``nan_leaf``).
   ``grad_scale``: the gradients' values are multiplied by it (a loss scale)."""
   params = {k: jnp.asarray(_values(i, s, 0.5)).astype(
       jnp.float32 if k in fp32_leaves else jnp.bfloat16) for i, (k, s) in enumerate(SHAPES.items())}
@@ -163,7 +165,7 @@ def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad
     grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1 * grad_scale)).astype(params[k].dtype)
              for i, (k, s) in enumerate(SHAPES.items())}
     if t == nan_step:
-      grads["vec"] = grads["vec"].at[3].set(jnp.nan)
+      grads[nan_leaf] = grads[nan_leaf].at[3].set(jnp.nan)
     params, state = step(params, state, grads)
   return jax.tree.leaves((params, state))
 
@@ -330,18 +332,29 @@ def test_loss_scale_unscales_in_the_kernel_as_the_composed_transformation(name, 
   element by as it reads it (no fp32 copy of the gradients); the composed
   transformation is given the fp32 unscaled copies: the same bits, with a
   scale whose inverse is inexact (3000), bf16 and fp32 leaves mixed, and a
-  NaN step (skipped, the scale halved) in between."""
+  NaN step (skipped, the scale halved) in between, the NaN in an fp32 leaf
+  of 196613 elements (XLA:CPU's fp32 max-reduction of that many skips NaNs:
+  the check must not be one)."""
   def make():
     return oh.dynamic_loss_scale(LOSS_SCALED[name](), init_scale=3000.0)
 
   assert oh._in_place.scaled_of(LOSS_SCALED[name]()) is not None
+  scaled_calls = []
+  native_update = jax_native._native_update
+
+  def spy(*args, grad_scale=None, **kwargs):
+    scaled_calls.append(grad_scale is not None)
+    return native_update(*args, grad_scale=grad_scale, **kwargs)
+
   runs = []
   for kernel in (True, False):
     with monkeypatch.context() as m:
+      m.setattr(jax_native, "_native_update", spy)
       if not kernel:
         m.setattr(jax_native, "available", lambda: False)
-      runs.append(_jax_run(make, ("mat",), jit="step", in_place=in_place, nan_step=2,
-                           grad_scale=3000.0))
+      runs.append(_jax_run(make, ("mat", "big"), jit="step", in_place=in_place, nan_step=2,
+                           grad_scale=3000.0, nan_leaf="big"))
+  assert scaled_calls and all(scaled_calls)  # the kernel unscaled (traced once per branch)
   native, composed = runs
   assert len(native) == len(composed)
   for a, b in zip(native, composed):
@@ -555,6 +568,21 @@ def test_the_custom_call_checks_its_operands():
     jax_native._leaf(p, p, jnp.ones(4, jnp.bfloat16), p, p, scalars, keys, "kahan", False)
   with pytest.raises(Exception, match=r"scalars must be f32\[10\]"):
     jax_native._leaf(p, p, p, p, p, jnp.zeros(9, jnp.float32), keys, "kahan", False)
+
+
+def test_a_library_whose_struct_differs_from_tensor_dtype_is_refused(monkeypatch):
+  """The loader compares the C struct's size and every field's offset with
+  TENSOR_DTYPE: nine scalars where the struct has ten keep the size (112
+  bytes, padding) but move the keys, and are refused."""
+  import optax_half_native as native  # noqa: PLC0415
+  names = native.TENSOR_DTYPE.names
+  nine = np.dtype([(n, *((np.float32, (9,)) if n == "scalars" else native.TENSOR_DTYPE.fields[n][:1]))
+                   for n in names], align=True)
+  assert nine.itemsize == native.TENSOR_DTYPE.itemsize
+  assert native._build_and_load(native._compiler(), "adamw_cpu.cc", (), ()) is not None
+  monkeypatch.setattr(native, "TENSOR_DTYPE", nine)
+  with pytest.raises(RuntimeError, match="struct layout differs from TENSOR_DTYPE"):
+    native._build_and_load(native._compiler(), "adamw_cpu.cc", (), ())
 
 
 def _log_uniform(seed, n, lo, hi):
