@@ -25,21 +25,25 @@ import optax
 
 import optax_half_native as native
 from optax_half import rounding
+from optax_half._util import all_finite as _util_all_finite
 from optax_half._util import leaf_indices, unscaled, unzip
 
 __all__ = ["available", "fused"]
 
 TARGET = "optax_half_adamw"
+FINITE_TARGET = "optax_half_all_finite"
 _KINDS = ("kahan", "split", "stochastic", "none", "master")
 _registered: dict = {}
 
 
 def available() -> bool:
-  """Whether the FFI handler is built and registered (built on first use)."""
+  """Whether the FFI handlers are built and registered (built on first use)."""
   if "ok" not in _registered:
     lib = native.ffi_library(jax.ffi.include_dir())
     if lib is not None:
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OhAdamw), platform="cpu")
+      jax.ffi.register_ffi_target(FINITE_TARGET, jax.ffi.pycapsule(lib.OhAllFinite),
+                                  platform="cpu")
     _registered["ok"] = lib is not None
   return _registered["ok"]
 
@@ -81,6 +85,38 @@ def _leaf(p, g, mu, nu, buffer, scalars, keys, mode: str, stochastic_moments: bo
   sr = stochastic_moments and (mu.dtype == jnp.bfloat16 or nu.dtype == jnp.bfloat16)
   return call(p, g, mu, nu, buffer, scalars, keys, mode=np.int32(native.MODES[mode]),
               sr=bool(sr), nthreads=np.int32(_threads()))
+
+
+def all_finite(tree, inv_scale=None) -> jax.Array:
+  """``_util.all_finite(_util.unscaled(tree, inv_scale))`` (without
+  ``inv_scale``: ``_util.all_finite(tree)``), the gradient check of
+  ``dynamic_loss_scale`` and ``skip_nonfinite``.
+
+  On CPU, for bf16 and fp32 leaves on one device, one pass of the native
+  check over each leaf (``oh::all_finite_range``: the same fp32 products,
+  each tested for an all-ones exponent), where XLA:CPU's reduction of
+  ``isfinite``'s bools runs at a fraction of the memory bandwidth (4.2 ms
+  against 0.75-0.90 for 16.8M bf16 values here). Elsewhere, and for fp16
+  leaves, XLA's reduction.
+  """
+  def framework():
+    return _util_all_finite(tree if inv_scale is None else unscaled(tree, inv_scale))
+
+  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
+  floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+  if (not floats or jax.default_backend() != "cpu" or _maybe_sharded(tree)
+      or any(x.dtype not in (jnp.bfloat16, jnp.float32) for x in floats) or not available()):
+    return framework()
+  scale = jnp.ones((1,), jnp.float32) if inv_scale is None else jnp.reshape(
+      jnp.asarray(inv_scale, jnp.float32), (1,))
+  call = jax.ffi.ffi_call(FINITE_TARGET, jax.ShapeDtypeStruct((), jnp.bool_),
+                          vmap_method="sequential")
+
+  def kernel():
+    checks = [call(x, scale, nthreads=np.int32(_threads())) for x in floats]
+    return jnp.all(jnp.stack(checks))
+
+  return jax.lax.platform_dependent(cpu=kernel, default=framework)
 
 
 def _takes(params, grads, core) -> bool:

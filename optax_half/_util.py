@@ -207,7 +207,8 @@ def _widened(like, x):
   return x.astype(like.dtype)
 
 
-def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled=None):
+def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled=None,
+                         check=None):
   """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
 
   ``optax.apply_if_finite`` never giving up, for transformations whose updates
@@ -223,13 +224,18 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
   ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
   if it has one; the result gets one too, which keeps the params on a skip.
   ``scaled``: ``tx``'s scaled step (``_in_place._SCALED``), if it has one; so
-  does the result, which checks the unscaled gradients.
+  does the result, which checks the unscaled gradients. ``check(tree,
+  inv_scale=None)``: ``all_finite(unscaled(tree, inv_scale))`` computed
+  another way (``_native.all_finite``); by default this module's.
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
     return tx if update_and_apply is None else _in_place.register(tx, update_and_apply, scaled)
   inner = optax.with_extra_args_support(tx)
+  if check is None:
+    def check(tree, inv_scale=None):
+      return all_finite(tree if inv_scale is None else unscaled(tree, inv_scale))
 
   def init(params):
     return optax.ApplyIfFiniteState(
@@ -249,7 +255,7 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
         inner_state=inner_state)
 
   def update(updates, state, params=None, **extra_args):
-    return guarded(all_finite(updates), state,
+    return guarded(check(updates), state,
                    lambda: inner.update(updates, state.inner_state, params, **extra_args))
 
   out = optax.GradientTransformationExtraArgs(init, update)
@@ -257,12 +263,12 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
     return out
 
   def step(updates, state, params, **extra_args):
-    return guarded(all_finite(updates), state,
+    return guarded(check(updates), state,
                    lambda: update_and_apply(updates, state.inner_state, params, **extra_args),
                    params)
 
   def scaled_step(in_place, updates, inv_scale, state, params, **extra_args):
-    return guarded(all_finite(unscaled(updates, inv_scale)), state,
+    return guarded(check(updates, inv_scale), state,
                    lambda: scaled(in_place, updates, inv_scale, state.inner_state, params,
                                   **extra_args),
                    params if in_place else None)

@@ -236,7 +236,7 @@ def adam_fp32_master(
   update, update_and_apply, scaled = _native.fused(
       "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.update)
   return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(tx.init, update),
-                              skip_nonfinite, update_and_apply, scaled)
+                              skip_nonfinite, update_and_apply, scaled, _native.all_finite)
 
 
 def adamw_bf16(
@@ -313,4 +313,4 @@ def adamw_bf16(
   update, update_and_apply, scaled = _native.fused(
       compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, tx.update)
   return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
-                              skip_nonfinite, update_and_apply, scaled)
+                              skip_nonfinite, update_and_apply, scaled, _native.all_finite)

@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 from optax_half import _in_place, _native
-from optax_half._util import all_finite, if_finite, skipped, unscaled
+from optax_half._util import if_finite, skipped, unscaled
 
 __all__ = [
     "DynamicLossScaleState",
@@ -179,9 +179,10 @@ def dynamic_loss_scale(
 
   def step(in_place, updates, state, params, extra_args):
     inv_scale = inverse(state)
-    # The unscaled values are formed here only inside the reduction (XLA fuses
-    # them into it); a scaled inner step forms them again as it reads.
-    finite = all_finite(unscaled(updates, inv_scale))
+    # The unscaled values are formed here only inside the check (one pass of
+    # the native check on CPU, else fused by XLA into its reduction); a scaled
+    # inner step forms them again as it reads.
+    finite = _native.all_finite(updates, inv_scale)
     if scaled is not None:
       def apply():
         return scaled(in_place, updates, inv_scale, state.inner_state, params, **extra_args)

@@ -126,6 +126,7 @@ struct Scalar {
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) { return join(hi[i], lo[i]); }
   static F sqrt(F x) { return std::sqrt(x); }
   static U counter(uint64_t first) { return uint32_t(first); }
+  static U bits(F x) { return as_u32(x); }
   template <typename T> static T to(F x, T tag) { return round_nearest(x, tag); }
   template <typename T> static T to_stochastic(F x, U bits, T tag) {
     return round_stochastic(x, bits, tag);
@@ -388,6 +389,35 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     adamw_lanes<Scalar, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low, comp,
                                               s, key_p, key_m);
   }
+}
+
+// Whether fl(widen(g[i]) * scale) is finite for every i in [begin, end): the
+// gradient check of optax_half's dynamic_loss_scale (scale = 1 / the loss
+// scale) and skip_nonfinite (scale = 1), as XLA computes it (the same fp32
+// multiply; whether subnormals are flushed changes no product's finiteness).
+// One pass over g: a NaN or an Inf has all exponent bits set.
+template <typename L, typename G>
+inline typename L::U nonfinite_lanes(const G* g, int64_t i, float scale) {
+  const typename L::U exponent = L::bits(L::get(g, i) * scale) & 0x7F800000u;
+  return (typename L::U)(exponent == 0x7F800000u);
+}
+
+template <typename G>
+bool all_finite_range(const G* g, int64_t begin, int64_t end, float scale) {
+  int64_t i = begin;
+  uint32_t bad = 0;
+#if defined(OH_LANES16) || defined(OH_LANES8)
+#if defined(OH_LANES16)
+  using L = Lanes16;
+#else
+  using L = Lanes8;
+#endif
+  typename L::U any = {};
+  for (; i + L::kWidth <= end; i += L::kWidth) any |= nonfinite_lanes<L>(g, i, scale);
+  for (int k = 0; k < L::kWidth; ++k) bad |= any[k];
+#endif
+  for (; i < end; ++i) bad |= nonfinite_lanes<Scalar>(g, i, scale);
+  return bad == 0;
 }
 
 }  // namespace oh

@@ -12,6 +12,7 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
+#include <vector>
 
 #include "adamw_threads.h"
 #include "xla/ffi/api/ffi.h"
@@ -156,9 +157,45 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
   return ffi::Error::Success();
 }
 
+// all(isfinite(widen(g) * scale)) of one gradient (oh::all_finite_range),
+// in chunks on XLA's pool. Operands: g (bf16 or fp32), scale f32[1] (1 / the
+// loss scale, or 1). Result: pred[].
+ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
+                         ffi::Result<ffi::Buffer<ffi::PRED>> finite, int32_t nthreads) {
+  if (scale.element_count() != 1) {
+    return ffi::Error::InvalidArgument("oh_all_finite: scale must be f32[1]");
+  }
+  const int64_t n = int64_t(g.element_count());
+  const float s = scale.typed_data()[0];
+  const int64_t nchunks = std::max<int64_t>(1, (n + oh::kMinPerThread - 1) / oh::kMinPerThread);
+  std::vector<char> ok(size_t(nchunks), 1);
+  const bool typed = with_type(g.element_type(), [&](auto gt) {
+    using G = decltype(gt);
+    const G* data = static_cast<const G*>(g.untyped_data());
+    pool_parallel_for(pool, nthreads)(nchunks, [&](int64_t c) {
+      ok[size_t(c)] = oh::all_finite_range(data, c * oh::kMinPerThread,
+                                           std::min(n, (c + 1) * oh::kMinPerThread), s);
+    });
+    return true;
+  });
+  if (!typed) return ffi::Error::InvalidArgument("oh_all_finite: g must be bf16 or fp32");
+  bool all = true;
+  for (char c : ok) all = all && c;
+  finite->typed_data()[0] = all;
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 extern "C" int oh_lanes() { return oh::kLanes; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<int32_t>("nthreads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamw, AdamwImpl,
                               ffi::Ffi::Bind()

@@ -368,7 +368,7 @@ def test_loss_scale_unscales_in_the_kernel_as_the_composed_transformation(name, 
 def test_loss_scale_never_forms_fp32_copies_of_the_gradients():
   """``update_and_apply(dynamic_loss_scale(adamw_bf16), ...)`` jitted with the
   params and state donated compiles to a step with no fp32 array of a param's
-  size anywhere (the branch included): the finiteness check reduces the
+  size anywhere (the branch included): the finiteness check reads the
   scaled bf16 gradient as it is, the kernel unscales as it reads it and
   writes the new param into the param's buffer. Before, the unscaled fp32
   gradients were a pass and a fresh array of their own."""
@@ -377,7 +377,9 @@ def test_loss_scale_never_forms_fp32_copies_of_the_gradients():
   state = tx.init(params)
   step = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
   hlo = step.lower(params, state, params).compile().as_text()
-  assert hlo.count("custom-call(") == 1
+  # The step and the finiteness check (one pass over the gradient).
+  assert hlo.count(f'custom_call_target="{jax_native.TARGET}"') == 1
+  assert hlo.count(f'custom_call_target="{jax_native.FINITE_TARGET}"') == 1
   assert "output_to_operand_aliasing={{0}: (0, {})" in hlo  # in place
   # Every buffer of the step: the results of the entry computation's and the
   # branches' instructions (a fusion's inner values live in registers).
@@ -568,6 +570,46 @@ def test_the_custom_call_checks_its_operands():
     jax_native._leaf(p, p, jnp.ones(4, jnp.bfloat16), p, p, scalars, keys, "kahan", False)
   with pytest.raises(Exception, match=r"scalars must be f32\[10\]"):
     jax_native._leaf(p, p, p, p, p, jnp.zeros(9, jnp.float32), keys, "kahan", False)
+
+
+@pytest.mark.parametrize("jit", [True, False], ids=["jit", "op by op"])
+def test_the_native_finiteness_check_equals_xlas(jit):
+  """``_native.all_finite`` (one pass of the kernel's check over each
+  gradient, on CPU) is XLA's ``all(isfinite(widen(g) * inv_scale))``: a NaN
+  or an Inf at the first element, either side of a 16-lane step, either
+  side of the threads' 65536-element chunks, the last element, the scalar
+  tail of a 37-element leaf; finite values whose product overflows,
+  subnormals; inverse scales of 1, 1/3000, 2, Inf and a subnormal; bf16 and
+  fp32 leaves."""
+  from optax_half import _util  # noqa: PLC0415
+  rng = np.random.default_rng(3)
+  base = {"a": rng.standard_normal(200003).astype(np.float32),
+          "b": rng.standard_normal(37).astype(np.float32)}
+  check = jax.jit(jax_native.all_finite) if jit else jax_native.all_finite
+  reference = jax.jit(lambda t, s: _util.all_finite(_util.unscaled(t, s)))
+  spots = [("a", 0), ("a", 15), ("a", 16), ("a", 65535), ("a", 65536), ("a", 200002), ("b", 36)]
+  values = [np.nan, np.inf, -np.inf, 3e38, 1e-40]
+  inverses = [1.0, 1 / 3000, 2.0, np.inf, 1e-45] if jit else [1 / 3000, 2.0]
+  seen = {True: 0, False: 0}
+  for dtypes in ((jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)):
+    tree = {k: jnp.asarray(v, d) for (k, v), d in zip(base.items(), dtypes)}
+    if jit:
+      assert jax_native.FINITE_TARGET in check.lower(tree, 1.0).as_text()
+    assert bool(check(tree, 1.0)) and bool(check(tree))
+    for (leaf, where), value in itertools.product(spots, values):
+      if not jit and value in (3e38, 1e-40):
+        continue
+      poisoned = dict(tree)
+      poisoned[leaf] = tree[leaf].at[where].set(value)
+      for inv in inverses:
+        inv = np.float32(inv)
+        want = bool(reference(poisoned, inv))
+        assert bool(check(poisoned, inv)) == want, (dtypes, leaf, where, value, inv)
+        seen[want] += 1
+  assert seen[False] > 10 and (seen[True] > 10 or not jit)  # op by op: NaNs and Infs only
+  # fp16 leaves: XLA's reduction (the kernel takes bf16 and fp32).
+  fp16 = {"h": jnp.ones(8, jnp.float16)}
+  assert jax_native.FINITE_TARGET not in jax.jit(jax_native.all_finite).lower(fp16).as_text()
 
 
 def test_a_library_whose_struct_differs_from_tensor_dtype_is_refused(monkeypatch):
