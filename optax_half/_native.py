@@ -25,8 +25,7 @@ import optax
 
 import optax_half_native as native
 from optax_half import rounding
-from optax_half._util import all_finite as _util_all_finite
-from optax_half._util import leaf_indices, unscaled, unzip
+from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite, unzip
 
 __all__ = ["available", "fused"]
 
@@ -88,8 +87,7 @@ def _leaf(p, g, mu, nu, buffer, scalars, keys, mode: str, stochastic_moments: bo
 
 
 def all_finite(tree, inv_scale=None) -> jax.Array:
-  """``_util.all_finite(_util.unscaled(tree, inv_scale))`` (without
-  ``inv_scale``: ``_util.all_finite(tree)``), the gradient check of
+  """``_util.unscaled_all_finite(tree, inv_scale)``, the gradient check of
   ``dynamic_loss_scale`` and ``skip_nonfinite``.
 
   On CPU, for bf16 and fp32 leaves on one device, one pass of the native
@@ -100,10 +98,9 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
   leaves, XLA's reduction.
   """
   def framework():
-    return _util_all_finite(tree if inv_scale is None else unscaled(tree, inv_scale))
+    return unscaled_all_finite(tree, inv_scale)
 
-  leaves = [jnp.asarray(x) for x in jax.tree.leaves(tree)]
-  floats = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.floating)]
+  floats = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_float(x)]
   if (not floats or jax.default_backend() != "cpu" or _maybe_sharded(tree)
       or any(x.dtype not in (jnp.bfloat16, jnp.float32) for x in floats) or not available()):
     return framework()

@@ -128,12 +128,6 @@ def all_finite(tree) -> jax.Array:
   array, usable next to a leaf on any device.
   """
   checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
-  return _all(checks)
-
-
-def _all(checks):
-  """``all(checks)`` (bool scalars, one per leaf) as one bool scalar, True if
-  none; read on the host for eager checks on several devices."""
   if not checks:
     return jnp.ones((), jnp.bool_)
   devices = {d for c in checks if not isinstance(c, jax.core.Tracer) for d in c.devices()}
@@ -146,6 +140,13 @@ def unscaled(tree, inv_scale):
   """Every float leaf widened exactly to fp32, then times ``inv_scale`` (fp32):
   the gradients ``dynamic_loss_scale`` hands its inner transformation."""
   return jax.tree.map(lambda g: rounding.widen(g) * inv_scale if is_float(g) else g, tree)
+
+
+def unscaled_all_finite(tree, inv_scale=None) -> jax.Array:
+  """``all_finite(unscaled(tree, inv_scale))``; without ``inv_scale``,
+  ``all_finite(tree)``: the gradient check of ``dynamic_loss_scale`` and
+  ``skip_nonfinite`` (``_native.all_finite`` computes it natively on CPU)."""
+  return all_finite(tree if inv_scale is None else unscaled(tree, inv_scale))
 
 
 def if_finite(finite, apply, skip, elsewhere: str = "cond", branch_on_cpu: bool = True):
@@ -224,18 +225,15 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
   ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
   if it has one; the result gets one too, which keeps the params on a skip.
   ``scaled``: ``tx``'s scaled step (``_in_place._SCALED``), if it has one; so
-  does the result, which checks the unscaled gradients. ``check(tree,
-  inv_scale=None)``: ``all_finite(unscaled(tree, inv_scale))`` computed
-  another way (``_native.all_finite``); by default this module's.
+  does the result, which checks the unscaled gradients. ``check``:
+  ``unscaled_all_finite`` or another way to compute it (``_native.all_finite``).
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
     return tx if update_and_apply is None else _in_place.register(tx, update_and_apply, scaled)
   inner = optax.with_extra_args_support(tx)
-  if check is None:
-    def check(tree, inv_scale=None):
-      return all_finite(tree if inv_scale is None else unscaled(tree, inv_scale))
+  check = check or unscaled_all_finite
 
   def init(params):
     return optax.ApplyIfFiniteState(
