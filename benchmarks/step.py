@@ -41,9 +41,11 @@ def candidates(lr=1e-3):
       "optax.adamw fp32 (reference)": (f32, optax.adamw(lr)),
       "optax.adamw bf16 (naive)": (bf16, optax.adamw(lr)),
       "adamw_bf16 kahan": (bf16, oh.adamw_bf16(lr)),
+      "adamw_bf16 kahan flat_state": (bf16, oh.adamw_bf16(lr, flat_state=True)),
       "adamw_bf16 split": (bf16, oh.adamw_bf16(lr, compensation="split")),
       "adamw_bf16 stochastic": (bf16, oh.adamw_bf16(lr, compensation="stochastic")),
       "adam_fp32_master": (bf16, oh.adam_fp32_master(lr)),
+      "adam_fp32_master flat_state": (bf16, oh.adam_fp32_master(lr, flat_state=True)),
       "kahan_summation(scale_by_adamw) (no kernel)": (
           bf16, oh.kahan_summation(oh.scale_by_adamw(lr, weight_decay=1e-2))),
       "master_weights(scale_by_adamw) (no kernel)": (
@@ -56,7 +58,8 @@ def candidates(lr=1e-3):
 
 # Stepped with oh.update_and_apply (the kernel writes the new params into their
 # donated buffers) instead of tx.update + optax.apply_updates.
-IN_PLACE = ("adamw_bf16 kahan", "adamw_bf16 split", "adamw_bf16 stochastic", "adam_fp32_master",
+IN_PLACE = ("adamw_bf16 kahan", "adamw_bf16 kahan flat_state", "adamw_bf16 split",
+            "adamw_bf16 stochastic", "adam_fp32_master", "adam_fp32_master flat_state",
             "dynamic_loss_scale(adamw_bf16 kahan)")
 IN_PLACE_SUFFIX = " (update_and_apply)"
 

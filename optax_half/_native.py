@@ -24,12 +24,13 @@ import numpy as np
 import optax
 
 import optax_half_native as native
-from optax_half import rounding
+from optax_half import _flat, rounding
 from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite, unzip
 
 __all__ = ["available", "fused"]
 
 TARGET = "optax_half_adamw"
+FLAT_TARGET = "optax_half_adamw_flat"
 FINITE_TARGET = "optax_half_all_finite"
 _KINDS = ("kahan", "split", "stochastic", "none", "master")
 _registered: dict = {}
@@ -41,6 +42,8 @@ def available() -> bool:
     lib = native.ffi_library(jax.ffi.include_dir())
     if lib is not None:
       jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.OhAdamw), platform="cpu")
+      jax.ffi.register_ffi_target(FLAT_TARGET, jax.ffi.pycapsule(lib.OhAdamwFlat),
+                                  platform="cpu")
       jax.ffi.register_ffi_target(FINITE_TARGET, jax.ffi.pycapsule(lib.OhAllFinite),
                                   platform="cpu")
     _registered["ok"] = lib is not None
@@ -142,8 +145,33 @@ def _maybe_sharded(params) -> bool:
              for p in jax.tree.leaves(params))
 
 
-def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
-  """``(update, update_and_apply, scaled)`` of ``adamw_bf16(compensation=kind)``
+def _takes_flat(kind: str, params, grads, state) -> bool:
+  """Whether one flat call (``_flat_update``) takes this tree and flat state:
+  every leaf a bf16 param with one gradient dtype, one dtype per flat buffer
+  (the mode's buffer of the dtype the kernel reads)."""
+  params, grads = jax.tree.leaves(params), jax.tree.leaves(grads)
+  core = state.inner_state
+  if not params or len(grads) != len(params):
+    return False
+  if any(jnp.asarray(p).dtype != jnp.bfloat16 or np.shape(g) != np.shape(p)
+         for p, g in zip(params, grads)):
+    return False
+  if len({jnp.asarray(g).dtype for g in grads}) != 1 or jnp.asarray(grads[0]).dtype not in (
+      jnp.bfloat16, jnp.float32):
+    return False
+  buffer = {"kahan": getattr(state, "compensation", None),
+            "split": getattr(state, "master", None),
+            "master": getattr(state, "master", None)}.get(kind)
+  want = {"kahan": {"bfloat16"}, "split": {"int16"}, "master": {"float32"}}.get(kind, set())
+  ok = {"bfloat16", "float32"}
+  return (len(core.mu.arrays) == 1 and set(core.mu.arrays) <= ok and len(core.nu.arrays) == 1
+          and set(core.nu.arrays) <= ok
+          and (set(buffer.arrays) if buffer is not None else set()) == want)
+
+
+def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update,
+          flat_state: bool = False):
+  """``(init, update, update_and_apply, scaled)`` of ``adamw_bf16(compensation=kind)``
   or (``kind="master"``) ``adam_fp32_master``, with the kernel on CPU and
   ``tx_update`` (the composed transformation's update) elsewhere.
   ``update`` is the transformation's update; ``update_and_apply(updates,
@@ -154,18 +182,24 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
   given the gradients ``_util.unscaled(updates, inv_scale)``, which the kernel
   forms as it reads each gradient element (``dynamic_loss_scale``: no fp32
   copy of the gradients). ``hyperparams``: (learning_rate, b1, b2, eps,
-  weight_decay) as the core takes them."""
+  weight_decay) as the core takes them. With ``flat_state`` the state is in
+  ``_flat``'s layout: ``init`` packs ``tx_init``'s, and a step is one call of
+  the flat kernel on CPU where it takes the tree (``_takes_flat``), else the
+  tree layout's step between an unpack and a pack."""
   from optax_half import adam  # noqa: PLC0415 (adam imports this module)
   assert kind in _KINDS, kind
 
-  def native(updates, state, params) -> bool:
+  def on_cpu(params) -> bool:
     # Off CPU (jax.default_backend()), nothing is built: the composed
     # transformation is what would be lowered anyway. With several devices, or
     # under a mesh, the params may be sharded, and the custom call has no
     # partitioning rule: the composed transformation, which XLA partitions
     # elementwise, runs there.
     return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
-                or not _takes(params, updates, state.inner_state) or not available())
+                or not available())
+
+  def native(updates, state, params) -> bool:
+    return on_cpu(params) and _takes(params, updates, state.inner_state)
 
   def step(in_place, updates, state, params, extra_args, inv_scale=None):
     if inv_scale is not None and not native(updates, state, params):
@@ -187,16 +221,120 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_update):
                                    adam, in_place=in_place, grad_scale=inv_scale),
         default=elsewhere)
 
+  def flat_step(in_place, updates, state, params, extra_args, inv_scale=None):
+    if params is None:
+      raise ValueError("flat_state=True needs params in update (they give the state's layout).")
+    like = _flat.template(tx_init, params)
+
+    def via_tree():
+      out, new_state = step(in_place, updates, _flat.unpack(state, like), params, extra_args,
+                            inv_scale)
+      return out, _flat.pack(new_state)
+
+    if not (on_cpu(params) and _takes_flat(kind, params, updates, state)):
+      return via_tree()
+    return jax.lax.platform_dependent(
+        cpu=lambda: _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam,
+                                 in_place=in_place, grad_scale=inv_scale),
+        default=via_tree)
+
+  run = flat_step if flat_state else step
+
+  def init(params):
+    return _flat.pack(tx_init(params)) if flat_state else tx_init(params)
+
   def update(updates, state, params=None, **extra_args):
-    return step(False, updates, state, params, extra_args)
+    return run(False, updates, state, params, extra_args)
 
   def update_and_apply(updates, state, params, **extra_args):
-    return step(True, updates, state, params, extra_args)
+    return run(True, updates, state, params, extra_args)
 
   def scaled(in_place, updates, inv_scale, state, params, **extra_args):
-    return step(in_place, updates, state, params, extra_args, jnp.asarray(inv_scale, jnp.float32))
+    return run(in_place, updates, state, params, extra_args, jnp.asarray(inv_scale, jnp.float32))
 
-  return update, update_and_apply, scaled
+  return init, update, update_and_apply, scaled
+
+
+def _scalars(hyperparams, adam, count, grad_scale) -> jax.Array:
+  """The kernel's f32[10] (``Scalars`` in adamw.h) of the step after ``count``."""
+  c = adam.coefficients(*hyperparams, count)
+  grad_scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale
+  return jnp.stack([c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2, c.inv_bc1, c.inv_bc2,
+                    c.eps, c.weight_decay, grad_scale]).astype(jnp.float32)
+
+
+def _param_stream(kind, state):
+  """(seed, count) of the param's random bits: the wrapper's for
+  ``stochastic``, the core's otherwise."""
+  core = state.inner_state
+  return (state.seed, state.count) if kind == "stochastic" else (core.seed, core.count)
+
+
+def _stepped(kind, state, mu, nu, buffers):
+  """``state`` after one step: the new moments and buffers, the counts advanced."""
+  core = state.inner_state
+  new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
+  if kind == "kahan":
+    return state._replace(compensation=buffers, inner_state=new_core)
+  if kind in ("split", "master"):
+    return state._replace(master=buffers, inner_state=new_core)
+  if kind == "stochastic":
+    return state._replace(count=optax.safe_increment(state.count), inner_state=new_core)
+  return state._replace(inner_state=new_core)
+
+
+def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam,
+                 in_place=False, grad_scale=None):
+  """``_native_update`` for a flat state (``_takes_flat``): every leaf in one
+  call of ``FLAT_TARGET``, whose operands are the leaves' params and
+  gradients and the flat moments and buffer, updated in place."""
+  leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
+  grads = jax.tree.leaves(updates)
+  n = len(leaves)
+  core = state.inner_state
+  (mu,), (nu,) = core.mu.arrays.values(), core.nu.arrays.values()
+  has_buffer = kind in ("kahan", "split", "master")
+  if has_buffer:
+    field = "compensation" if kind == "kahan" else "master"
+    (buffer,) = getattr(state, field).arrays.values()
+  else:
+    buffer = jnp.asarray(_EMPTY)
+  p_seed, p_count = _param_stream(kind, state)
+  index = jnp.arange(n, dtype=jnp.uint32)  # every leaf is a float leaf: its leaf index
+  keys = jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, index),
+                    rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, index)],
+                   axis=1)
+  # Operands: scalars, keys, p..., g..., mu, nu, buffer; results p_out..., mu, nu, buffer.
+  aliases = {2 + 2 * n + k: n + k for k in range(3)}
+  for k, (p, g) in enumerate(zip(leaves, grads)):
+    if in_place:
+      aliases[2 + k] = k  # as in _leaf
+    elif g.dtype == p.dtype:
+      aliases[2 + n + k] = k
+  results = ([jax.ShapeDtypeStruct(p.shape, p.dtype) for p in leaves]
+             + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mu, nu, buffer)])
+  call = jax.ffi.ffi_call(FLAT_TARGET, results, input_output_aliases=aliases,
+                          vmap_method="sequential")
+  sr = state_rounding == "stochastic" and jnp.bfloat16 in (mu.dtype, nu.dtype)
+  out = call(_scalars(hyperparams, adam, core.count, grad_scale), keys, *leaves, *grads,
+             mu, nu, buffer, mode=np.int32(native.MODES[kind]), sr=bool(sr),
+             nthreads=np.int32(_threads()))
+  p_out, (new_mu, new_nu, new_buffer) = out[:n], out[n:]
+  if in_place:
+    result = jax.tree.unflatten(treedef, p_out)
+  else:  # the wrappers' fp32 update, as in _native_update
+    result = jax.tree.unflatten(treedef, [
+        rounding.widen(q).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
+        for q, p in zip(p_out, leaves)])
+
+  def flat_like(old, x):
+    (name,) = old.arrays
+    return _flat.Flat({name: x})
+
+  buffers = flat_like(getattr(state, field), new_buffer) if has_buffer else None
+  new_state = _stepped(kind, state, flat_like(core.mu, new_mu), flat_like(core.nu, new_nu),
+                       buffers)
+  return result, new_state
 
 
 def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam,
@@ -206,14 +344,8 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
   grad_scale)``: the kernel multiplies each gradient element by it as it reads it."""
   params = jax.tree.map(jnp.asarray, params)
   core = state.inner_state
-  c = adam.coefficients(*hyperparams, core.count)
-  grad_scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale
-  scalars = jnp.stack([c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2, c.inv_bc1, c.inv_bc2,
-                       c.eps, c.weight_decay, grad_scale]).astype(jnp.float32)
-  if kind == "stochastic":  # the param stream is the wrapper's, the moments' the core's
-    p_seed, p_count = state.seed, state.count
-  else:
-    p_seed, p_count = core.seed, core.count
+  scalars = _scalars(hyperparams, adam, core.count, grad_scale)
+  p_seed, p_count = _param_stream(kind, state)
   if kind == "kahan":
     buffers = state.compensation
   elif kind in ("split", "master"):
@@ -240,11 +372,4 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
 
   out = jax.tree.map(one, params, updates, core.mu, core.nu, buffers, leaf_indices(params))
   u, mu, nu, new_buffers = unzip(params, out, 4)
-  new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
-  if kind == "kahan":
-    return u, state._replace(compensation=new_buffers, inner_state=new_core)
-  if kind in ("split", "master"):
-    return u, state._replace(master=new_buffers, inner_state=new_core)
-  if kind == "stochastic":
-    return u, state._replace(count=optax.safe_increment(state.count), inner_state=new_core)
-  return u, state._replace(inner_state=new_core)
+  return u, _stepped(kind, state, mu, nu, new_buffers)

@@ -213,6 +213,8 @@ def adam_fp32_master(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     skip_nonfinite: bool = False,
+    *,
+    flat_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
 
@@ -228,14 +230,20 @@ def adam_fp32_master(
       Inf: ``optax.apply_if_finite`` around the whole optimizer, never giving
       up. Without it a non-finite gradient element poisons its own param and
       moments (docs/algorithms.md, "Non-finite gradients").
+    flat_state: store the master copy and the moments of all leaves as one
+      1-D array each per dtype (``Flat``) instead of one array per leaf: the
+      same values, for trees of many small leaves, where JAX's cost per array
+      dominates a step (docs/algorithms.md, "Flat state"). ``update`` then
+      needs ``params``.
   """
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                         state_rounding="nearest")
   tx = wrappers.master_weights(core, master_dtype=jnp.float32)
-  update, update_and_apply, scaled = _native.fused(
-      "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.update)
-  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(tx.init, update),
+  init, update, update_and_apply, scaled = _native.fused(
+      "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.init, tx.update,
+      flat_state)
+  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
                               skip_nonfinite, update_and_apply, scaled, _native.all_finite)
 
 
@@ -251,6 +259,8 @@ def adamw_bf16(
     state_rounding: str = "stochastic",
     key=None,
     skip_nonfinite: bool = False,
+    *,
+    flat_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
@@ -280,6 +290,8 @@ def adamw_bf16(
     key: ``None`` (seed 0), a Python int or a JAX PRNG key.
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
       Inf, as in ``adam_fp32_master``.
+    flat_state: the buffer and the moments of all leaves as one 1-D array
+      each per dtype, as in ``adam_fp32_master``.
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(
@@ -310,7 +322,8 @@ def adamw_bf16(
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
-  update, update_and_apply, scaled = _native.fused(
-      compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, tx.update)
+  init, update, update_and_apply, scaled = _native.fused(
+      compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, init, tx.update,
+      flat_state)
   return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
                               skip_nonfinite, update_and_apply, scaled, _native.all_finite)

@@ -23,40 +23,40 @@ using oh::bf16;
 namespace {
 
 template <typename P, typename G, typename M, typename V, int MODE>
-bool run_sr(bool sr, const oh::Tensor& t, const oh::ParallelFor& parallel) {
+bool run_sr(bool sr, const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
   if (sr) {
     if constexpr (std::is_same_v<M, float> && std::is_same_v<V, float>) {
       return false;
     } else {
-      oh::step_all<P, G, M, V, MODE, true>(&t, 1, 1, &parallel);
+      oh::step_all<P, G, M, V, MODE, true>(ts, n, 1, &parallel);
       return true;
     }
   }
-  oh::step_all<P, G, M, V, MODE, false>(&t, 1, 1, &parallel);
+  oh::step_all<P, G, M, V, MODE, false>(ts, n, 1, &parallel);
   return true;
 }
 
 template <typename P, typename G, typename M, typename V>
-bool run_mode(int mode, bool sr, const oh::Tensor& t, const oh::ParallelFor& parallel) {
+bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
   if constexpr (std::is_same_v<P, float>) {
     if (sr || !(std::is_same_v<G, float> && std::is_same_v<M, float> && std::is_same_v<V, float>))
       return false;
     if (mode == oh::kDirect) {
-      oh::step_all<float, float, float, float, oh::kDirect, false>(&t, 1, 1, &parallel);
+      oh::step_all<float, float, float, float, oh::kDirect, false>(ts, n, 1, &parallel);
       return true;
     }
     if (mode == oh::kUpdate) {
-      oh::step_all<float, float, float, float, oh::kUpdate, false>(&t, 1, 1, &parallel);
+      oh::step_all<float, float, float, float, oh::kUpdate, false>(ts, n, 1, &parallel);
       return true;
     }
     return false;
   } else {
     switch (mode) {
-      case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, t, parallel);
-      case oh::kSplit: return run_sr<P, G, M, V, oh::kSplit>(sr, t, parallel);
-      case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, t, parallel);
-      case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, t, parallel);
-      case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, t, parallel);
+      case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, ts, n, parallel);
+      case oh::kSplit: return run_sr<P, G, M, V, oh::kSplit>(sr, ts, n, parallel);
+      case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, ts, n, parallel);
+      case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, ts, n, parallel);
+      case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, ts, n, parallel);
       default: return false;
     }
   }
@@ -104,6 +104,34 @@ void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   }
 }
 
+// Runs the step over ts[0..n) with the dtypes (p, g, mu, nu); false for an
+// unsupported combination or mode.
+bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts, int n,
+              const oh::ParallelFor& parallel) {
+  return with_type(types[0], [&](auto pt) {
+    return with_type(types[1], [&](auto gt) {
+      return with_type(types[2], [&](auto mt) {
+        return with_type(types[3], [&](auto vt) {
+          return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
+              mode, sr, ts, n, parallel);
+        });
+      });
+    });
+  });
+}
+
+// The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
+bool needs_buffer(int mode) { return mode == oh::kMaster || mode == oh::kSplit || mode == oh::kKahan; }
+ffi::DataType buffer_type(int mode, ffi::DataType p) {
+  return mode == oh::kMaster ? ffi::DataType::F32 : mode == oh::kSplit ? ffi::DataType::S16 : p;
+}
+
+void set_scalars(oh::Tensor& t, const ffi::Buffer<ffi::F32>& scalars, const uint32_t* key) {
+  std::memcpy(&t.s, scalars.typed_data(), sizeof(oh::Scalars));
+  t.key_p = key[0];
+  t.key_m = key[1];
+}
+
 ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer mu,
                      ffi::AnyBuffer nu,
                      ffi::AnyBuffer buffer, ffi::Buffer<ffi::F32> scalars,
@@ -119,11 +147,8 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
       p_out->element_count() != n) {
     return ffi::Error::InvalidArgument("oh_adamw: p, g, mu, nu and p_out must have one size");
   }
-  // The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
-  const bool needs = mode == oh::kMaster || mode == oh::kSplit || mode == oh::kKahan;
-  const ffi::DataType want = mode == oh::kMaster ? ffi::DataType::F32
-                             : mode == oh::kSplit ? ffi::DataType::S16 : p.element_type();
-  if (needs && n > 0 && (buffer.element_count() != n || buffer.element_type() != want)) {
+  if (needs_buffer(mode) && n > 0 && (buffer.element_count() != n ||
+                                      buffer.element_type() != buffer_type(mode, p.element_type()))) {
     return ffi::Error::InvalidArgument("oh_adamw: the mode's buffer is missing or mistyped");
   }
   // The moments and the buffer are updated in place (aliased by the caller).
@@ -138,22 +163,100 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
   t.mu = reinterpret_cast<uint64_t>(mu_out->untyped_data());
   t.nu = reinterpret_cast<uint64_t>(nu_out->untyped_data());
   t.buffer = buffer.element_count() ? reinterpret_cast<uint64_t>(buffer_out->untyped_data()) : 0;
-  std::memcpy(&t.s, scalars.typed_data(), sizeof(oh::Scalars));
-  const uint32_t* key = keys.typed_data();
-  t.key_p = key[0];
-  t.key_m = key[1];
-  const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
-  const bool ok = with_type(p.element_type(), [&](auto pt) {
-    return with_type(g.element_type(), [&](auto gt) {
-      return with_type(mu.element_type(), [&](auto mt) {
-        return with_type(nu.element_type(), [&](auto vt) {
-          return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
-              mode, sr, t, parallel);
-        });
-      });
-    });
-  });
-  if (!ok) return ffi::Error::InvalidArgument("oh_adamw: unsupported dtypes or mode");
+  set_scalars(t, scalars, keys.typed_data());
+  const ffi::DataType types[4] = {p.element_type(), g.element_type(), mu.element_type(),
+                                  nu.element_type()};
+  if (!dispatch(types, mode, sr, &t, 1, pool_parallel_for(pool, nthreads))) {
+    return ffi::Error::InvalidArgument("oh_adamw: unsupported dtypes or mode");
+  }
+  return ffi::Error::Success();
+}
+
+// Every leaf of a flat state (adamw_bf16 / adam_fp32_master with
+// flat_state=True) in one call. Operands: scalars f32[10], keys u32[n, 2]
+// (leaf k's pair in row k), then p_0..p_{n-1}, g_0..g_{n-1}, mu, nu, buffer:
+// the flat state, leaf k's elements at the sum of the sizes of leaves 0..k-1
+// (a 0-element buffer for modes without one). Results: p_out_0..p_out_{n-1},
+// mu, nu, buffer (aliased to their operands). All leaves share the dtypes of
+// leaf 0. The elements of all leaves, concatenated, are split into chunks
+// across XLA's pool (oh::step_all): n small leaves cost one call.
+ffi::Error AdamwFlatImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
+                         ffi::Buffer<ffi::U32> keys, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, int32_t mode, bool sr, int32_t nthreads) {
+  if (args.size() < 5 || (args.size() - 3) % 2 != 0) {
+    return ffi::Error::InvalidArgument("oh_adamw_flat: operands p..., g..., mu, nu, buffer");
+  }
+  const size_t n = (args.size() - 3) / 2;
+  if (rets.size() != n + 3) {
+    return ffi::Error::InvalidArgument("oh_adamw_flat: results p_out..., mu, nu, buffer");
+  }
+  if (scalars.element_count() != 10 || keys.element_count() != 2 * n) {
+    return ffi::Error::InvalidArgument("oh_adamw_flat: scalars must be f32[10], keys u32[n, 2]");
+  }
+  auto state_arg = [&](size_t k) { return args.get<ffi::AnyBuffer>(2 * n + k); };
+  auto state_ret = [&](size_t k) { return rets.get<ffi::AnyBuffer>(n + k); };
+  ffi::ErrorOr<ffi::AnyBuffer> st[3] = {state_arg(0), state_arg(1), state_arg(2)};
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> st_out[3] = {state_ret(0), state_ret(1), state_ret(2)};
+  for (auto& x : st) if (x.has_error()) return x.error();
+  for (auto& x : st_out) if (x.has_error()) return x.error();
+  for (int k = 0; k < 3; ++k) {
+    if ((*st_out[k])->element_count() != st[k]->element_count()) {
+      return ffi::Error::InvalidArgument("oh_adamw_flat: a state result differs from its operand");
+    }
+    same_or_copy(*st[k], *st_out[k]);
+  }
+  std::vector<oh::Tensor> ts(n);
+  ffi::DataType types[4] = {};
+  int64_t offset = 0;
+  const size_t sizes[3] = {
+      size_t(ffi::ByteWidth(st[0]->element_type())), size_t(ffi::ByteWidth(st[1]->element_type())),
+      size_t(ffi::ByteWidth(st[2]->element_type()))};
+  char* base[3] = {static_cast<char*>((*st_out[0])->untyped_data()),
+                   static_cast<char*>((*st_out[1])->untyped_data()),
+                   static_cast<char*>((*st_out[2])->untyped_data())};
+  for (size_t k = 0; k < n; ++k) {
+    ffi::ErrorOr<ffi::AnyBuffer> p = args.get<ffi::AnyBuffer>(k), g = args.get<ffi::AnyBuffer>(n + k);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> p_out = rets.get<ffi::AnyBuffer>(k);
+    if (p.has_error()) return p.error();
+    if (g.has_error()) return g.error();
+    if (p_out.has_error()) return p_out.error();
+    const ffi::DataType here[2] = {p->element_type(), g->element_type()};
+    if (k == 0) {
+      types[0] = here[0];
+      types[1] = here[1];
+      types[2] = st[0]->element_type();
+      types[3] = st[1]->element_type();
+    } else if (here[0] != types[0] || here[1] != types[1]) {
+      return ffi::Error::InvalidArgument("oh_adamw_flat: the leaves of one call share dtypes");
+    }
+    const int64_t numel = int64_t(p->element_count());
+    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel) {
+      return ffi::Error::InvalidArgument("oh_adamw_flat: p, g and p_out must have one size");
+    }
+    oh::Tensor& t = ts[k];
+    t = oh::Tensor{};
+    t.numel = numel;
+    t.p = reinterpret_cast<uint64_t>(p->untyped_data());
+    t.p_out = reinterpret_cast<uint64_t>((*p_out)->untyped_data());
+    t.g = reinterpret_cast<uint64_t>(g->untyped_data());
+    t.mu = reinterpret_cast<uint64_t>(base[0] + offset * sizes[0]);
+    t.nu = reinterpret_cast<uint64_t>(base[1] + offset * sizes[1]);
+    t.buffer = st[2]->element_count() ? reinterpret_cast<uint64_t>(base[2] + offset * sizes[2]) : 0;
+    set_scalars(t, scalars, keys.typed_data() + 2 * k);
+    offset += numel;
+  }
+  const bool buffer_ok = needs_buffer(mode)
+      ? (st[2]->element_count() == size_t(offset) &&
+         (offset == 0 || st[2]->element_type() == buffer_type(mode, types[0])))
+      : st[2]->element_count() == 0;
+  if (st[0]->element_count() != size_t(offset) || st[1]->element_count() != size_t(offset) ||
+      !buffer_ok) {
+    return ffi::Error::InvalidArgument(
+        "oh_adamw_flat: mu, nu (and the mode's buffer) must hold every leaf's elements");
+  }
+  if (n > 0 && !dispatch(types, mode, sr, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
+    return ffi::Error::InvalidArgument("oh_adamw_flat: unsupported dtypes or mode");
+  }
   return ffi::Error::Success();
 }
 
@@ -211,6 +314,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamw, AdamwImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("mode")
+                                  .Attr<bool>("sr")
+                                  .Attr<int32_t>("nthreads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamwFlat, AdamwFlatImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
                                   .Attr<int32_t>("mode")
                                   .Attr<bool>("sr")
                                   .Attr<int32_t>("nthreads"));

@@ -4,7 +4,8 @@ Every public function in ``optax_half.__all__`` (a transformation, optimizer
 or schedule factory) must exist in ``torch_bridge`` with the same parameters
 in the same order with the same defaults, once the param-like first argument
 is set aside (``inner`` in JAX, ``optimizer``/``params`` in torch). Torch may
-add keyword-only extensions listed in ``TORCH_ONLY``; the helpers
+add keyword-only extensions listed in ``TORCH_ONLY``, JAX those in
+``JAX_ONLY_KEYWORDS``; the helpers
 in ``JAX_ONLY`` are scaler or optimizer methods in torch; anything else is drift.
 """
 
@@ -22,6 +23,11 @@ import torch_bridge  # noqa: E402
 # Keyword-only torch extensions, each with its reason.
 TORCH_ONLY = {
     "fused": "picks the step's implementation (native kernel, eager, torch.compile); XLA compiles",
+}
+# Keyword-only JAX extensions, each with its reason.
+JAX_ONLY_KEYWORDS = {
+    "flat_state": "a state layout for JAX's cost per array of a jitted step; torch keeps "
+                  "per-param state and its kernel steps a group's tensors in one call",
 }
 # JAX helpers whose torch counterparts are methods of the scaler or the optimizer.
 JAX_ONLY = {
@@ -82,6 +88,10 @@ def test_same_keywords_and_defaults(name):
   for p in tp:
     if p.name in TORCH_ONLY:
       assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{name}: {p.name} must be keyword-only"
+  for p in jp:
+    if p.name in JAX_ONLY_KEYWORDS:
+      assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{name}: {p.name} must be keyword-only"
+  jp = [p for p in jp if p.name not in JAX_ONLY_KEYWORDS]
   assert [p.name for p in jp] == [p.name for p in tp_shared], name
   for a, b in zip(jp, tp_shared):
     assert _normalize(a.default) == _normalize(b.default), (

@@ -58,6 +58,7 @@ import optax
 import torch
 
 import optax_half as oh
+from optax_half import _flat
 from torch_bridge import _dist, dlpack
 from torch_bridge.adam import LowPrecisionAdamW
 from torch_bridge.loss_scale import DynamicLossScaler
@@ -210,6 +211,7 @@ def optax_state_to_torch(opt_state, params, optimizer: torch.optim.Optimizer,
   Raises:
     ValueError: the state does not fit the optimizer (nothing is loaded).
   """
+  _check_not_flat(opt_state)
   loss_scale, state = _find_loss_scale(opt_state)
   _check_scaler(loss_scale, scaler)
   leaves = _Leaves(params, optimizer)
@@ -223,6 +225,14 @@ def optax_state_to_torch(opt_state, params, optimizer: torch.optim.Optimizer,
   optimizer.load_state_dict(state_dict)
   if scaler is not None:
     scaler.load_state_dict(scaler_dict)
+
+
+def _check_not_flat(opt_state) -> None:
+  flat = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _flat.Flat))
+  if any(isinstance(x, _flat.Flat) for x in flat):
+    raise ValueError("convert: a flat_state=True state is not converted (torch keeps one "
+                     "state tensor per param); convert a run of the same optimizer with "
+                     "flat_state=False, whose values a flat state equals.")
 
 
 def _check_scaler(loss_scale, scaler) -> None:
@@ -416,6 +426,7 @@ def torch_state_to_optax(optimizer: torch.optim.Optimizer, params, opt_state,
   Returns:
     A new state: ``opt_state`` with every value of the torch optimizer.
   """
+  _check_not_flat(opt_state)
   loss_scale, inner = _find_loss_scale(opt_state)
   _check_scaler(loss_scale, scaler)
   leaves = _Leaves(params, optimizer)

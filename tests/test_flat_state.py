@@ -1,0 +1,170 @@
+"""``flat_state=True``: the same optimizer with each param-shaped state tree
+stored as one 1-D array per dtype (``optax_half._flat``).
+
+Its params and (unpacked) state equal the tree layout's bit for bit: through
+``tx.update`` + ``optax.apply_updates`` and ``update_and_apply``, with bf16 and
+fp32 gradients, inside ``dynamic_loss_scale`` and with ``skip_nonfinite``, on
+the one-call native path (CPU, every leaf bf16) and on the tree path it falls
+back to (mixed trees; off CPU, tested here with the kernel unavailable).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_half as oh
+from optax_half import _flat
+from optax_half import _native as jax_native
+from conftest import bitwise_equal
+
+# 3 * 2^16 + 5 elements: the one call splits the leaves' concatenation over
+# threads at an odd boundary inside a leaf.
+SHAPES = [(3 * 2**16 + 5,), (37, 29), (), (1000,), (3, 0), (64, 16)]
+STEPS = 4
+
+CONFIGS = {
+    "kahan": lambda **k: oh.adamw_bf16(1e-2, **k),
+    "split": lambda **k: oh.adamw_bf16(1e-2, compensation="split", **k),
+    "stochastic": lambda **k: oh.adamw_bf16(1e-2, compensation="stochastic", key=3, **k),
+    "none": lambda **k: oh.adamw_bf16(1e-2, compensation="none", **k),
+    "fp32-moments": lambda **k: oh.adamw_bf16(1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32,
+                                              state_rounding="nearest", **k),
+    "adam_fp32_master": lambda **k: oh.adam_fp32_master(1e-2, weight_decay=0.1, **k),
+}
+
+
+def _tree(seed, scale, dtypes=None):
+  rng = np.random.default_rng(seed)
+  dtypes = dtypes or [jnp.bfloat16] * len(SHAPES)
+  return {f"p{i}": jnp.asarray(rng.standard_normal(s) * scale, d)
+          for i, (s, d) in enumerate(zip(SHAPES, dtypes))}
+
+
+def _run(tx, params, grads, in_place, scale=1.0):
+  def step(p, s, g):
+    if in_place:
+      return oh.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  step = jax.jit(step)
+  state = tx.init(params)
+  for g in grads:
+    params, state = step(params, state, jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g))
+  return params, state
+
+
+def _grads(dtype, dtypes=None, steps=STEPS):
+  return [jax.tree.map(lambda x: x.astype(dtype) if x.dtype != jnp.int32 else x,
+                       _tree(10 + t, 0.1, dtypes)) for t in range(steps)]
+
+
+def _same(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert jax.tree.structure(a) == jax.tree.structure(b) and len(la) == len(lb)
+  for x, y in zip(la, lb):
+    assert bitwise_equal(x, y)
+
+
+def _unpacked(tx_tree, params, flat_state):
+  return _flat.unpack(flat_state, _flat.template(tx_tree.init, params))
+
+
+def _flat_calls(tx, params) -> tuple:
+  """(flat calls, per-leaf calls) in the jitted in-place step's HLO."""
+  state = tx.init(params)
+  text = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p)).lower(
+      params, state, params).as_text()
+  flat = text.count(jax_native.FLAT_TARGET)
+  return flat, text.count(jax_native.TARGET) - flat
+
+
+@pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_flat_state_steps_equal_the_tree_layout(name, in_place, grad_dtype):
+  params, grads = _tree(0, 1.0), _grads(grad_dtype)
+  tree_p, tree_s = _run(CONFIGS[name](), params, grads, in_place)
+  flat_p, flat_s = _run(CONFIGS[name](flat_state=True), params, grads, in_place)
+  _same(flat_p, tree_p)
+  _same(_unpacked(CONFIGS[name](), params, flat_s), tree_s)
+  # The flat layout: one 1-D array per param-shaped tree and dtype.
+  n_tree, n_flat = len(jax.tree.leaves(tree_s)), len(jax.tree.leaves(flat_s))
+  buffers = 2 + (name not in ("stochastic", "none"))
+  assert n_tree - n_flat == buffers * (len(SHAPES) - 1)
+  assert all(x.ndim == 1 for x in jax.tree.leaves(flat_s) if x.size > 1)
+
+
+@pytest.mark.skipif(not jax_native.available() or jax.default_backend() != "cpu",
+                    reason="the native kernel runs on CPU")
+def test_one_native_call_steps_every_leaf_of_a_flat_state():
+  params = _tree(0, 1.0)
+  assert _flat_calls(oh.adamw_bf16(1e-3, flat_state=True), params) == (1, 0)
+  assert _flat_calls(oh.adam_fp32_master(1e-3, flat_state=True, skip_nonfinite=True),
+                     params) == (1, 0)
+  assert _flat_calls(oh.dynamic_loss_scale(oh.adamw_bf16(1e-3, flat_state=True)), params) == (1, 0)
+  # The tree layout: one call per leaf.
+  assert _flat_calls(oh.adamw_bf16(1e-3), params) == (0, len(SHAPES))
+  # A mixed tree: the tree layout's step (one call per bf16/fp32 leaf) between unpack and pack.
+  mixed = {**params, "h": jnp.ones(3, jnp.float32)}
+  assert _flat_calls(oh.adamw_bf16(1e-3, flat_state=True), mixed) == (0, len(SHAPES) + 1)
+
+
+@pytest.mark.parametrize("kernel", [True, False])
+def test_mixed_trees_and_the_path_without_the_kernel_equal_the_tree_layout(kernel, monkeypatch):
+  """fp32, fp16 and integer leaves beside bf16 ones (the flat arrays hold one
+  dtype each, integer leaves none), and every leaf bf16 with the kernel
+  unavailable: the unpack / tree step / pack path that runs off CPU."""
+  if not kernel:
+    monkeypatch.setattr(jax_native, "available", lambda: False)
+  dtypes = [jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.bfloat16]
+  for d in (dtypes, None):
+    params = _tree(0, 1.0, d)
+    grads = _grads(jnp.float32, d, steps=3)
+    for make in (CONFIGS["kahan"], CONFIGS["adam_fp32_master"]):
+      tree_p, tree_s = _run(make(), params, grads, True)
+      flat_p, flat_s = _run(make(flat_state=True), params, grads, True)
+      _same(flat_p, tree_p)
+      _same(_unpacked(make(), params, flat_s), tree_s)
+
+
+def test_dynamic_loss_scale_and_skip_nonfinite_with_a_flat_state():
+  params = _tree(0, 1.0)
+  grads = _grads(jnp.bfloat16)
+  grads[1] = {**grads[1], "p3": grads[1]["p3"].at[7].set(jnp.nan)}  # skipped
+  configs = [
+      (lambda **k: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2, **k), init_scale=2.0**10), 2.0**10),
+      (lambda **k: oh.adam_fp32_master(1e-2, skip_nonfinite=True, **k), 1.0)]
+  for make, scale in configs:
+    for in_place in (False, True):
+      tree_p, tree_s = _run(make(), params, grads, in_place, scale)
+      flat_p, flat_s = _run(make(flat_state=True), params, grads, in_place, scale)
+      _same(flat_p, tree_p)
+      _same(_unpacked(make(), params, flat_s), tree_s)
+      assert not all(bitwise_equal(a, b) for a, b in
+                     zip(jax.tree.leaves(flat_p), jax.tree.leaves(params)))
+
+
+def test_flat_state_needs_params_and_takes_empty_trees():
+  tx = oh.adamw_bf16(1e-3, flat_state=True)
+  params = _tree(0, 1.0)
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update(params, tx.init(params))
+  state = tx.init({})
+  updates, new_state = tx.update({}, state, {})
+  assert updates == {} and int(new_state.inner_state.count) == 1
+
+
+def test_convert_refuses_a_flat_state_clearly():
+  torch = pytest.importorskip("torch")
+  import torch_bridge as tb  # noqa: PLC0415
+  from torch_bridge import convert  # noqa: PLC0415
+  params = {"a": jnp.ones((4,), jnp.bfloat16)}
+  state = oh.adamw_bf16(1e-3, flat_state=True).init(params)
+  opt = tb.adamw_bf16([torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))], 1e-3)
+  with pytest.raises(ValueError, match="flat_state=True state is not converted"):
+    convert.optax_state_to_torch(state, params, opt)
+  with pytest.raises(ValueError, match="flat_state=True state is not converted"):
+    convert.torch_state_to_optax(opt, params, state)
