@@ -3,7 +3,8 @@
 Every param-shaped tree of the state (the moments ``mu`` and ``nu``, the Kahan
 ``compensation``, the ``master`` copy or low halves) is stored as a ``Flat``:
 one 1-D array per dtype, holding the tree's leaves of that dtype raveled and
-concatenated in flatten order (``optax.MaskedNode`` leaves hold nothing).
+concatenated in flatten order (``optax.MaskedNode`` leaves hold nothing),
+named by its dtype and a digest of those leaves' shapes (``key``).
 Nothing else changes: the counts, seeds and wrapper states stay where they
 were, and the values are the tree layout's, bit for bit.
 
@@ -16,36 +17,60 @@ CPU the native kernel steps all leaves of a flat state in one call.
 from __future__ import annotations
 
 import math
+import zlib
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["Flat", "pack", "unpack", "template"]
+__all__ = ["Flat", "check", "key", "pack", "unpack", "template"]
 
 # The state fields that hold one buffer per param.
 FIELDS = ("mu", "nu", "compensation", "master")
 
 
 class Flat(NamedTuple):
-  """A param-shaped tree stored flat: ``arrays[dtype name]`` is a 1-D array
-  with every leaf of that dtype, raveled, in flatten order."""
+  """A param-shaped tree stored flat: ``arrays[key(dtype, shapes)]`` is a
+  1-D array with every leaf of that dtype, raveled, in flatten order."""
   arrays: dict
+
+
+def key(dtype, shapes) -> str:
+  """The name of a flat array: its dtype and a digest of its leaves' shapes
+  (in order), so that a state of another params tree with the same sizes per
+  dtype has other names (``checkpoint.check`` and ``check`` refuse it)."""
+  digest = zlib.crc32(repr([tuple(int(d) for d in s) for s in shapes]).encode())
+  return f"{jnp.dtype(dtype).name}_{digest:08x}"
 
 
 def _is_state(x) -> bool:
   return isinstance(x, tuple) and hasattr(x, "_fields")
 
 
+def _groups(leaves) -> dict:
+  """dtype name -> the leaves of that dtype, in order."""
+  out: dict = {}
+  for x in leaves:
+    out.setdefault(jnp.dtype(x.dtype).name, []).append(x)
+  return out
+
+
 def _pack_tree(tree) -> Flat:
-  parts: dict = {}
-  for x in jax.tree.leaves(tree):  # MaskedNode: no leaves
-    parts.setdefault(jnp.dtype(x.dtype).name, []).append(jnp.ravel(x))
-  return Flat({d: xs[0] if len(xs) == 1 else jnp.concatenate(xs) for d, xs in parts.items()})
+  arrays = {}
+  for d, xs in _groups(jax.tree.leaves(tree)).items():  # MaskedNode: no leaves
+    flat = [jnp.ravel(x) for x in xs]
+    arrays[key(d, [jnp.shape(x) for x in xs])] = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+  return Flat(arrays)
+
+
+def _keys(like) -> dict:
+  """dtype name -> the key of its flat array, for a tree-layout ``like``."""
+  return {d: key(d, [t.shape for t in ts]) for d, ts in _groups(jax.tree.leaves(like)).items()}
 
 
 def _unpack_tree(flat: Flat, like):
+  keys = _keys(like)
   offsets: dict = {}
 
   def one(t):
@@ -53,9 +78,33 @@ def _unpack_tree(flat: Flat, like):
     start = offsets.get(d, 0)
     size = math.prod(t.shape)
     offsets[d] = start + size
-    return jax.lax.slice(flat.arrays[d], (start,), (start + size,)).reshape(t.shape)
+    return jax.lax.slice(flat.arrays[keys[d]], (start,), (start + size,)).reshape(t.shape)
 
   return jax.tree.map(one, like)
+
+
+def check(state, like, name: str = "flat_state=True") -> None:
+  """Raises a ``ValueError`` unless ``state`` is in the flat layout of
+  ``like`` (``template``): every param-shaped field a ``Flat`` with the
+  arrays (names, dtypes, sizes) that ``pack(like)`` would have."""
+  if not _is_state(like):
+    return
+  if not _is_state(state) or type(state) is not type(like):
+    raise ValueError(f"{name}: the state is a {type(state).__name__} where the optimizer "
+                     f"has a {type(like).__name__}: a state of another optimizer.")
+  for f, v, w in zip(like._fields, state, like):
+    if f not in FIELDS:
+      check(v, w, name)
+      continue
+    expected = {key(d, [t.shape for t in ts]): ((sum(math.prod(t.shape) for t in ts),), d)
+                for d, ts in _groups(jax.tree.leaves(w)).items()}
+    have = ({k: (jnp.shape(x), jnp.dtype(x.dtype).name) for k, x in v.arrays.items()}
+            if isinstance(v, Flat) else None)
+    if have != expected:
+      raise ValueError(
+          f"{name}: the state's {f} is not in the flat layout of these params (expected "
+          f"{expected}, got {have if have is not None else type(v).__name__}): a state built "
+          "with flat_state=False, or for another params tree.")
 
 
 def pack(state):

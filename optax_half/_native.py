@@ -162,11 +162,14 @@ def _takes_flat(kind: str, params, grads, state) -> bool:
   buffer = {"kahan": getattr(state, "compensation", None),
             "split": getattr(state, "master", None),
             "master": getattr(state, "master", None)}.get(kind)
-  want = {"kahan": {"bfloat16"}, "split": {"int16"}, "master": {"float32"}}.get(kind, set())
-  ok = {"bfloat16", "float32"}
-  return (len(core.mu.arrays) == 1 and set(core.mu.arrays) <= ok and len(core.nu.arrays) == 1
-          and set(core.nu.arrays) <= ok
-          and (set(buffer.arrays) if buffer is not None else set()) == want)
+  want = {"kahan": [jnp.bfloat16], "split": [jnp.int16], "master": [jnp.float32]}.get(kind, [])
+
+  def dtypes(flat):
+    return [x.dtype for x in flat.arrays.values()]
+  ok = (jnp.bfloat16, jnp.float32)
+  return (len(dtypes(core.mu)) == 1 and dtypes(core.mu)[0] in ok and len(dtypes(core.nu)) == 1
+          and dtypes(core.nu)[0] in ok
+          and (dtypes(buffer) if buffer is not None else []) == want)
 
 
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update,
@@ -225,6 +228,7 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
     if params is None:
       raise ValueError("flat_state=True needs params in update (they give the state's layout).")
     like = _flat.template(tx_init, params)
+    _flat.check(state, like)
 
     def via_tree():
       out, new_state = step(in_place, updates, _flat.unpack(state, like), params, extra_args,
@@ -238,6 +242,8 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
                                  in_place=in_place, grad_scale=inv_scale),
         default=via_tree)
 
+  if not isinstance(flat_state, bool):
+    raise TypeError(f"flat_state must be True or False; got {flat_state!r}.")
   run = flat_step if flat_state else step
 
   def init(params):

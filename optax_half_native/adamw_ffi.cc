@@ -144,8 +144,14 @@ ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, f
   }
   const size_t n = p.element_count();
   if (g.element_count() != n || mu.element_count() != n || nu.element_count() != n ||
-      p_out->element_count() != n) {
+      p_out->element_count() != n || mu_out->element_count() != n ||
+      nu_out->element_count() != n) {
     return ffi::Error::InvalidArgument("oh_adamw: p, g, mu, nu and p_out must have one size");
+  }
+  if (mu_out->element_type() != mu.element_type() || nu_out->element_type() != nu.element_type() ||
+      buffer_out->element_type() != buffer.element_type() ||
+      buffer_out->element_count() != buffer.element_count()) {
+    return ffi::Error::InvalidArgument("oh_adamw: a state result differs from its operand");
   }
   if (needs_buffer(mode) && n > 0 && (buffer.element_count() != n ||
                                       buffer.element_type() != buffer_type(mode, p.element_type()))) {
@@ -200,10 +206,10 @@ ffi::Error AdamwFlatImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   for (auto& x : st) if (x.has_error()) return x.error();
   for (auto& x : st_out) if (x.has_error()) return x.error();
   for (int k = 0; k < 3; ++k) {
-    if ((*st_out[k])->element_count() != st[k]->element_count()) {
+    if ((*st_out[k])->element_count() != st[k]->element_count() ||
+        (*st_out[k])->element_type() != st[k]->element_type()) {
       return ffi::Error::InvalidArgument("oh_adamw_flat: a state result differs from its operand");
     }
-    same_or_copy(*st[k], *st_out[k]);
   }
   std::vector<oh::Tensor> ts(n);
   ffi::DataType types[4] = {};
@@ -230,8 +236,10 @@ ffi::Error AdamwFlatImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
       return ffi::Error::InvalidArgument("oh_adamw_flat: the leaves of one call share dtypes");
     }
     const int64_t numel = int64_t(p->element_count());
-    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel) {
-      return ffi::Error::InvalidArgument("oh_adamw_flat: p, g and p_out must have one size");
+    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel ||
+        (*p_out)->element_type() != here[0]) {
+      return ffi::Error::InvalidArgument("oh_adamw_flat: p, g and p_out must have one size, "
+                                         "p_out p's dtype");
     }
     oh::Tensor& t = ts[k];
     t = oh::Tensor{};
@@ -254,6 +262,8 @@ ffi::Error AdamwFlatImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
     return ffi::Error::InvalidArgument(
         "oh_adamw_flat: mu, nu (and the mode's buffer) must hold every leaf's elements");
   }
+  // Checked: the moments and the buffer into their results (in place when aliased).
+  for (int k = 0; k < 3; ++k) same_or_copy(*st[k], *st_out[k]);
   if (n > 0 && !dispatch(types, mode, sr, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
     return ffi::Error::InvalidArgument("oh_adamw_flat: unsupported dtypes or mode");
   }

@@ -168,3 +168,27 @@ def test_convert_refuses_a_flat_state_clearly():
     convert.optax_state_to_torch(state, params, opt)
   with pytest.raises(ValueError, match="flat_state=True state is not converted"):
     convert.torch_state_to_optax(opt, params, state)
+
+
+def test_a_state_of_another_layout_or_params_tree_is_refused_clearly():
+  from optax_half import checkpoint  # noqa: PLC0415
+  tx = oh.adamw_bf16(1e-3, flat_state=True)
+  params = {"a": jnp.ones((4,), jnp.bfloat16), "b": jnp.ones((6,), jnp.bfloat16)}
+  swapped = {"a": jnp.ones((6,), jnp.bfloat16), "b": jnp.ones((4,), jnp.bfloat16)}
+  # The same sizes per dtype, other leaves: other array names.
+  other = tx.init(swapped)
+  assert [x.shape for x in jax.tree.leaves(other)] == [
+      x.shape for x in jax.tree.leaves(tx.init(params))]
+  with pytest.raises(ValueError, match="not in the flat layout of these params"):
+    tx.update(params, other, params)
+  with pytest.raises(ValueError, match="checkpoint has no"):
+    checkpoint.check(other, tx.init(params))
+  checkpoint.check(tx.init(params), tx.init(params))  # the same layout passes
+  # A state built with flat_state=False (resuming an old run with the new flag).
+  with pytest.raises(ValueError, match="flat_state=False"):
+    jax.jit(lambda s: oh.update_and_apply(tx, params, s, params))(
+        oh.adamw_bf16(1e-3).init(params))
+  with pytest.raises(TypeError, match="flat_state must be True or False"):
+    oh.adamw_bf16(1e-3, flat_state="no")
+  with pytest.raises(TypeError, match="flat_state must be True or False"):
+    oh.adam_fp32_master(1e-3, flat_state=1)
