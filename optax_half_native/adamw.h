@@ -349,7 +349,10 @@ inline __attribute__((always_inline)) void adamw_lanes(
   if constexpr (SR) {  // rounding.round_moments: one word, its halves swapped for nu
     const auto w = mix32(index ^ key_m);
     L::put(mu, i, L::to_stochastic(m32, w, M{}));
-    L::put(nu, i, L::to_stochastic(v32, (w << 16) | (w >> 16), V{}));
+    // swap_halves(w) = (w << 16) | (w >> 16); the roundings read a word's high
+    // half only (stochastic_bits: random >> 16), and w << 16 has the same one
+    // in two instructions fewer.
+    L::put(nu, i, L::to_stochastic(v32, w << 16, V{}));
   } else {
     L::put(mu, i, L::to(m32, M{}));
     L::put(nu, i, L::to(v32, V{}));
