@@ -12,9 +12,11 @@ of those is the "bandwidth" a step's GB/s is divided by.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import random
 import statistics
+import sys
 
 # (shape, count): ~16.8M params in 16 leaves of mixed shapes, or in 512 small leaves.
 TREES = {
@@ -23,6 +25,31 @@ TREES = {
     "quick": [((1024, 1024), 1), ((1024,), 1), ((1024, 256), 1), ((), 1)],
 }
 BANDWIDTH_BYTES = 256 * 2**20
+
+
+# glibc: serve every allocation from the heap and keep freed memory for reuse.
+# By default an allocation of 32 MiB or more (an XLA executable's temporaries:
+# a 16.8M-param bf16 gradient is 33.6 MB) is a fresh mmap each step, whose
+# pages are all faulted in again (benchmarks/README.md). glibc reads these at
+# process start; mallopt() later did not have the same effect here.
+HEAP_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
+
+
+def heap_malloc_active() -> bool:
+  """Whether this process started with ``HEAP_MALLOC_ENV``."""
+  return all(os.environ.get(k) == v for k, v in HEAP_MALLOC_ENV.items())
+
+
+def rerun_with_heap_malloc(module: str, argv) -> None:
+  """Runs ``python -m module argv`` again in this process's place, with
+  ``HEAP_MALLOC_ENV`` set (``--heap-malloc``); returns only if it is set already."""
+  if heap_malloc_active():
+    return
+  if argv is not None:
+    raise ValueError("--heap-malloc needs a process started with "
+                     + " ".join(f"{k}={v}" for k, v in HEAP_MALLOC_ENV.items()))
+  os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],
+            {**os.environ, **HEAP_MALLOC_ENV})
 
 
 def shapes(tree: str) -> list:

@@ -1,7 +1,7 @@
 """JAX optimizer step time, as ratios to optax.adamw fp32 in the same process.
 
     python -m benchmarks.step [--tree standard|many|quick] [--quick] [--reps N]
-                              [--grads input|in-step] [--json PATH]
+                              [--grads input|in-step] [--heap-malloc] [--json PATH]
 
 Every optimizer runs jitted (``tx.update`` + ``optax.apply_updates``, and
 for the native-kernel optimizers also ``oh.update_and_apply``, which writes
@@ -114,7 +114,13 @@ def main(argv=None):
                       help="gradients given to the step, or computed in it (the gradient of "
                            "a linear loss: a pass that produces them, as a backward pass would)")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--heap-malloc", action="store_true",
+                      help="rerun with glibc serving large allocations from the heap "
+                           "(common.HEAP_MALLOC_ENV)")
   args = parser.parse_args(argv)
+  if args.heap_malloc:
+    common.rerun_with_heap_malloc("benchmarks.step", argv)
+  heap_malloc = common.heap_malloc_active()
   tree_name = args.tree or ("quick" if args.quick else "standard")
   reps = args.reps or (3 if args.quick else 15)
   tree32 = make_tree(tree_name)
@@ -164,9 +170,11 @@ def main(argv=None):
     jax.block_until_ready(r["params"])
     r["times"].append(time.perf_counter() - start)
 
-  out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}",
+  out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}"
+                      f"{', heap-only malloc' if heap_malloc else ''}",
                       runs, "optax.adamw fp32 (reference)", n, bw, args.json,
-                      extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads))
+                      extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads,
+                                 heap_malloc=heap_malloc))
   print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   return out

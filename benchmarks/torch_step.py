@@ -1,6 +1,7 @@
 """torch optimizer step time, as ratios to torch.optim.AdamW(fused=True) fp32 in the same process.
 
-    python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N] [--json PATH]
+    python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N] [--heap-malloc]
+                                    [--json PATH]
 
 The trees of benchmarks/step.py. Runs are interleaved (every run once per
 repetition, in an order shuffled each repetition), the median of the
@@ -88,7 +89,13 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--only", default=None, help="comma-separated candidate names (+ reference)")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--heap-malloc", action="store_true",
+                      help="rerun with glibc serving large allocations from the heap "
+                           "(common.HEAP_MALLOC_ENV)")
   args = parser.parse_args(argv)
+  if args.heap_malloc:
+    common.rerun_with_heap_malloc("benchmarks.torch_step", argv)
+  heap_malloc = common.heap_malloc_active()
   tree_name = args.tree or ("quick" if args.quick else "standard")
   reps = args.reps or (3 if args.quick else 11)
   tree = make_tree(tree_name)
@@ -117,9 +124,10 @@ def main(argv=None):
     run["opt"].step()
     run["times"].append(time.perf_counter() - start)
   return common.report(
-      f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}", runs,
+      f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}"
+      f"{', heap-only malloc' if heap_malloc else ''}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
-      extra=dict(framework="torch", tree=tree_name, reps=reps))
+      extra=dict(framework="torch", tree=tree_name, reps=reps, heap_malloc=heap_malloc))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,16 @@ follow from the dtypes, and a measured bandwidth to divide by.
 """
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 
 import pytest
 
 from benchmarks import step
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _check(out, path, expected_bytes):
@@ -41,3 +47,37 @@ def test_torch_benchmark_quick(tmp_path):
                          "adamw_bf16 kahan,adam_fp32_master"])
   _check(out, path, {"torch AdamW fused fp32 (reference)": (16, 28),
                      "adamw_bf16 kahan": (10, 18), "adam_fp32_master": (16, 30)})
+
+
+_MMAPPED_BLOCKS = """
+import ctypes, ctypes.util
+from benchmarks import common
+class Mallinfo2(ctypes.Structure):
+  _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                             "usmblks", "fsmblks", "uordblks", "fordblks",
+                                             "keepcost")]
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = Mallinfo2
+libc.malloc.restype = ctypes.c_void_p
+before = libc.mallinfo2().hblks
+block = libc.malloc(64 << 20)
+print(common.heap_malloc_active(), libc.mallinfo2().hblks - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+def test_heap_malloc_env_serves_a_64_mib_block_from_the_heap():
+  """--heap-malloc's environment: by default glibc maps a 64 MiB block of its
+  own (one more mmapped block, faulted in anew after each free), with it the
+  heap serves it (none more)."""
+  from benchmarks import common  # noqa: PLC0415
+
+  def run(extra_env):
+    env = {k: v for k, v in os.environ.items() if k not in common.HEAP_MALLOC_ENV}
+    return subprocess.run([sys.executable, "-c", _MMAPPED_BLOCKS], capture_output=True,
+                          text=True, check=True, cwd=ROOT, env={**env, **extra_env}).stdout.split()
+  assert run({}) == ["False", "1"]
+  assert run(common.HEAP_MALLOC_ENV) == ["True", "0"]
+  if not common.heap_malloc_active():
+    with pytest.raises(ValueError, match="MALLOC_MMAP_MAX_=0"):
+      step.main(["--quick", "--heap-malloc"])
