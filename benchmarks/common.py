@@ -35,20 +35,29 @@ BANDWIDTH_BYTES = 256 * 2**20
 HEAP_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
+def _glibc() -> bool:
+  return platform.libc_ver()[0] == "glibc"
+
+
 def heap_malloc_active() -> bool:
-  """Whether this process started with ``HEAP_MALLOC_ENV``."""
-  return all(os.environ.get(k) == v for k, v in HEAP_MALLOC_ENV.items())
+  """Whether this process runs on glibc and started with ``HEAP_MALLOC_ENV``."""
+  return _glibc() and all(os.environ.get(k) == v for k, v in HEAP_MALLOC_ENV.items())
 
 
-def rerun_with_heap_malloc(module: str, argv) -> None:
-  """Runs ``python -m module argv`` again in this process's place, with
-  ``HEAP_MALLOC_ENV`` set (``--heap-malloc``); returns only if it is set already."""
+def rerun_with_heap_malloc(argv) -> None:
+  """Runs this command again in this process's place, with ``HEAP_MALLOC_ENV``
+  set (``--heap-malloc``); returns if it is set already, or (with a warning)
+  where the C library is not glibc."""
   if heap_malloc_active():
+    return
+  if not _glibc():
+    print("--heap-malloc: not glibc, nothing changed")
     return
   if argv is not None:
     raise ValueError("--heap-malloc needs a process started with "
                      + " ".join(f"{k}={v}" for k, v in HEAP_MALLOC_ENV.items()))
-  os.execve(sys.executable, [sys.executable, "-m", module, *sys.argv[1:]],
+  # The interpreter's own flags (-X, -W) and `-m module` too.
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]],
             {**os.environ, **HEAP_MALLOC_ENV})
 
 

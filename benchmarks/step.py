@@ -119,7 +119,7 @@ def main(argv=None):
                            "(common.HEAP_MALLOC_ENV)")
   args = parser.parse_args(argv)
   if args.heap_malloc:
-    common.rerun_with_heap_malloc("benchmarks.step", argv)
+    common.rerun_with_heap_malloc(argv)
   heap_malloc = common.heap_malloc_active()
   tree_name = args.tree or ("quick" if args.quick else "standard")
   reps = args.reps or (3 if args.quick else 15)

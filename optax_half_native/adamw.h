@@ -346,7 +346,7 @@ inline __attribute__((always_inline)) void adamw_lanes(
       L::put(p_out, i, L::to(x_new, P{}));
     }
   }
-  if constexpr (SR) {  // rounding.round_moments: one word, its halves swapped for nu
+  if constexpr (SR) {  // rounding.round_moments: one word w, swap_halves(w) for nu
     const auto w = mix32(index ^ key_m);
     L::put(mu, i, L::to_stochastic(m32, w, M{}));
     // swap_halves(w) = (w << 16) | (w >> 16); the roundings read a word's high

@@ -91,6 +91,7 @@ def test_same_keywords_and_defaults(name):
   for p in jp:
     if p.name in JAX_ONLY_KEYWORDS:
       assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{name}: {p.name} must be keyword-only"
+      assert p.name not in {q.name for q in tp}, f"{name}: {p.name} is in torch too"
   jp = [p for p in jp if p.name not in JAX_ONLY_KEYWORDS]
   assert [p.name for p in jp] == [p.name for p in tp_shared], name
   for a, b in zip(jp, tp_shared):

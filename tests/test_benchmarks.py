@@ -7,6 +7,7 @@ follow from the dtypes, and a measured bandwidth to divide by.
 import json
 import os
 import pathlib
+import platform
 import subprocess
 import sys
 
@@ -50,22 +51,22 @@ def test_torch_benchmark_quick(tmp_path):
 
 
 _MMAPPED_BLOCKS = """
-import ctypes, ctypes.util
+import ctypes
 from benchmarks import common
-class Mallinfo2(ctypes.Structure):
-  _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                             "usmblks", "fsmblks", "uordblks", "fordblks",
-                                             "keepcost")]
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.mallinfo2.restype = Mallinfo2
+class Mallinfo(ctypes.Structure):  # the old mallinfo: in every glibc
+  _fields_ = [(n, ctypes.c_int) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                          "usmblks", "fsmblks", "uordblks", "fordblks",
+                                          "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo.restype = Mallinfo
 libc.malloc.restype = ctypes.c_void_p
-before = libc.mallinfo2().hblks
+before = libc.mallinfo().hblks
 block = libc.malloc(64 << 20)
-print(common.heap_malloc_active(), libc.mallinfo2().hblks - before)
+print(common.heap_malloc_active(), libc.mallinfo().hblks - before)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc")
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc")
 def test_heap_malloc_env_serves_a_64_mib_block_from_the_heap():
   """--heap-malloc's environment: by default glibc maps a 64 MiB block of its
   own (one more mmapped block, faulted in anew after each free), with it the
@@ -73,7 +74,8 @@ def test_heap_malloc_env_serves_a_64_mib_block_from_the_heap():
   from benchmarks import common  # noqa: PLC0415
 
   def run(extra_env):
-    env = {k: v for k, v in os.environ.items() if k not in common.HEAP_MALLOC_ENV}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("MALLOC_") and k not in ("GLIBC_TUNABLES", "LD_PRELOAD")}
     return subprocess.run([sys.executable, "-c", _MMAPPED_BLOCKS], capture_output=True,
                           text=True, check=True, cwd=ROOT, env={**env, **extra_env}).stdout.split()
   assert run({}) == ["False", "1"]
