@@ -11,13 +11,13 @@ ScaledAdam (icefall) and its schedule:
 Schedules:
   preheat_decay_schedule, eden
 One step with the params written in place (the native kernel, on CPU):
-  update_and_apply
+  update_and_apply, and chain (optax.chain, in place through its last element)
 Checkpoints (Orbax, checked leaf by leaf):
   checkpoint.save, checkpoint.restore
 """
 
 from optax_half import checkpoint, rounding
-from optax_half._in_place import update_and_apply
+from optax_half._in_place import chain, update_and_apply
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
 from optax_half.loss_scale import (
     DynamicLossScaleState,
@@ -50,6 +50,7 @@ __version__ = "0.1.0"
 __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
+    "chain",
     "checkpoint",
     "dynamic_loss_scale",
     "eden",

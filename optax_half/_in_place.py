@@ -17,7 +17,7 @@ import weakref
 
 import optax
 
-__all__ = ["update_and_apply"]
+__all__ = ["chain", "update_and_apply"]
 
 # tx.update -> its (updates, state, params, **extra_args) -> (params, state).
 _STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -82,3 +82,36 @@ def update_and_apply(tx, updates, opt_state, params, **extra_args):
     return step(updates, opt_state, params, **extra_args)
   new_updates, new_state = tx.update(updates, opt_state, params, **extra_args)
   return optax.apply_updates(params, new_updates), new_state
+
+
+def chain(*transforms) -> optax.GradientTransformationExtraArgs:
+  """``optax.chain(*transforms)`` whose ``update_and_apply`` reaches the last
+  transformation's in-place step.
+
+  ``init`` and ``update`` are ``optax.chain``'s own (the same state: a tuple
+  of the transformations' states, so checkpoints and ``torch_bridge.convert``
+  take either). ``update_and_apply(chain(...), grads, state, params)`` runs
+  the ``update`` of every transformation but the last, then
+  ``update_and_apply`` of the last: with ``adamw_bf16`` or
+  ``adam_fp32_master`` last (e.g. after ``optax.clip_by_global_norm``), the
+  kernel writes the params in place, where ``optax.chain`` would run the
+  optimizer's ``update`` and a separate ``optax.apply_updates`` pass. The
+  same bits either way.
+  """
+  if not transforms:
+    raise ValueError("chain needs at least one transformation.")
+  inner = [optax.with_extra_args_support(t) for t in transforms]
+  tx = optax.chain(*inner)
+
+  def step(updates, state, params, **extra_args):
+    if len(state) != len(inner):
+      raise ValueError(f"chain of {len(inner)} transformations got a state of {len(state)}: "
+                       "a state of another chain.")
+    new_state = []
+    for t, s in zip(inner[:-1], state[:-1]):
+      updates, s = t.update(updates, s, params, **extra_args)
+      new_state.append(s)
+    params, last = update_and_apply(inner[-1], updates, state[-1], params, **extra_args)
+    return params, tuple(new_state) + (last,)
+
+  return register(tx, step)

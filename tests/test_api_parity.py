@@ -36,6 +36,7 @@ JAX_ONLY = {
     "value_and_scaled_grad": "torch: scaler.scale(loss).backward()",
     "find_loss_scale_state": "torch: the scaler object is the state (scaler.state_dict())",
     "update_and_apply": "torch: optimizer.step() writes the params in place",
+    "chain": "torch: transform the grads (e.g. clip_grad_norm_) before optimizer.step()",
 }
 # Readers of an optimizer's statistics: JAX finds them in a state pytree and
 # names leaves by the params tree; torch reads them from the optimizer object.

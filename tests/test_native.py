@@ -749,3 +749,52 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]
+
+
+def test_chain_steps_its_last_optimizer_in_place():
+  """``oh.chain(clip, adamw_bf16)``: ``optax.chain``'s state and update, and
+  an ``update_and_apply`` whose kernel writes the params in place (no
+  apply_updates pass), with the bits of ``optax.chain`` + ``optax.apply_updates``;
+  nested chains and extra args too."""
+  params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((256, 128)), jnp.bfloat16),
+            "b": jnp.zeros((128,), jnp.float32)}
+  grads = [jax.tree.map(lambda p, k=k: jnp.asarray(
+      np.random.default_rng(k).standard_normal(p.shape) * 3.0, p.dtype), params)
+      for k in range(1, 4)]
+
+  def make(chain):
+    return chain(optax.clip_by_global_norm(1.0),
+                 chain(optax.scale(0.5), oh.adamw_bf16(1e-2, skip_nonfinite=True)))
+
+  ref_tx, tx = make(optax.chain), make(oh.chain)
+  assert oh._in_place.step_of(tx) is not None
+  assert jax.tree.structure(ref_tx.init(params)) == jax.tree.structure(tx.init(params))
+
+  def protocol(p, s, g):
+    u, s = ref_tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  in_place = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+  protocol = jax.jit(protocol)
+  a = (jax.tree.map(jnp.copy, params), tx.init(params))  # donated
+  b = (params, tx.init(params))
+  for g in grads:
+    a, b = in_place(*a, g), protocol(*b, g)
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  assert all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+  assert not np.array_equal(np.asarray(a[0]["w"]), np.asarray(params["w"]))
+
+  state = tx.init(params)
+  hlo = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1)).lower(
+      params, state, grads[0]).compile().as_text()
+  calls = [line for line in hlo.splitlines()  # in the skip's branch
+           if jax_native.TARGET in line and "custom-call(" in line]
+  assert len(calls) == 2 * (jax.default_backend() == "cpu" and jax_native.available())
+  if calls:  # the bf16 param: the kernel's new param into the param's buffer (operand 0)
+    w_call = next(c for c in calls if "bf16[256,128]" in c)
+    assert "output_to_operand_aliasing={{0}: (0, {})" in w_call
+  with pytest.raises(ValueError, match="at least one"):
+    oh.chain()
+  with pytest.raises(ValueError, match="a state of another chain"):
+    oh.update_and_apply(tx, grads[0], state[:1], params)
