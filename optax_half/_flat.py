@@ -60,7 +60,8 @@ def _pack_tree(tree) -> Flat:
   arrays = {}
   for d, xs in _groups(jax.tree.leaves(tree)).items():  # MaskedNode: no leaves
     flat = [jnp.ravel(x) for x in xs]
-    arrays[key(d, [jnp.shape(x) for x in xs])] = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+    name = key(d, [jnp.shape(x) for x in xs])
+    arrays[name] = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
   return Flat(arrays)
 
 

@@ -159,17 +159,15 @@ def _takes_flat(kind: str, params, grads, state) -> bool:
   if len({jnp.asarray(g).dtype for g in grads}) != 1 or jnp.asarray(grads[0]).dtype not in (
       jnp.bfloat16, jnp.float32):
     return False
-  buffer = {"kahan": getattr(state, "compensation", None),
-            "split": getattr(state, "master", None),
-            "master": getattr(state, "master", None)}.get(kind)
+  # The buffer each mode reads (buffer_type in adamw_ffi.cc).
   want = {"kahan": [jnp.bfloat16], "split": [jnp.int16], "master": [jnp.float32]}.get(kind, [])
 
   def dtypes(flat):
     return [x.dtype for x in flat.arrays.values()]
   ok = (jnp.bfloat16, jnp.float32)
+  buffer = dtypes(getattr(state, _BUFFER_FIELD[kind])) if kind in _BUFFER_FIELD else []
   return (len(dtypes(core.mu)) == 1 and dtypes(core.mu)[0] in ok and len(dtypes(core.nu)) == 1
-          and dtypes(core.nu)[0] in ok
-          and (dtypes(buffer) if buffer is not None else []) == want)
+          and dtypes(core.nu)[0] in ok and buffer == want)
 
 
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update,
@@ -269,21 +267,33 @@ def _scalars(hyperparams, adam, count, grad_scale) -> jax.Array:
                     c.eps, c.weight_decay, grad_scale]).astype(jnp.float32)
 
 
-def _param_stream(kind, state):
-  """(seed, count) of the param's random bits: the wrapper's for
-  ``stochastic``, the core's otherwise."""
+# The wrapper state's field holding each kind's per-param buffer (None: no buffer).
+_BUFFER_FIELD = {"kahan": "compensation", "split": "master", "master": "master"}
+
+
+def _keys(kind, state, leaf) -> jax.Array:
+  """The leaf keys (param stream, moment stream) of leaf index ``leaf`` (a
+  scalar, or a vector of them: one row each). The param stream is the
+  wrapper's for ``stochastic``, the core's otherwise."""
   core = state.inner_state
-  return (state.seed, state.count) if kind == "stochastic" else (core.seed, core.count)
+  p_seed, p_count = (state.seed, state.count) if kind == "stochastic" else (core.seed, core.count)
+  return jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, leaf),
+                    rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, leaf)],
+                   axis=-1)
+
+
+def _fp32_update(p_out, p) -> jax.Array:
+  """The wrappers' fp32 update from the kernel's new param: optax.apply_updates(p, u)
+  lands on p_out exactly."""
+  return rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
 
 
 def _stepped(kind, state, mu, nu, buffers):
   """``state`` after one step: the new moments and buffers, the counts advanced."""
   core = state.inner_state
   new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
-  if kind == "kahan":
-    return state._replace(compensation=buffers, inner_state=new_core)
-  if kind in ("split", "master"):
-    return state._replace(master=buffers, inner_state=new_core)
+  if kind in _BUFFER_FIELD:
+    return state._replace(**{_BUFFER_FIELD[kind]: buffers, "inner_state": new_core})
   if kind == "stochastic":
     return state._replace(count=optax.safe_increment(state.count), inner_state=new_core)
   return state._replace(inner_state=new_core)
@@ -299,17 +309,12 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   n = len(leaves)
   core = state.inner_state
   (mu,), (nu,) = core.mu.arrays.values(), core.nu.arrays.values()
-  has_buffer = kind in ("kahan", "split", "master")
-  if has_buffer:
-    field = "compensation" if kind == "kahan" else "master"
-    (buffer,) = getattr(state, field).arrays.values()
-  else:
+  field = _BUFFER_FIELD.get(kind)
+  if field is None:
     buffer = jnp.asarray(_EMPTY)
-  p_seed, p_count = _param_stream(kind, state)
-  index = jnp.arange(n, dtype=jnp.uint32)  # every leaf is a float leaf: its leaf index
-  keys = jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, index),
-                    rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, index)],
-                   axis=1)
+  else:
+    (buffer,) = getattr(state, field).arrays.values()
+  keys = _keys(kind, state, jnp.arange(n, dtype=jnp.uint32))  # all float leaves: index = position
   # Operands: scalars, keys, p..., g..., mu, nu, buffer; results p_out..., mu, nu, buffer.
   aliases = {2 + 2 * n + k: n + k for k in range(3)}
   for k, (p, g) in enumerate(zip(leaves, grads)):
@@ -328,16 +333,14 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   p_out, (new_mu, new_nu, new_buffer) = out[:n], out[n:]
   if in_place:
     result = jax.tree.unflatten(treedef, p_out)
-  else:  # the wrappers' fp32 update, as in _native_update
-    result = jax.tree.unflatten(treedef, [
-        rounding.widen(q).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
-        for q, p in zip(p_out, leaves)])
+  else:
+    result = jax.tree.unflatten(treedef, [_fp32_update(q, p) for q, p in zip(p_out, leaves)])
 
   def flat_like(old, x):
     (name,) = old.arrays
     return _flat.Flat({name: x})
 
-  buffers = flat_like(getattr(state, field), new_buffer) if has_buffer else None
+  buffers = None if field is None else flat_like(getattr(state, field), new_buffer)
   new_state = _stepped(kind, state, flat_like(core.mu, new_mu), flat_like(core.nu, new_nu),
                        buffers)
   return result, new_state
@@ -351,17 +354,13 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
   params = jax.tree.map(jnp.asarray, params)
   core = state.inner_state
   scalars = _scalars(hyperparams, adam, core.count, grad_scale)
-  p_seed, p_count = _param_stream(kind, state)
-  if kind == "kahan":
-    buffers = state.compensation
-  elif kind in ("split", "master"):
-    buffers = state.master
+  if kind in _BUFFER_FIELD:
+    buffers = getattr(state, _BUFFER_FIELD[kind])
   else:
     buffers = jax.tree.map(lambda _: optax.MaskedNode(), params)
 
   def one(p, g, m, v, buf, i):
-    keys = jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, i),
-                      rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, i)])
+    keys = _keys(kind, state, i)
     if p.dtype == jnp.float32:  # the wrappers hand 32-bit leaves to the core as they are
       u, m, v, _ = _leaf(p, g, m, v, None, scalars, keys, "update", state_rounding == "stochastic")
       if in_place:  # what optax.apply_updates does with it
@@ -372,9 +371,7 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
                                  state_rounding == "stochastic", in_place)
     if in_place:
       return p_out, m, v, new_buf if has_buffer else buf
-    # The wrappers' fp32 update: optax.apply_updates(p, u) lands on p_out exactly.
-    u = rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
-    return u, m, v, new_buf if has_buffer else buf
+    return _fp32_update(p_out, p), m, v, new_buf if has_buffer else buf
 
   out = jax.tree.map(one, params, updates, core.mu, core.nu, buffers, leaf_indices(params))
   u, mu, nu, new_buffers = unzip(params, out, 4)
