@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace oh {
 
@@ -166,7 +167,15 @@ struct Lanes16 {
   static __m256i load16(const void* a, int64_t i) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i));
   }
-  static F widen(__m256i h) { return floats(widen16(h) << 16); }
+  // bf16 word j into the high half of fp32 lane j, zeros in the low halves:
+  // one word permute (vpermw with a zeroing mask) for vpmovzxwd + vpslld.
+  static F widen(__m256i h) {
+    const __m512i high_halves = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0,
+                                                 8, 0, 7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0,
+                                                 0, 0);
+    return _mm512_castsi512_ps(
+        _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, high_halves, _mm512_castsi256_si512(h)));
+  }
   static F widen(F x) { return x; }
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
     const U l = (U)_mm512_cvtepi16_epi32(load16(lo, i));  // sign-extended, as int32(lo)
@@ -201,6 +210,23 @@ struct Lanes16 {
   static void put(float* a, int64_t i, F v) { _mm512_storeu_ps(a + i, v); }
   static void put(bf16* a, int64_t i, __m256i v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(a) + i), v);
+  }
+  // put_moments_stochastic for two bf16 moments: both sums, then one word
+  // permute takes the high half of every lane of each into one vector (mu's
+  // 16 words, then nu's), and one unordered compare finds a NaN in either.
+  static void put_moments_stochastic(bf16* mu, bf16* nu, int64_t i, F m32, F v32, U w) {
+    const U ym = bits(m32) + (w >> 16);  // stochastic_bits(., w) before its >> 16
+    const U yv = bits(v32) + (w & 0xFFFFu);  // the same with (w << 16) >> 16
+    const __m512i high_halves = _mm512_set_epi16(
+        63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33,
+        31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    __m512i both = _mm512_permutex2var_epi16((__m512i)ym, high_halves, (__m512i)yv);
+    if (__builtin_expect(_mm512_cmp_ps_mask(m32, v32, _CMP_UNORD_Q) != 0, 0)) {
+      both = _mm512_inserti64x4(_mm512_castsi256_si512(to_stochastic(m32, w, bf16{})),
+                                to_stochastic(v32, w << 16, bf16{}), 1);
+    }
+    put(mu, i, _mm512_castsi512_si256(both));
+    put(nu, i, _mm512_extracti64x4_epi64(both, 1));
   }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
@@ -301,6 +327,22 @@ constexpr int kLanes = 8;
 constexpr int kLanes = 1;
 #endif
 
+// The stochastic moment writes of rounding.round_moments with the word w of
+// each element: mu rounded with w, nu with swap_halves(w) = (w << 16) |
+// (w >> 16); the roundings read a word's high half only (stochastic_bits:
+// random >> 16), and w << 16 has the same one in two instructions fewer.
+// Lanes16 has its own for two bf16 moments (the same bits).
+template <typename L, typename M, typename V>
+inline void put_moments_stochastic(M* mu, V* nu, int64_t i, typename L::F m32,
+                                   typename L::F v32, typename L::U w) {
+  if constexpr (L::kWidth == 16 && std::is_same_v<M, bf16> && std::is_same_v<V, bf16>) {
+    L::put_moments_stochastic(mu, nu, i, m32, v32, w);
+  } else {
+    L::put(mu, i, L::to_stochastic(m32, w, M{}));
+    L::put(nu, i, L::to_stochastic(v32, w << 16, V{}));
+  }
+}
+
 // The AdamW step of the L::kWidth elements from i, on lanes L (Scalar,
 // Lanes8 or Lanes16): one source for all, line for line torch_bridge.adam.adamw_step.
 template <typename L, typename P, typename G, typename M, typename V, int MODE, bool SR>
@@ -347,12 +389,7 @@ inline __attribute__((always_inline)) void adamw_lanes(
     }
   }
   if constexpr (SR) {  // rounding.round_moments: one word w, swap_halves(w) for nu
-    const auto w = mix32(index ^ key_m);
-    L::put(mu, i, L::to_stochastic(m32, w, M{}));
-    // swap_halves(w) = (w << 16) | (w >> 16); the roundings read a word's high
-    // half only (stochastic_bits: random >> 16), and w << 16 has the same one
-    // in two instructions fewer.
-    L::put(nu, i, L::to_stochastic(v32, w << 16, V{}));
+    put_moments_stochastic<L>(mu, nu, i, m32, v32, mix32(index ^ key_m));
   } else {
     L::put(mu, i, L::to(m32, M{}));
     L::put(nu, i, L::to(v32, V{}));
