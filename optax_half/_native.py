@@ -1,9 +1,10 @@
 """optax_half's side of the native CPU kernel (``optax_half_native``).
 
 ``fused(...)`` wraps the update of ``adamw_bf16`` and ``adam_fp32_master``:
-on CPU each leaf is stepped by one XLA custom call (the kernel of
-``optax_half_native/adamw.h`` behind an XLA FFI handler) that reads the
-param, gradient, moments and buffer once and writes the new param, moments and
+on CPU the leaves that share their dtypes are stepped by one XLA custom call
+(the kernel of ``optax_half_native/adamw.h`` behind an XLA FFI handler,
+which splits their elements over XLA's threads) that reads each param,
+gradient, moment and buffer once and writes the new param, moments and
 buffer in the same pass, where XLA:CPU would run one loop per output and
 materialise the fp32 update. The state and the returned updates are those of
 the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
@@ -60,33 +61,48 @@ def _threads() -> int:
 _EMPTY = np.zeros((0,), np.float32)
 
 
-def _leaf(p, g, mu, nu, buffer, scalars, keys, mode: str, stochastic_moments: bool,
-          in_place: bool = False):
-  """One custom call: (p_out, mu', nu', buffer'), the last three in place, and
-  with ``in_place`` the new param too (into p's buffer)."""
-  out_dtype = jnp.float32 if mode == "update" else p.dtype
-  buffer = jnp.asarray(_EMPTY) if buffer is None else buffer
-  aliases = {2: 1, 3: 2, 4: 3}  # mu, nu and the buffer in place
-  if in_place:
-    # The new param into the param's own buffer: with the params donated to
-    # the jitted step nothing is copied; without, XLA copies p first.
-    assert out_dtype == p.dtype, mode
-    aliases[0] = 0
-  elif g.dtype == out_dtype:
-    # The new param (or fp32 update) into the gradient's buffer: gradients
-    # computed in the same jitted step are dead after it, and XLA copies them
-    # first where they are not. A fresh temporary would cost page faults on
-    # every step with the default allocator (benchmarks/README.md).
-    aliases[1] = 0
-  call = jax.ffi.ffi_call(
-      TARGET,
-      (jax.ShapeDtypeStruct(p.shape, out_dtype), jax.ShapeDtypeStruct(mu.shape, mu.dtype),
-       jax.ShapeDtypeStruct(nu.shape, nu.dtype),
-       jax.ShapeDtypeStruct(buffer.shape, buffer.dtype)),
-      input_output_aliases=aliases, vmap_method="sequential")
-  sr = stochastic_moments and (mu.dtype == jnp.bfloat16 or nu.dtype == jnp.bfloat16)
-  return call(p, g, mu, nu, buffer, scalars, keys, mode=np.int32(native.MODES[mode]),
-              sr=bool(sr), nthreads=np.int32(_threads()))
+# At most this many leaves per custom call. XLA's compile time grows faster
+# than the number of a call's operands: the in-place Kahan step of 512 leaves
+# compiled in 18.1 s as one call, 5.8 s in calls of 256 leaves, 2.2 s of 128,
+# 1.4 s of 64 and 0.9 s of 32 (10.4 s as a call per leaf), and stepped in the
+# same time (16-18 ms) from 32 leaves a call up.
+_LEAVES_PER_CALL = 32
+
+
+def _call(target, mode: str, sr: bool, scalars, keys, leaves, grads, states, in_place: bool):
+  """One custom call of ``target`` (``TARGET``: a state array per leaf and
+  field; ``FLAT_TARGET``: one per field) over leaves that share their dtypes.
+  ``states``: the (mu, nu, buffer) lists, a buffer ``None`` for modes without
+  one. Returns (p_out list, (mu, nu, buffer) lists): the new params (or, in
+  mode ``"update"``, the fp32 updates), and the state updated in place; with
+  ``in_place`` the new params go into the params' buffers."""
+  n = len(leaves)
+  states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
+  out_dtype = jnp.float32 if mode == "update" else leaves[0].dtype
+  state_arrays = [x for field in states for x in field]
+  # Operands: scalars, keys, p..., g..., state...; results: p_out..., state...
+  aliases = {2 + 2 * n + j: n + j for j in range(len(state_arrays))}  # the state in place
+  for k, (p, g) in enumerate(zip(leaves, grads)):
+    if in_place:
+      # The new param into the param's own buffer: with the params donated to
+      # the jitted step nothing is copied; without, XLA copies p first.
+      assert out_dtype == p.dtype, mode
+      aliases[2 + k] = k
+    elif g.dtype == out_dtype:
+      # The new param (or fp32 update) into the gradient's buffer: gradients
+      # computed in the same jitted step are dead after it, and XLA copies them
+      # first where they are not. A fresh temporary would cost page faults on
+      # every step with the default allocator (benchmarks/README.md).
+      aliases[2 + n + k] = k
+  results = ([jax.ShapeDtypeStruct(p.shape, out_dtype) for p in leaves]
+             + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_arrays])
+  call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases,
+                          vmap_method="sequential")
+  out = call(scalars, keys, *leaves, *grads, *state_arrays, mode=np.int32(native.MODES[mode]),
+             sr=bool(sr), nthreads=np.int32(_threads()))
+  per_field = len(states[0])
+  new_states = tuple(list(out[n + f * per_field:n + (f + 1) * per_field]) for f in range(3))
+  return list(out[:n]), new_states
 
 
 def all_finite(tree, inv_scale=None) -> jax.Array:
@@ -306,73 +322,68 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   gradients and the flat moments and buffer, updated in place."""
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads = jax.tree.leaves(updates)
-  n = len(leaves)
   core = state.inner_state
-  (mu,), (nu,) = core.mu.arrays.values(), core.nu.arrays.values()
   field = _BUFFER_FIELD.get(kind)
-  if field is None:
-    buffer = jnp.asarray(_EMPTY)
-  else:
-    (buffer,) = getattr(state, field).arrays.values()
-  keys = _keys(kind, state, jnp.arange(n, dtype=jnp.uint32))  # all float leaves: index = position
-  # Operands: scalars, keys, p..., g..., mu, nu, buffer; results p_out..., mu, nu, buffer.
-  aliases = {2 + 2 * n + k: n + k for k in range(3)}
-  for k, (p, g) in enumerate(zip(leaves, grads)):
-    if in_place:
-      aliases[2 + k] = k  # as in _leaf
-    elif g.dtype == p.dtype:
-      aliases[2 + n + k] = k
-  results = ([jax.ShapeDtypeStruct(p.shape, p.dtype) for p in leaves]
-             + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mu, nu, buffer)])
-  call = jax.ffi.ffi_call(FLAT_TARGET, results, input_output_aliases=aliases,
-                          vmap_method="sequential")
-  sr = state_rounding == "stochastic" and jnp.bfloat16 in (mu.dtype, nu.dtype)
-  out = call(_scalars(hyperparams, adam, core.count, grad_scale), keys, *leaves, *grads,
-             mu, nu, buffer, mode=np.int32(native.MODES[kind]), sr=bool(sr),
-             nthreads=np.int32(_threads()))
-  p_out, (new_mu, new_nu, new_buffer) = out[:n], out[n:]
+  flats = [core.mu, core.nu, None if field is None else getattr(state, field)]
+  states = [[None] if f is None else list(f.arrays.values()) for f in flats]
+  keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))  # all float: index = position
+  sr = state_rounding == "stochastic" and jnp.bfloat16 in (states[0][0].dtype, states[1][0].dtype)
+  p_out, new = _call(FLAT_TARGET, kind, sr, _scalars(hyperparams, adam, core.count, grad_scale),
+                     keys, leaves, grads, states, in_place)
   if in_place:
     result = jax.tree.unflatten(treedef, p_out)
   else:
     result = jax.tree.unflatten(treedef, [_fp32_update(q, p) for q, p in zip(p_out, leaves)])
-
-  def flat_like(old, x):
-    (name,) = old.arrays
-    return _flat.Flat({name: x})
-
-  buffers = None if field is None else flat_like(getattr(state, field), new_buffer)
-  new_state = _stepped(kind, state, flat_like(core.mu, new_mu), flat_like(core.nu, new_nu),
-                       buffers)
-  return result, new_state
+  mu, nu, buffer = (None if f is None else _flat.Flat(dict(zip(f.arrays, x)))
+                    for f, x in zip(flats, new))
+  return result, _stepped(kind, state, mu, nu, buffer)
 
 
 def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam,
                    in_place=False, grad_scale=None):
   """(updates, state), or with ``in_place`` (new params, state). With
   ``grad_scale`` (fp32), the step of the gradients ``unscaled(updates,
-  grad_scale)``: the kernel multiplies each gradient element by it as it reads it."""
-  params = jax.tree.map(jnp.asarray, params)
+  grad_scale)``: the kernel multiplies each gradient element by it as it reads it.
+  One call of ``TARGET`` per group of leaves sharing their dtypes (and so
+  their mode: fp32 params take ``"update"``), of at most ``_LEAVES_PER_CALL``
+  leaves, so a tree of many small leaves is a few calls whose elements are
+  split over the threads."""
+  leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
+  grads, mus, nus, index = (treedef.flatten_up_to(t) for t in (
+      updates, state.inner_state.mu, state.inner_state.nu, leaf_indices(params)))
+  if kind in _BUFFER_FIELD:
+    buffers = treedef.flatten_up_to(getattr(state, _BUFFER_FIELD[kind]))
+  else:
+    buffers = [optax.MaskedNode()] * len(leaves)
   core = state.inner_state
   scalars = _scalars(hyperparams, adam, core.count, grad_scale)
-  if kind in _BUFFER_FIELD:
-    buffers = getattr(state, _BUFFER_FIELD[kind])
-  else:
-    buffers = jax.tree.map(lambda _: optax.MaskedNode(), params)
-
-  def one(p, g, m, v, buf, i):
-    keys = _keys(kind, state, i)
-    if p.dtype == jnp.float32:  # the wrappers hand 32-bit leaves to the core as they are
-      u, m, v, _ = _leaf(p, g, m, v, None, scalars, keys, "update", state_rounding == "stochastic")
-      if in_place:  # what optax.apply_updates does with it
-        return (p + u).astype(p.dtype), m, v, buf
-      return u, m, v, buf
-    has_buffer = not isinstance(buf, optax.MaskedNode)
-    p_out, m, v, new_buf = _leaf(p, g, m, v, buf if has_buffer else None, scalars, keys, kind,
-                                 state_rounding == "stochastic", in_place)
-    if in_place:
-      return p_out, m, v, new_buf if has_buffer else buf
-    return _fp32_update(p_out, p), m, v, new_buf if has_buffer else buf
-
-  out = jax.tree.map(one, params, updates, core.mu, core.nu, buffers, leaf_indices(params))
-  u, mu, nu, new_buffers = unzip(params, out, 4)
-  return u, _stepped(kind, state, mu, nu, new_buffers)
+  groups: dict = {}
+  for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
+    # The wrappers hand 32-bit leaves to the core as they are: mode "update".
+    # (it reads no buffer; a leaf's buffer, if any, is kept as it is).
+    mode = "update" if p.dtype == jnp.float32 else kind
+    b = None if mode == "update" or isinstance(b, optax.MaskedNode) else b.dtype
+    groups.setdefault((mode, p.dtype, g.dtype, m.dtype, v.dtype, b), []).append(k)
+  out, new_mu, new_nu, new_buffers = [None] * len(leaves), list(mus), list(nus), list(buffers)
+  calls = [(key, ks[i:i + _LEAVES_PER_CALL]) for key, ks in groups.items()
+           for i in range(0, len(ks), _LEAVES_PER_CALL)]
+  for (mode, *_, buffer_dtype), ks in calls:
+    pick = lambda xs: [xs[k] for k in ks]  # noqa: E731
+    has_buffer = buffer_dtype is not None
+    states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
+    sr = state_rounding == "stochastic" and jnp.bfloat16 in (mus[ks[0]].dtype, nus[ks[0]].dtype)
+    keys = _keys(kind, state, jnp.asarray([index[k] for k in ks], jnp.uint32))
+    p_out, (m, v, b) = _call(TARGET, mode, sr, scalars, keys, pick(leaves), pick(grads), states,
+                             in_place and mode != "update")
+    for j, k in enumerate(ks):
+      p = leaves[k]
+      if mode == "update":  # p_out is the fp32 update; in place, what apply_updates does
+        out[k] = (p + p_out[j]).astype(p.dtype) if in_place else p_out[j]
+      else:
+        out[k] = p_out[j] if in_place else _fp32_update(p_out[j], p)
+      new_mu[k], new_nu[k] = m[j], v[j]
+      if has_buffer:
+        new_buffers[k] = b[j]
+  unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
+  buffers_tree = unflat(new_buffers) if kind in _BUFFER_FIELD else None
+  return unflat(out), _stepped(kind, state, unflat(new_mu), unflat(new_nu), buffers_tree)

@@ -1,15 +1,22 @@
-// The AdamW kernel (adamw.h) as an XLA FFI custom call for JAX on CPU.
+// The AdamW kernel (adamw.h) as XLA FFI custom calls for JAX on CPU: one
+// call steps a list of leaves that share their dtypes (oh::step_all splits
+// their elements, concatenated, into chunks on XLA's pool).
 //
-// Operands: p, g, mu, nu, buffer (a 0-element array for modes without one),
-// scalars f32[10] (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd,
-// grad_scale), keys
-// u32[2] (the leaf keys of the param and moments streams). Results: p_out (a new array), mu, nu, buffer
-// (aliased to their operands: updated in place). Attributes: mode (oh::Mode;
-// kUpdate for fp32 params: p_out is the update),
+// optax_half_adamw (OhAdamw), the tree layout. Operands: scalars f32[10]
+// (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd, grad_scale), keys
+// u32[n, 2] (row k: leaf k's keys of the param and moments streams), then
+// p_0..p_{n-1}, g_0..g_{n-1}, mu_0.., nu_0.., buffer_0.. (a 0-element buffer
+// for modes without one). Results: p_out_0.. (new arrays, or aliased to p or
+// g by the caller), mu.., nu.., buffer.. (aliased to their operands: updated
+// in place). optax_half_adamw_flat (OhAdamwFlat), the flat state
+// (flat_state=True): the same with one mu, one nu and one buffer holding all
+// leaves, leaf k's elements at the sum of the sizes of leaves 0..k-1.
+// Attributes: mode (oh::Mode; kUpdate for fp32 params: p_out is the update),
 // sr (stochastic moment writes), nthreads.
 #include <atomic>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <thread>
 #include <type_traits>
 #include <vector>
@@ -132,114 +139,78 @@ void set_scalars(oh::Tensor& t, const ffi::Buffer<ffi::F32>& scalars, const uint
   t.key_m = key[1];
 }
 
-ffi::Error AdamwImpl(ffi::ThreadPool pool, ffi::AnyBuffer p, ffi::AnyBuffer g, ffi::AnyBuffer mu,
-                     ffi::AnyBuffer nu,
-                     ffi::AnyBuffer buffer, ffi::Buffer<ffi::F32> scalars,
-                     ffi::Buffer<ffi::U32> keys, ffi::Result<ffi::AnyBuffer> p_out,
-                     ffi::Result<ffi::AnyBuffer> mu_out, ffi::Result<ffi::AnyBuffer> nu_out,
-                     ffi::Result<ffi::AnyBuffer> buffer_out, int32_t mode, bool sr,
-                     int32_t nthreads) {
-  if (scalars.element_count() != 10 || keys.element_count() != 2) {
-    return ffi::Error::InvalidArgument("oh_adamw: scalars must be f32[10] and keys u32[2]");
+// The leaves' state arrays: per leaf (kFlat false: leaf k's moments and
+// buffer are arrays of their own) or flat (kFlat true: one array per field,
+// leaf k's elements at the sum of the sizes of leaves 0..k-1).
+template <bool kFlat>
+ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
+                           ffi::Buffer<ffi::U32> keys, ffi::RemainingArgs args,
+                           ffi::RemainingRets rets, int32_t mode, bool sr, int32_t nthreads) {
+  const char* name = kFlat ? "oh_adamw_flat" : "oh_adamw";
+  auto invalid = [name](const std::string& what) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
+  };
+  if (scalars.element_count() != 10 || keys.element_count() % 2 != 0 || keys.element_count() == 0) {
+    return invalid("scalars must be f32[10] and keys u32[n, 2] with n >= 1");
   }
-  const size_t n = p.element_count();
-  if (g.element_count() != n || mu.element_count() != n || nu.element_count() != n ||
-      p_out->element_count() != n || mu_out->element_count() != n ||
-      nu_out->element_count() != n) {
-    return ffi::Error::InvalidArgument("oh_adamw: p, g, mu, nu and p_out must have one size");
+  const size_t n = keys.element_count() / 2;
+  // Per field (mu, nu, buffer): 1 array (flat) or n (per leaf).
+  const size_t per_field = kFlat ? 1 : n;
+  if (args.size() != 2 * n + 3 * per_field || rets.size() != n + 3 * per_field) {
+    return invalid(kFlat ? "operands p..., g..., mu, nu, buffer; results p_out..., mu, nu, buffer"
+                         : "operands p..., g..., mu..., nu..., buffer...; results p_out..., "
+                           "mu..., nu..., buffer...");
   }
-  if (mu_out->element_type() != mu.element_type() || nu_out->element_type() != nu.element_type() ||
-      buffer_out->element_type() != buffer.element_type() ||
-      buffer_out->element_count() != buffer.element_count()) {
-    return ffi::Error::InvalidArgument("oh_adamw: a state result differs from its operand");
-  }
-  if (needs_buffer(mode) && n > 0 && (buffer.element_count() != n ||
-                                      buffer.element_type() != buffer_type(mode, p.element_type()))) {
-    return ffi::Error::InvalidArgument("oh_adamw: the mode's buffer is missing or mistyped");
-  }
-  // The moments and the buffer are updated in place (aliased by the caller).
-  same_or_copy(mu, mu_out);
-  same_or_copy(nu, nu_out);
-  same_or_copy(buffer, buffer_out);
-  oh::Tensor t{};
-  t.numel = int64_t(p.element_count());
-  t.p = reinterpret_cast<uint64_t>(p.untyped_data());
-  t.p_out = reinterpret_cast<uint64_t>(p_out->untyped_data());
-  t.g = reinterpret_cast<uint64_t>(g.untyped_data());
-  t.mu = reinterpret_cast<uint64_t>(mu_out->untyped_data());
-  t.nu = reinterpret_cast<uint64_t>(nu_out->untyped_data());
-  t.buffer = buffer.element_count() ? reinterpret_cast<uint64_t>(buffer_out->untyped_data()) : 0;
-  set_scalars(t, scalars, keys.typed_data());
-  const ffi::DataType types[4] = {p.element_type(), g.element_type(), mu.element_type(),
-                                  nu.element_type()};
-  if (!dispatch(types, mode, sr, &t, 1, pool_parallel_for(pool, nthreads))) {
-    return ffi::Error::InvalidArgument("oh_adamw: unsupported dtypes or mode");
-  }
-  return ffi::Error::Success();
-}
-
-// Every leaf of a flat state (adamw_bf16 / adam_fp32_master with
-// flat_state=True) in one call. Operands: scalars f32[10], keys u32[n, 2]
-// (leaf k's pair in row k), then p_0..p_{n-1}, g_0..g_{n-1}, mu, nu, buffer:
-// the flat state, leaf k's elements at the sum of the sizes of leaves 0..k-1
-// (a 0-element buffer for modes without one). Results: p_out_0..p_out_{n-1},
-// mu, nu, buffer (aliased to their operands). All leaves share the dtypes of
-// leaf 0. The elements of all leaves, concatenated, are split into chunks
-// across XLA's pool (oh::step_all): n small leaves cost one call.
-ffi::Error AdamwFlatImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
-                         ffi::Buffer<ffi::U32> keys, ffi::RemainingArgs args,
-                         ffi::RemainingRets rets, int32_t mode, bool sr, int32_t nthreads) {
-  if (args.size() < 5 || (args.size() - 3) % 2 != 0) {
-    return ffi::Error::InvalidArgument("oh_adamw_flat: operands p..., g..., mu, nu, buffer");
-  }
-  const size_t n = (args.size() - 3) / 2;
-  if (rets.size() != n + 3) {
-    return ffi::Error::InvalidArgument("oh_adamw_flat: results p_out..., mu, nu, buffer");
-  }
-  if (scalars.element_count() != 10 || keys.element_count() != 2 * n) {
-    return ffi::Error::InvalidArgument("oh_adamw_flat: scalars must be f32[10], keys u32[n, 2]");
-  }
-  auto state_arg = [&](size_t k) { return args.get<ffi::AnyBuffer>(2 * n + k); };
-  auto state_ret = [&](size_t k) { return rets.get<ffi::AnyBuffer>(n + k); };
-  ffi::ErrorOr<ffi::AnyBuffer> st[3] = {state_arg(0), state_arg(1), state_arg(2)};
-  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> st_out[3] = {state_ret(0), state_ret(1), state_ret(2)};
-  for (auto& x : st) if (x.has_error()) return x.error();
-  for (auto& x : st_out) if (x.has_error()) return x.error();
-  for (int k = 0; k < 3; ++k) {
-    if ((*st_out[k])->element_count() != st[k]->element_count() ||
-        (*st_out[k])->element_type() != st[k]->element_type()) {
-      return ffi::Error::InvalidArgument("oh_adamw_flat: a state result differs from its operand");
+  // State field f of leaf k (k = 0 for a flat state), operand and result.
+  std::vector<ffi::AnyBuffer> st;
+  std::vector<ffi::Result<ffi::AnyBuffer>> st_out;
+  for (size_t j = 0; j < 3 * per_field; ++j) {
+    ffi::ErrorOr<ffi::AnyBuffer> a = args.get<ffi::AnyBuffer>(2 * n + j);
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> r = rets.get<ffi::AnyBuffer>(n + j);
+    if (a.has_error()) return a.error();
+    if (r.has_error()) return r.error();
+    if ((*r)->element_count() != a->element_count() || (*r)->element_type() != a->element_type()) {
+      return invalid("a state result differs from its operand");
     }
+    st.push_back(*a);
+    st_out.push_back(*r);
   }
+  auto state_at = [&](int field, size_t k) { return size_t(field) * per_field + (kFlat ? 0 : k); };
   std::vector<oh::Tensor> ts(n);
-  ffi::DataType types[4] = {};
-  int64_t offset = 0;
-  const size_t sizes[3] = {
-      size_t(ffi::ByteWidth(st[0]->element_type())), size_t(ffi::ByteWidth(st[1]->element_type())),
-      size_t(ffi::ByteWidth(st[2]->element_type()))};
-  char* base[3] = {static_cast<char*>((*st_out[0])->untyped_data()),
-                   static_cast<char*>((*st_out[1])->untyped_data()),
-                   static_cast<char*>((*st_out[2])->untyped_data())};
+  ffi::DataType types[4] = {ffi::DataType::INVALID, ffi::DataType::INVALID,
+                            st[state_at(0, 0)].element_type(), st[state_at(1, 0)].element_type()};
+  const bool buffered = needs_buffer(mode);
+  int64_t offset = 0;  // of leaf k in a flat state
   for (size_t k = 0; k < n; ++k) {
     ffi::ErrorOr<ffi::AnyBuffer> p = args.get<ffi::AnyBuffer>(k), g = args.get<ffi::AnyBuffer>(n + k);
     ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> p_out = rets.get<ffi::AnyBuffer>(k);
     if (p.has_error()) return p.error();
     if (g.has_error()) return g.error();
     if (p_out.has_error()) return p_out.error();
-    const ffi::DataType here[2] = {p->element_type(), g->element_type()};
     if (k == 0) {
-      types[0] = here[0];
-      types[1] = here[1];
-      types[2] = st[0]->element_type();
-      types[3] = st[1]->element_type();
-    } else if (here[0] != types[0] || here[1] != types[1]) {
-      return ffi::Error::InvalidArgument("oh_adamw_flat: the leaves of one call share dtypes");
+      types[0] = p->element_type();
+      types[1] = g->element_type();
+    } else if (p->element_type() != types[0] || g->element_type() != types[1]) {
+      return invalid("the leaves of one call share dtypes");
     }
     const int64_t numel = int64_t(p->element_count());
-    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel ||
-        (*p_out)->element_type() != here[0]) {
-      return ffi::Error::InvalidArgument("oh_adamw_flat: p, g and p_out must have one size, "
-                                         "p_out p's dtype");
+    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel) {
+      return invalid("p, g and p_out must have one size");
+    }
+    char* state[3];
+    for (int f = 0; f < 3; ++f) {
+      const ffi::AnyBuffer& a = st[state_at(f, k)];
+      if (a.element_type() != (f < 2 ? types[2 + f] : st[state_at(2, 0)].element_type())) {
+        return invalid("the leaves of one call share dtypes");
+      }
+      // A state array per leaf holds that leaf's elements (the buffer: none for
+      // a mode without one); a flat one is checked against the total below.
+      const size_t want = (f < 2 || buffered) ? size_t(numel) : 0;
+      if (!kFlat && a.element_count() != want) {
+        return invalid("mu, nu (and the mode's buffer) must have the param's size");
+      }
+      state[f] = static_cast<char*>(st_out[state_at(f, k)]->untyped_data()) +
+                 (kFlat ? offset * ffi::ByteWidth(a.element_type()) : 0);
     }
     oh::Tensor& t = ts[k];
     t = oh::Tensor{};
@@ -247,25 +218,26 @@ ffi::Error AdamwFlatImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
     t.p = reinterpret_cast<uint64_t>(p->untyped_data());
     t.p_out = reinterpret_cast<uint64_t>((*p_out)->untyped_data());
     t.g = reinterpret_cast<uint64_t>(g->untyped_data());
-    t.mu = reinterpret_cast<uint64_t>(base[0] + offset * sizes[0]);
-    t.nu = reinterpret_cast<uint64_t>(base[1] + offset * sizes[1]);
-    t.buffer = st[2]->element_count() ? reinterpret_cast<uint64_t>(base[2] + offset * sizes[2]) : 0;
+    t.mu = reinterpret_cast<uint64_t>(state[0]);
+    t.nu = reinterpret_cast<uint64_t>(state[1]);
+    t.buffer = buffered ? reinterpret_cast<uint64_t>(state[2]) : 0;
     set_scalars(t, scalars, keys.typed_data() + 2 * k);
     offset += numel;
   }
-  const bool buffer_ok = needs_buffer(mode)
-      ? (st[2]->element_count() == size_t(offset) &&
-         (offset == 0 || st[2]->element_type() == buffer_type(mode, types[0])))
-      : st[2]->element_count() == 0;
-  if (st[0]->element_count() != size_t(offset) || st[1]->element_count() != size_t(offset) ||
-      !buffer_ok) {
-    return ffi::Error::InvalidArgument(
-        "oh_adamw_flat: mu, nu (and the mode's buffer) must hold every leaf's elements");
+  if (kFlat) {
+    const size_t total = size_t(offset);
+    if (st[0].element_count() != total || st[1].element_count() != total ||
+        st[2].element_count() != (buffered ? total : 0)) {
+      return invalid("mu, nu (and the mode's buffer) must hold every leaf's elements");
+    }
   }
-  // Checked: the moments and the buffer into their results (in place when aliased).
-  for (int k = 0; k < 3; ++k) same_or_copy(*st[k], *st_out[k]);
-  if (n > 0 && !dispatch(types, mode, sr, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
-    return ffi::Error::InvalidArgument("oh_adamw_flat: unsupported dtypes or mode");
+  if (buffered && offset > 0 && st[state_at(2, 0)].element_type() != buffer_type(mode, types[0])) {
+    return invalid("the mode's buffer is mistyped");
+  }
+  // Checked: the moments and the buffers into their results (in place when aliased).
+  for (size_t j = 0; j < st.size(); ++j) same_or_copy(st[j], st_out[j]);
+  if (!dispatch(types, mode, sr, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
+    return invalid("unsupported dtypes or mode");
   }
   return ffi::Error::Success();
 }
@@ -310,31 +282,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,
                                   .Ret<ffi::Buffer<ffi::PRED>>()
                                   .Attr<int32_t>("nthreads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamw, AdamwImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int32_t>("mode")
-                                  .Attr<bool>("sr")
-                                  .Attr<int32_t>("nthreads"));
+#define OH_LEAVES_HANDLER(NAME, FLAT)                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, AdamwLeavesImpl<FLAT>, \
+                                ffi::Ffi::Bind()           \
+                                    .Ctx<ffi::ThreadPool>()   \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::U32>>() \
+                                    .RemainingArgs()          \
+                                    .RemainingRets()          \
+                                    .Attr<int32_t>("mode")    \
+                                    .Attr<bool>("sr")         \
+                                    .Attr<int32_t>("nthreads"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAdamwFlat, AdamwFlatImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .RemainingArgs()
-                                  .RemainingRets()
-                                  .Attr<int32_t>("mode")
-                                  .Attr<bool>("sr")
-                                  .Attr<int32_t>("nthreads"));
+OH_LEAVES_HANDLER(OhAdamw, false)
+OH_LEAVES_HANDLER(OhAdamwFlat, true)

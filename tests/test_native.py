@@ -185,16 +185,61 @@ def test_jax_kernel_equals_the_composed_transformation(name, monkeypatch):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_jax_kernel_over_calls_of_many_leaves_equals_the_composed_transformation(
+    compensation, monkeypatch):
+  """70 leaves (bf16 and fp32 mixed, so two dtype groups, the bf16 one over
+  two calls of _LEAVES_PER_CALL leaves and a third): every leaf keeps its own
+  random keys (its index among the leaves), in place and through tx.update."""
+  shapes = [(i % 7 + 1, 3 + i % 5) for i in range(70)]
+  params = {f"w{i:02d}": jnp.asarray(_values(i, s, 0.5)).astype(
+      jnp.float32 if i % 9 == 4 else jnp.bfloat16) for i, s in enumerate(shapes)}
+  grads = [{k: jnp.asarray(_values(100 * t + i, v.shape, 0.1)).astype(v.dtype)
+            for i, (k, v) in enumerate(params.items())} for t in range(2)]
+
+  def run(in_place):
+    tx = oh.adamw_bf16(1e-2, compensation=compensation)
+    p, s = params, tx.init(params)
+    for g in grads:
+      if in_place:
+        p, s = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p))(p, s, g)
+      else:
+        u, s = jax.jit(tx.update)(g, s, p)
+        p = optax.apply_updates(p, u)
+    return jax.tree.leaves((p, s))
+
+  with monkeypatch.context() as m:
+    m.setattr(jax_native, "available", lambda: False)
+    composed = run(False)
+  for in_place in (False, True):
+    native = run(in_place)
+    assert len(native) == len(composed)
+    for a, b in zip(native, composed):
+      assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
 def _custom_calls(tx, params):
   state = tx.init(params)
   return jax.jit(tx.update).lower(params, state, params).as_text().count(jax_native.TARGET)
 
 
-def test_jax_kernel_is_one_custom_call_per_leaf_where_it_applies():
+def test_jax_kernel_is_one_custom_call_per_dtype_group_where_it_applies():
+  """The leaves that share their dtypes go into one call: the bf16 leaves
+  "a" and "c" in one, the fp32 leaf "b" in another; 40 bf16 leaves in two
+  (at most _LEAVES_PER_CALL = 32 a call)."""
   tree = {"a": jnp.ones((4, 3), jnp.bfloat16), "b": jnp.ones(5), "c": jnp.ones((), jnp.bfloat16)}
-  assert _custom_calls(oh.adamw_bf16(1e-3), tree) == 3
-  assert _custom_calls(oh.adam_fp32_master(1e-3, skip_nonfinite=True), tree) == 3
-  assert _custom_calls(oh.dynamic_loss_scale(oh.adamw_bf16(1e-3)), tree) == 3
+  assert _custom_calls(oh.adamw_bf16(1e-3), tree) == 2
+  assert _custom_calls(oh.adam_fp32_master(1e-3, skip_nonfinite=True), tree) == 2
+  assert _custom_calls(oh.dynamic_loss_scale(oh.adamw_bf16(1e-3)), tree) == 2
+  many = {f"w{i}": jnp.ones((i + 1,), jnp.bfloat16) for i in range(40)}
+  assert jax_native._LEAVES_PER_CALL == 32
+  assert _custom_calls(oh.adamw_bf16(1e-3), many) == 2
+  assert _custom_calls(oh.adamw_bf16(1e-3), dict(list(many.items())[:32])) == 1
+  # Gradients of two dtypes (the bf16 params' grads in bf16 and fp32): two groups.
+  state = oh.adamw_bf16(1e-3).init(many)
+  grads = {k: v.astype(jnp.float32) if k in ("w3", "w7") else v for k, v in many.items()}
+  text = jax.jit(oh.adamw_bf16(1e-3).update).lower(grads, state, many).as_text()
+  assert text.count(jax_native.TARGET) == 3  # 38 leaves in two calls, 2 in one
   # fp16 leaves, integer leaves and moments of another dtype: the composed transformation.
   assert _custom_calls(oh.adamw_bf16(1e-3), {**tree, "h": jnp.ones(3, jnp.float16)}) == 0
   assert _custom_calls(oh.adamw_bf16(1e-3, mu_dtype=jnp.float16), tree) == 0
@@ -224,7 +269,7 @@ def test_jax_kernel_updates_the_state_in_place_when_it_is_donated():
   assert big_copies == []
   assert hlo.count("custom-call(") == 1
   # new param -> the gradient's buffer; mu, nu, compensation -> their own.
-  assert "output_to_operand_aliasing={{0}: (1, {}), {1}: (2, {}), {2}: (3, {}), {3}: (4, {})}" in hlo
+  assert "output_to_operand_aliasing={{0}: (3, {}), {1}: (4, {}), {2}: (5, {}), {3}: (6, {})}" in hlo
 
 
 def _entry(hlo: str) -> list:
@@ -262,7 +307,7 @@ def test_update_and_apply_writes_the_new_params_into_their_own_buffers():
 
   hlo, ops = big_ops(in_place)
   assert ops == ["custom-call", "fusion"], ops  # the kernel, and the gradient's convert
-  assert "output_to_operand_aliasing={{0}: (0, {}), {1}: (2, {}), {2}: (3, {}), {3}: (4, {})}" in hlo
+  assert "output_to_operand_aliasing={{0}: (2, {}), {1}: (4, {}), {2}: (5, {}), {3}: (6, {})}" in hlo
   _, ops = big_ops(protocol)
   assert ops == ["custom-call", "fusion", "fusion"], ops  # + the apply_updates pass
 
@@ -301,7 +346,7 @@ def test_update_and_apply_skips_nonfinite_steps_as_update_then_apply_updates(nam
   params = {"w": jnp.ones((256,), jnp.bfloat16)}
   step = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
   calls = step.lower(params, tx.init(params), params).compile().as_text()
-  assert "output_to_operand_aliasing={{0}: (0, {})" in calls  # in place
+  assert "output_to_operand_aliasing={{0}: (2, {})" in calls  # in place
   a = _jax_run(make, ("mat",), jit=jit, in_place=True, nan_step=1)
   b = _jax_run(make, ("mat",), jit=jit, nan_step=1)
   assert len(a) == len(b)
@@ -380,7 +425,7 @@ def test_loss_scale_never_forms_fp32_copies_of_the_gradients():
   # The step and the finiteness check (one pass over the gradient).
   assert hlo.count(f'custom_call_target="{jax_native.TARGET}"') == 1
   assert hlo.count(f'custom_call_target="{jax_native.FINITE_TARGET}"') == 1
-  assert "output_to_operand_aliasing={{0}: (0, {})" in hlo  # in place
+  assert "output_to_operand_aliasing={{0}: (2, {})" in hlo  # in place
   # Every buffer of the step: the results of the entry computation's and the
   # branches' instructions (a fusion's inner values live in registers).
   computations = [c for c in hlo.split("\n\n") if not c.lstrip().startswith(
@@ -559,17 +604,29 @@ def test_torch_kernel_param_groups_with_their_own_hyperparameters():
 
 def test_the_custom_call_checks_its_operands():
   """A mistaken call is an error, not an out-of-bounds write."""
-  assert jax_native.available()  # registers the handler
+  assert jax_native.available()  # registers the handlers
   p = jnp.ones(8, jnp.bfloat16)
-  scalars, keys = jnp.zeros(10, jnp.float32), jnp.zeros(2, jnp.uint32)
-  with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
-    jax_native._leaf(p, p, p, p, None, scalars, keys, "kahan", False)
-  with pytest.raises(Exception, match="the mode's buffer is missing or mistyped"):
-    jax_native._leaf(p, p, p, p, jnp.zeros(8, jnp.int16), scalars, keys, "master", False)
-  with pytest.raises(Exception, match="p, g, mu, nu and p_out must have one size"):
-    jax_native._leaf(p, p, jnp.ones(4, jnp.bfloat16), p, p, scalars, keys, "kahan", False)
+  scalars, keys = jnp.zeros(10, jnp.float32), jnp.zeros((1, 2), jnp.uint32)
+
+  def call(leaves, states, mode="kahan", target=jax_native.TARGET, scalars=scalars, keys=keys):
+    return jax_native._call(target, mode, False, scalars, keys, leaves, leaves, states, False)
+
+  with pytest.raises(Exception, match="the mode's buffer\\) must have the param's size"):
+    call([p], [[p], [p], [None]])
+  with pytest.raises(Exception, match="the mode's buffer is mistyped"):
+    call([p], [[p], [p], [jnp.zeros(8, jnp.int16)]], mode="master")
+  with pytest.raises(Exception, match="must have the param's size"):
+    call([p], [[jnp.ones(4, jnp.bfloat16)], [p], [p]])
   with pytest.raises(Exception, match=r"scalars must be f32\[10\]"):
-    jax_native._leaf(p, p, p, p, p, jnp.zeros(9, jnp.float32), keys, "kahan", False)
+    call([p], [[p], [p], [p]], scalars=jnp.zeros(9, jnp.float32))
+  with pytest.raises(Exception, match="operands p..., g..., mu..., nu..., buffer..."):
+    call([p], [[p], [p], [p]], keys=jnp.zeros((2, 2), jnp.uint32))
+  with pytest.raises(Exception, match="the leaves of one call share dtypes"):
+    q = jnp.ones(8, jnp.float32)
+    call([p, q], [[p, p], [p, p], [p, p]], keys=jnp.zeros((2, 2), jnp.uint32))
+  with pytest.raises(Exception, match="must hold every leaf's elements"):
+    call([p, p], [[p], [p], [p]], target=jax_native.FLAT_TARGET,
+         keys=jnp.zeros((2, 2), jnp.uint32))
 
 
 @pytest.mark.parametrize("jit", [True, False], ids=["jit", "op by op"])
@@ -793,7 +850,7 @@ def test_chain_steps_its_last_optimizer_in_place():
   assert len(calls) == 2 * (jax.default_backend() == "cpu" and jax_native.available())
   if calls:  # the bf16 param: the kernel's new param into the param's buffer (operand 0)
     w_call = next(c for c in calls if "bf16[256,128]" in c)
-    assert "output_to_operand_aliasing={{0}: (0, {})" in w_call
+    assert "output_to_operand_aliasing={{0}: (2, {})" in w_call
   with pytest.raises(ValueError, match="at least one"):
     oh.chain()
   with pytest.raises(ValueError, match="a state of another chain"):
