@@ -17,6 +17,7 @@ import platform
 import random
 import statistics
 import sys
+import time
 
 # (shape, count): ~16.8M params in 16 leaves of mixed shapes, or in 512 small leaves.
 TREES = {
@@ -75,6 +76,26 @@ def interleaved(runs: dict, reps: int):
   for _ in range(reps):
     rng.shuffle(order)
     yield from order
+
+
+# Idle time before each timed step (``--settle-ms``). On this 2-core VM a
+# step that started right after another run's ended ran slower by up to a
+# third (the Kahan step in place after scaled_adam: 8.96-9.42 ms against
+# 7.71-8.06 with 20 ms of idle first, with heap malloc too, so not glibc's
+# unmapping; the memory-bound reference moved within its noise):
+# benchmarks/README.md. 0 times the runs back to back.
+SETTLE_MS = 20.0
+
+
+def add_settle_argument(parser) -> None:
+  parser.add_argument("--settle-ms", type=float, default=SETTLE_MS,
+                      help=f"idle milliseconds before each timed step (default {SETTLE_MS:g}; "
+                           "0: back to back)")
+
+
+def settle(ms: float) -> None:
+  if ms > 0:
+    time.sleep(ms / 1e3)
 
 
 def median_ms(times) -> float:

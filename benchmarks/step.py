@@ -114,6 +114,7 @@ def main(argv=None):
                       help="gradients given to the step, or computed in it (the gradient of "
                            "a linear loss: a pass that produces them, as a backward pass would)")
   parser.add_argument("--json", default=None)
+  common.add_settle_argument(parser)
   parser.add_argument("--heap-malloc", action="store_true",
                       help="rerun with glibc serving large allocations from the heap "
                            "(common.HEAP_MALLOC_ENV)")
@@ -165,6 +166,7 @@ def main(argv=None):
 
   for r in common.interleaved(runs, reps):
     g = fresh(r["grads"])  # untimed: a step's gradients are its own, dead after it
+    common.settle(args.settle_ms)
     start = time.perf_counter()
     r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
     jax.block_until_ready(r["params"])
@@ -174,7 +176,7 @@ def main(argv=None):
                       f"{', heap-only malloc' if heap_malloc else ''}",
                       runs, "optax.adamw fp32 (reference)", n, bw, args.json,
                       extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads,
-                                 heap_malloc=heap_malloc))
+                                 heap_malloc=heap_malloc, settle_ms=args.settle_ms))
   print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   return out

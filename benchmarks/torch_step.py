@@ -89,6 +89,7 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--only", default=None, help="comma-separated candidate names (+ reference)")
   parser.add_argument("--json", default=None)
+  common.add_settle_argument(parser)
   parser.add_argument("--heap-malloc", action="store_true",
                       help="rerun with glibc serving large allocations from the heap "
                            "(common.HEAP_MALLOC_ENV)")
@@ -120,6 +121,7 @@ def main(argv=None):
                       bytes_per_param=(persistent + param_bytes) / n,
                       moved_per_param=(2 * persistent + param_bytes) / n)
   for run in common.interleaved(runs, reps):
+    common.settle(args.settle_ms)
     start = time.perf_counter()
     run["opt"].step()
     run["times"].append(time.perf_counter() - start)
@@ -127,7 +129,8 @@ def main(argv=None):
       f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}"
       f"{', heap-only malloc' if heap_malloc else ''}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
-      extra=dict(framework="torch", tree=tree_name, reps=reps, heap_malloc=heap_malloc))
+      extra=dict(framework="torch", tree=tree_name, reps=reps, heap_malloc=heap_malloc,
+                 settle_ms=args.settle_ms))
 
 
 if __name__ == "__main__":

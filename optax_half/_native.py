@@ -26,7 +26,7 @@ import optax
 
 import optax_half_native as native
 from optax_half import _flat, rounding
-from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite, unzip
+from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite
 
 __all__ = ["available", "fused"]
 

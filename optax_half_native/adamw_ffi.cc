@@ -180,6 +180,18 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   ffi::DataType types[4] = {ffi::DataType::INVALID, ffi::DataType::INVALID,
                             st[state_at(0, 0)].element_type(), st[state_at(1, 0)].element_type()};
   const bool buffered = needs_buffer(mode);
+  if (kFlat) {  // the flat arrays hold every leaf's elements (checked before any pointer is formed)
+    size_t total = 0;
+    for (size_t k = 0; k < n; ++k) {
+      ffi::ErrorOr<ffi::AnyBuffer> p = args.get<ffi::AnyBuffer>(k);
+      if (p.has_error()) return p.error();
+      total += p->element_count();
+    }
+    if (st[0].element_count() != total || st[1].element_count() != total ||
+        st[2].element_count() != (buffered ? total : 0)) {
+      return invalid("mu, nu (and the mode's buffer) must hold every leaf's elements");
+    }
+  }
   int64_t offset = 0;  // of leaf k in a flat state
   for (size_t k = 0; k < n; ++k) {
     ffi::ErrorOr<ffi::AnyBuffer> p = args.get<ffi::AnyBuffer>(k), g = args.get<ffi::AnyBuffer>(n + k);
@@ -194,8 +206,9 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
       return invalid("the leaves of one call share dtypes");
     }
     const int64_t numel = int64_t(p->element_count());
-    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel) {
-      return invalid("p, g and p_out must have one size");
+    if (int64_t(g->element_count()) != numel || int64_t((*p_out)->element_count()) != numel ||
+        (*p_out)->element_type() != types[0]) {
+      return invalid("p, g and p_out must have one size, p_out p's dtype");
     }
     char* state[3];
     for (int f = 0; f < 3; ++f) {
@@ -204,7 +217,7 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
         return invalid("the leaves of one call share dtypes");
       }
       // A state array per leaf holds that leaf's elements (the buffer: none for
-      // a mode without one); a flat one is checked against the total below.
+      // a mode without one); a flat one was checked against the total above.
       const size_t want = (f < 2 || buffered) ? size_t(numel) : 0;
       if (!kFlat && a.element_count() != want) {
         return invalid("mu, nu (and the mode's buffer) must have the param's size");
@@ -223,13 +236,6 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
     t.buffer = buffered ? reinterpret_cast<uint64_t>(state[2]) : 0;
     set_scalars(t, scalars, keys.typed_data() + 2 * k);
     offset += numel;
-  }
-  if (kFlat) {
-    const size_t total = size_t(offset);
-    if (st[0].element_count() != total || st[1].element_count() != total ||
-        st[2].element_count() != (buffered ? total : 0)) {
-      return invalid("mu, nu (and the mode's buffer) must hold every leaf's elements");
-    }
   }
   if (buffered && offset > 0 && st[state_at(2, 0)].element_type() != buffer_type(mode, types[0])) {
     return invalid("the mode's buffer is mistyped");

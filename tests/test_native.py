@@ -5,8 +5,8 @@ CPU) equals ``fused=False`` (the eager per-tensor reference) bit for bit in
 params and every state tensor, for every compensation, moment dtype and
 rounding, bf16 and fp32 params, bf16 and fp32 gradients, sizes that split
 over threads. JAX: ``adamw_bf16`` / ``adam_fp32_master`` with the kernel (one
-XLA custom call per leaf) equal the composed transformations bit for bit,
-jitted and op by op. (JAX vs torch with the kernel on both sides: test_parity.)
+XLA custom call per group of leaves sharing their dtypes) equal the composed
+transformations bit for bit, jitted and op by op. (JAX vs torch with the kernel on both sides: test_parity.)
 """
 
 import itertools
@@ -621,6 +621,12 @@ def test_the_custom_call_checks_its_operands():
     call([p], [[p], [p], [p]], scalars=jnp.zeros(9, jnp.float32))
   with pytest.raises(Exception, match="operands p..., g..., mu..., nu..., buffer..."):
     call([p], [[p], [p], [p]], keys=jnp.zeros((2, 2), jnp.uint32))
+  with pytest.raises(Exception, match="p_out p's dtype"):  # an fp32 param's bf16 p_out
+    q = jnp.ones(8, jnp.float32)
+    jax.ffi.ffi_call(jax_native.TARGET, [jax.ShapeDtypeStruct((8,), jnp.bfloat16)] + [
+        jax.ShapeDtypeStruct((8,), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((0,), jnp.float32)],
+        vmap_method="sequential")(scalars, keys, q, q, q, q, jnp.zeros(0, jnp.float32),
+                                  mode=np.int32(6), sr=False, nthreads=np.int32(1))
   with pytest.raises(Exception, match="the leaves of one call share dtypes"):
     q = jnp.ones(8, jnp.float32)
     call([p, q], [[p, p], [p, p], [p, p]], keys=jnp.zeros((2, 2), jnp.uint32))
@@ -848,7 +854,7 @@ def test_chain_steps_its_last_optimizer_in_place():
   calls = [line for line in hlo.splitlines()  # in the skip's branch
            if jax_native.TARGET in line and "custom-call(" in line]
   assert len(calls) == 2 * (jax.default_backend() == "cpu" and jax_native.available())
-  if calls:  # the bf16 param: the kernel's new param into the param's buffer (operand 0)
+  if calls:  # the bf16 param: the kernel's new param into the param's buffer (operand 2)
     w_call = next(c for c in calls if "bf16[256,128]" in c)
     assert "output_to_operand_aliasing={{0}: (2, {})" in w_call
   with pytest.raises(ValueError, match="at least one"):
