@@ -78,13 +78,12 @@ def interleaved(runs: dict, reps: int):
     yield from order
 
 
-# Idle time before each timed step (``--settle-ms``). On this 2-core VM a
-# step that started right after another run's ended ran slower by up to a
-# third (the Kahan step in place after scaled_adam: 8.96-9.42 ms against
-# 7.71-8.06 with 20 ms of idle first, with heap malloc too, so not glibc's
-# unmapping; the memory-bound reference moved within its noise):
-# benchmarks/README.md. 0 times the runs back to back.
-SETTLE_MS = 20.0
+# Idle time before each timed step (``--settle-ms``; default 0, back to
+# back). Idle changes what it measures on this 2-core VM: XLA's pool threads
+# park, and waking them costs a step with many parallel loops. With 20 ms
+# before each step, optax.adamw fp32 took 13.6 ms against 9.4-10.4 back to
+# back, while the Kahan step in place stayed at 6.8-7.1 (benchmarks/README.md).
+SETTLE_MS = 0.0
 
 
 def add_settle_argument(parser) -> None:

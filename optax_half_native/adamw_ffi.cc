@@ -70,12 +70,17 @@ bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::Parallel
 }
 
 // Chunks on XLA's intra-op thread pool, claimed one at a time by the calling
-// thread and by up to nthreads - 1 helpers scheduled on the pool: threads of
+// thread and by up to nthreads helpers scheduled on the pool: threads of
 // our own would compete with XLA's (measured: a 16.8M-param Kahan step took
-// 15 ms on 2 threads of ours, 12 on 1). The caller works until every chunk is
-// claimed and then waits only for chunks being stepped, so it never waits for
-// a helper that has not started (the pool may be busy, even with another call
-// like this one); a helper that starts late finds nothing left and returns.
+// 15 ms on 2 threads of ours, 12 on 1). One helper per thread, not nthreads - 1:
+// the caller is often one of the pool's threads, and a single helper then
+// often never ran while the caller stepped (a 16.8M-param Kahan step in
+// place took 11-14 ms, one thread's time, in about 40% of steps, 6.6-7.1 in
+// the rest; with a helper per thread, 6.4-7.5 in all but one of 80). The
+// caller works until every chunk is claimed and then waits only for chunks
+// being stepped, so it never waits for a helper that has not started (the
+// pool may be busy, even with another call like this one); a helper that
+// starts late finds nothing left and returns.
 oh::ParallelFor pool_parallel_for(ffi::ThreadPool& pool, int64_t nthreads) {
   return [&pool, nthreads](int64_t nchunks, const std::function<void(int64_t)>& fn) {
     struct Counters {
@@ -90,7 +95,7 @@ oh::ParallelFor pool_parallel_for(ffi::ThreadPool& pool, int64_t nthreads) {
         counters->done.fetch_add(1, std::memory_order_release);
       }
     };
-    const int64_t helpers = std::min({pool.num_threads(), nthreads - 1, nchunks - 1});
+    const int64_t helpers = std::min({pool.num_threads(), nthreads, nchunks - 1});
     for (int64_t i = 0; i < helpers; ++i) pool.Schedule(decltype(work)(work));  // a copy each
     work();
     while (counters->done.load(std::memory_order_acquire) < nchunks) std::this_thread::yield();

@@ -38,9 +38,9 @@ def test_jax_benchmark_quick(tmp_path):
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
                      "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18)})
   assert out["runs"]["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
-  assert out["settle_ms"] == 20.0
-  back_to_back = step.main(["--quick", "--reps", "1", "--settle-ms", "0", "--only", "scaled_adam"])
-  assert back_to_back["settle_ms"] == 0.0
+  assert out["settle_ms"] == 0.0
+  idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--only", "scaled_adam"])
+  assert idle["settle_ms"] == 5.0
 
 
 def test_torch_benchmark_quick(tmp_path):
