@@ -73,10 +73,10 @@ bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::Parallel
 // thread and by up to nthreads helpers scheduled on the pool: threads of
 // our own would compete with XLA's (measured: a 16.8M-param Kahan step took
 // 15 ms on 2 threads of ours, 12 on 1). One helper per thread, not nthreads - 1:
-// the caller is often one of the pool's threads, and a single helper then
+// the caller may itself be one of the pool's threads, and a single helper
 // often never ran while the caller stepped (a 16.8M-param Kahan step in
-// place took 11-14 ms, one thread's time, in about 40% of steps, 6.6-7.1 in
-// the rest; with a helper per thread, 6.4-7.5 in all but one of 80). The
+// place took 11-14 ms, one thread's time, in 17 of 40 steps, 6.6-8.5 in
+// the rest; with a helper per thread, 6.5-7.5 in 76 of 80, 7.8-10.4 in 4). The
 // caller works until every chunk is claimed and then waits only for chunks
 // being stepped, so it never waits for a helper that has not started (the
 // pool may be busy, even with another call like this one); a helper that
