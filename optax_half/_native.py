@@ -69,14 +69,17 @@ _EMPTY = np.zeros((0,), np.float32)
 _LEAVES_PER_CALL = 32
 
 
-def _call(target, mode: str, sr: bool, scalars, keys, leaves, grads, states, in_place: bool):
+def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, states,
+          in_place: bool):
   """One custom call of ``target`` (``TARGET``: a state array per leaf and
   field; ``FLAT_TARGET``: one per field) over leaves that share their dtypes.
   ``states``: the (mu, nu, buffer) lists, a buffer ``None`` for modes without
-  one. Returns (p_out list, (mu, nu, buffer) lists): the new params (or, in
+  one; the moments are written stochastically where ``state_rounding`` says
+  so and one of them is bf16. Returns (p_out list, (mu, nu, buffer) lists): the new params (or, in
   mode ``"update"``, the fp32 updates), and the state updated in place; with
   ``in_place`` the new params go into the params' buffers."""
   n = len(leaves)
+  sr = state_rounding == "stochastic" and jnp.bfloat16 in (states[0][0].dtype, states[1][0].dtype)
   states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
   out_dtype = jnp.float32 if mode == "update" else leaves[0].dtype
   state_arrays = [x for field in states for x in field]
@@ -326,10 +329,11 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   field = _BUFFER_FIELD.get(kind)
   flats = [core.mu, core.nu, None if field is None else getattr(state, field)]
   states = [[None] if f is None else list(f.arrays.values()) for f in flats]
-  keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))  # all float: index = position
-  sr = state_rounding == "stochastic" and jnp.bfloat16 in (states[0][0].dtype, states[1][0].dtype)
-  p_out, new = _call(FLAT_TARGET, kind, sr, _scalars(hyperparams, adam, core.count, grad_scale),
-                     keys, leaves, grads, states, in_place)
+  # Every leaf is a float leaf: its leaf index is its position.
+  keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))
+  scalars = _scalars(hyperparams, adam, core.count, grad_scale)
+  p_out, new = _call(FLAT_TARGET, kind, state_rounding, scalars, keys, leaves, grads, states,
+                     in_place)
   if in_place:
     result = jax.tree.unflatten(treedef, p_out)
   else:
@@ -371,10 +375,9 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
     pick = lambda xs: [xs[k] for k in ks]  # noqa: E731
     has_buffer = buffer_dtype is not None
     states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
-    sr = state_rounding == "stochastic" and jnp.bfloat16 in (mus[ks[0]].dtype, nus[ks[0]].dtype)
     keys = _keys(kind, state, jnp.asarray([index[k] for k in ks], jnp.uint32))
-    p_out, (m, v, b) = _call(TARGET, mode, sr, scalars, keys, pick(leaves), pick(grads), states,
-                             in_place and mode != "update")
+    p_out, (m, v, b) = _call(TARGET, mode, state_rounding, scalars, keys, pick(leaves),
+                             pick(grads), states, in_place and mode != "update")
     for j, k in enumerate(ks):
       p = leaves[k]
       if mode == "update":  # p_out is the fp32 update; in place, what apply_updates does

@@ -609,7 +609,7 @@ def test_the_custom_call_checks_its_operands():
   scalars, keys = jnp.zeros(10, jnp.float32), jnp.zeros((1, 2), jnp.uint32)
 
   def call(leaves, states, mode="kahan", target=jax_native.TARGET, scalars=scalars, keys=keys):
-    return jax_native._call(target, mode, False, scalars, keys, leaves, leaves, states, False)
+    return jax_native._call(target, mode, "nearest", scalars, keys, leaves, leaves, states, False)
 
   with pytest.raises(Exception, match="the mode's buffer\\) must have the param's size"):
     call([p], [[p], [p], [None]])
