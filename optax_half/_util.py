@@ -6,9 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental.shard_alike import shard_alike
 
 from optax_half import _in_place, rounding
+
+try:
+  from jax.experimental.shard_alike import shard_alike
+except ImportError:  # JAX 0.11 has no shard_alike: state then takes XLA's own sharding
+  shard_alike = None
 
 
 def is_float(x) -> bool:
@@ -24,7 +28,8 @@ def like_param(p, x) -> jax.Array:
   data moves). Eagerly, and under explicit sharding, ``x`` already follows
   ``p`` and is returned as it is.
   """
-  if isinstance(p, jax.core.Tracer) or isinstance(x, jax.core.Tracer):
+  if shard_alike is not None and (isinstance(p, jax.core.Tracer)
+                                  or isinstance(x, jax.core.Tracer)):
     return shard_alike(p, x)[1]
   return x
 
