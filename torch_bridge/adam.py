@@ -241,7 +241,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
       b2 = torch.tensor(f32(group["b2"]))
       bc1 = torch.tensor(rounding.one_minus_pow(f32(group["b1"]), t))
       bc2 = torch.tensor(rounding.one_minus_pow(f32(group["b2"]), t))
-      cache[key] = tuple(s.to(device) for s in (
+      # fp32 arithmetic on the host; each value goes to the device by a fill (no sync).
+      cache[key] = tuple(rounding.device_scalar(s.item(), torch.float32, device) for s in (
           torch.tensor(f32(lr)), b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2,
           torch.tensor(f32(group["eps"])), torch.tensor(f32(group["weight_decay"]))))
     return cache[key]

@@ -20,6 +20,7 @@ __all__ = [
     "join_f32",
     "mix32",
     "leaf_key",
+    "device_scalar",
     "key_tensor",
     "bits_from_key",
     "random_bits",
@@ -75,10 +76,21 @@ def leaf_key(seed: int, step: int, stream: int, leaf: int) -> int:
   return k
 
 
+def device_scalar(value, dtype: torch.dtype, device=None) -> torch.Tensor:
+  """A 0-dim ``dtype`` tensor holding ``value`` (exact in ``dtype``) on ``device``.
+
+  Written by a fill: ``torch.tensor(value).to(device)`` copies from pageable
+  host memory, and on CUDA that copy makes the host wait for the stream (a
+  sync, which ``torch.cuda.set_sync_debug_mode`` reports); a fill is a kernel
+  launch that takes the value as an argument.
+  """
+  return torch.full((), value, dtype=dtype, device=device)
+
+
 def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> torch.Tensor:
   """``leaf_key`` as a 0-dim int32 tensor (its uint32 bits), for ``bits_from_key``."""
   key = leaf_key(int(seed), int(step), int(stream), int(leaf))
-  return torch.tensor(_signed32(key), dtype=torch.int32).to(device)
+  return device_scalar(_signed32(key), torch.int32, device)
 
 
 def _counter(shape, device, index) -> torch.Tensor:
