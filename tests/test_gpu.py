@@ -1,0 +1,247 @@
+"""On a GPU: the steps that run there equal the CPU steps, and they do not sync.
+
+CI has no GPU, so every test here is skipped there; on a machine with one
+(``jax[cuda]`` and a CUDA build of torch) they run with the rest. The CPU
+side of each comparison is the reference: on CPU the JAX steps are the
+native kernel, bitwise equal to the composed transformation (test_native),
+and the torch steps are equal to the JAX ones (test_parity). On the GPU
+JAX runs the composed transformation (``lax.platform_dependent``) and
+torch_bridge its eager or compiled (Triton) step.
+
+Measured on one H100 (jax 0.11.2, torch 2.11.0+cu130, 2026-11-24): the JAX
+adamw_bf16 steps (every compensation) and scaled_adam, and the eager torch
+steps, equal the CPU steps bit for bit over these 12 steps, and no JAX step
+made an implicit host transfer. GPU-compiled code does not always: the fp32
+master of adam_fp32_master (JAX, and torch compiled with Triton) was up to
+10 ULP off, the Kahan buffer 2 ULP, and over 200 steps the parity harness
+saw bf16 params up to 4 ULP apart. The cause is not established (a likely
+one: GPU compilers lower fp32 division to an approximate instruction). Those
+cases are marked ``xfail`` with what was measured, so that they report.
+"""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_half as oh
+from tests.conftest import bitwise_equal, ulp_diff
+
+JAX_GPU = jax.default_backend() == "gpu"
+jax_gpu = pytest.mark.skipif(not JAX_GPU, reason="JAX has no GPU here")
+
+GPU_COMPILED = ("GPU-compiled fp32 arithmetic differs from the CPU's (docs/algorithms.md, "
+                "'On GPU'); measured on an H100: fp32 master up to 10 ULP, Kahan buffer 2 ULP")
+# The configurations measured to differ (the others were bitwise equal).
+JAX_DIFFERS = {"adam_fp32_master", "loss_scale(adamw_bf16)"}
+TORCH_COMPILED_DIFFERS = {"adamw_bf16/kahan", "adamw_bf16/split", "adam_fp32_master"}
+
+SHAPES = {"w": (96, 64), "b": (64,), "block": (5, 7, 3), "one": (1,), "scalar": ()}
+STEPS = 12
+
+
+def _params(dtype):
+  rng = np.random.default_rng(0)
+  return {k: rng.standard_normal(s).astype(np.float32).astype(dtype) for k, s in SHAPES.items()}
+
+
+def _grads(step, dtype):
+  rng = np.random.default_rng(100 + step)
+  return {k: (0.1 * rng.standard_normal(s)).astype(np.float32).astype(dtype)
+          for k, s in SHAPES.items()}
+
+
+JAX_CASES = {
+    "adamw_bf16/kahan": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1),
+    "adamw_bf16/split": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1, compensation="split"),
+    "adamw_bf16/stochastic": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1,
+                                                   compensation="stochastic"),
+    "adamw_bf16/none+nearest": lambda: oh.adamw_bf16(1e-3, compensation="none",
+                                                     state_rounding="nearest"),
+    "adam_fp32_master": lambda: oh.adam_fp32_master(1e-3, weight_decay=0.1),
+    "loss_scale(adamw_bf16)": lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-3),
+                                                            init_scale=2.0 ** 10),
+}
+
+
+def _run_jax(make, device, in_place):
+  tx = make()
+  with jax.default_device(device):
+    params = jax.device_put(_params(jnp.bfloat16), device)
+    state = jax.jit(tx.init)(params)
+
+    def step(params, state, grads):
+      if in_place:
+        return oh.update_and_apply(tx, grads, state, params)
+      updates, state = tx.update(grads, state, params)
+      return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    for t in range(STEPS):
+      grads = jax.device_put(_grads(t, jnp.bfloat16), device)
+      with jax.transfer_guard("disallow"):  # no implicit host <-> device copy in a step
+        params, state = step(params, state, grads)
+    return jax.device_get((params, state))
+
+
+@jax_gpu
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "in_place"])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=GPU_COMPILED)) if n in JAX_DIFFERS else n
+    for n in JAX_CASES])
+def test_jax_step_on_gpu_equals_cpu(name, in_place):
+  gpu = _run_jax(JAX_CASES[name], jax.devices("gpu")[0], in_place)
+  cpu = _run_jax(JAX_CASES[name], jax.devices("cpu")[0], in_place)
+  g_leaves, g_def = jax.tree.flatten(gpu)
+  c_leaves, c_def = jax.tree.flatten(cpu)
+  assert g_def == c_def
+  worst = {jax.tree_util.keystr(path): ulp_diff(np.asarray(a), np.asarray(b))
+           for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(gpu)[0], c_leaves)
+           if jnp.issubdtype(np.asarray(a).dtype, jnp.floating)}
+  print("\nGPUCHECK", name, in_place, max(worst.values()), worst)
+  unequal = [k for (k, a), b in zip(jax.tree_util.tree_flatten_with_path(gpu)[0], c_leaves)
+             if not bitwise_equal(a, b)]
+  assert not unequal, (name, worst)
+
+
+@jax_gpu
+def test_jax_scaled_adam_on_gpu_is_close_to_cpu():
+  make = lambda: oh.scaled_adam(3e-2, clipping_scale=2.0, clipping_update_period=4)
+  gpu = _run_jax(make, jax.devices("gpu")[0], False)
+  cpu = _run_jax(make, jax.devices("cpu")[0], False)
+  worst = max(ulp_diff(np.asarray(a), np.asarray(b))
+              for a, b in zip(jax.tree.leaves(gpu[0]), jax.tree.leaves(cpu[0])))
+  print("\nGPUCHECK scaled_adam", worst)
+  assert worst <= 2, worst  # its sums may run in another order on a GPU (measured: 0)
+
+
+# ----------------------------------------------------------------------------
+# torch_bridge on CUDA.
+# ----------------------------------------------------------------------------
+
+try:
+  import torch
+
+  import torch_bridge as tb
+  from torch_bridge import dlpack
+  TORCH_CUDA = torch.cuda.is_available()
+except ImportError:
+  TORCH_CUDA = False
+torch_cuda = pytest.mark.skipif(not TORCH_CUDA, reason="torch has no CUDA here")
+
+TORCH_CASES = {
+    "adamw_bf16/kahan": lambda ps, **kw: tb.adamw_bf16(ps, 1e-3, weight_decay=0.1, **kw),
+    "adamw_bf16/split": lambda ps, **kw: tb.adamw_bf16(ps, 1e-3, weight_decay=0.1,
+                                                       compensation="split", **kw),
+    "adamw_bf16/stochastic": lambda ps, **kw: tb.adamw_bf16(
+        ps, 1e-3, weight_decay=0.1, compensation="stochastic", **kw),
+    "adamw_bf16/none+nearest": lambda ps, **kw: tb.adamw_bf16(
+        ps, 1e-3, compensation="none", state_rounding="nearest", **kw),
+    "adam_fp32_master": lambda ps, **kw: tb.adam_fp32_master(ps, 1e-3, weight_decay=0.1, **kw),
+}
+
+
+def _run_torch(make, device, fused=None, loss_scale=None):
+  """STEPS steps on ``device``; returns the params and optimizer state on the
+  host, and the number of synchronizing CUDA calls made by the steps after
+  the first (``torch.cuda.set_sync_debug_mode``)."""
+  params = [torch.from_numpy(np.asarray(v, np.float32)).to(torch.bfloat16).to(device)
+            .requires_grad_() for v in _params(np.float32).values()]
+  opt = make(params, fused=fused)
+  scaler = None if loss_scale is None else tb.dynamic_loss_scale(init_scale=loss_scale)
+  syncs = 0
+  for t in range(STEPS):
+    for p, g in zip(params, _grads(t, np.float32).values()):
+      g = torch.from_numpy(np.asarray(g, np.float32)).to(torch.bfloat16)
+      p.grad = (g if loss_scale is None else g * loss_scale).to(device)
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter("always")
+      if device.type == "cuda" and t > 0:
+        torch.cuda.set_sync_debug_mode("warn")
+      try:
+        if scaler is None:
+          opt.step()
+        else:
+          scaler.step(opt)
+          scaler.update()
+      finally:
+        if device.type == "cuda":
+          torch.cuda.set_sync_debug_mode("default")
+    syncs += sum("synchroniz" in str(w.message) for w in caught)
+  host = [p.detach().cpu() for p in params]
+  state = [{k: v.detach().cpu() for k, v in opt.state[p].items() if torch.is_tensor(v)}
+           for p in params]
+  return host, state, syncs
+
+
+def _ulp(a, b) -> int:
+  """Largest ULP distance of two host tensors (integers: 0 if equal, else 2**31)."""
+  if not a.is_floating_point():
+    return 0 if torch.equal(a, b) else 2 ** 31
+  return ulp_diff(dlpack.to_jax(a.contiguous()), dlpack.to_jax(b.contiguous()))
+
+
+@torch_cuda
+@pytest.mark.parametrize("fused", [None, False, True], ids=["default", "eager", "compiled"])
+@pytest.mark.parametrize("name", list(TORCH_CASES))
+def test_torch_step_on_cuda_equals_cpu(name, fused, request):
+  if fused and name in TORCH_COMPILED_DIFFERS:
+    request.applymarker(pytest.mark.xfail(reason=GPU_COMPILED))
+  gpu, gpu_state, _ = _run_torch(TORCH_CASES[name], torch.device("cuda"), fused)
+  cpu, cpu_state, _ = _run_torch(TORCH_CASES[name], torch.device("cpu"), fused)
+  worst = max(_ulp(a, b) for a, b in zip(gpu, cpu))
+  worst_state = {k: max(_ulp(s[k], c[k]) for s, c in zip(gpu_state, cpu_state))
+                 for k in gpu_state[0]}
+  print("\nGPUCHECK", name, fused, "params", worst, "state", worst_state)
+  assert worst == 0 and not any(worst_state.values()), (worst, worst_state)
+
+
+@torch_cuda
+@pytest.mark.parametrize("fused", [None, True], ids=["default", "compiled"])
+def test_torch_step_on_cuda_does_not_sync(fused):
+  # Before the scalars and keys were filled on the device (rounding.device_scalar),
+  # a step made 19 syncs here: 9 scalars and 2 keys per param, each copied from the host.
+  _, _, syncs = _run_torch(TORCH_CASES["adamw_bf16/stochastic"], torch.device("cuda"), fused)
+  print("\nGPUCHECK syncs", fused, syncs)
+  assert syncs == 0, syncs
+
+
+@torch_cuda
+def test_torch_loss_scaler_on_cuda_equals_cpu():
+  make = TORCH_CASES["adamw_bf16/kahan"]
+  gpu, gpu_state, syncs = _run_torch(make, torch.device("cuda"), loss_scale=2.0 ** 10)
+  cpu, cpu_state, _ = _run_torch(make, torch.device("cpu"), loss_scale=2.0 ** 10)
+  worst = max(_ulp(a, b) for a, b in zip(gpu, cpu))
+  print("\nGPUCHECK loss scaler", worst, "syncs", syncs)
+  assert worst == 0
+  # The scaler reads one bool a step on the host (found_inf), as GradScaler.step does.
+  assert syncs <= STEPS - 1, syncs
+
+
+@torch_cuda
+@jax_gpu
+def test_dlpack_shares_gpu_memory_both_ways():
+  x = jnp.arange(24, dtype=jnp.float32).reshape(4, 6).astype(jnp.bfloat16)
+  t = dlpack.to_torch(x)
+  assert t.is_cuda and t.data_ptr() == x.unsafe_buffer_pointer()
+  src = torch.arange(24, dtype=torch.float32, device="cuda").reshape(4, 6).to(torch.bfloat16)
+  y = dlpack.to_jax(src)
+  assert y.devices() == {jax.devices("gpu")[0]} and y.unsafe_buffer_pointer() == src.data_ptr()
+  assert bitwise_equal(np.asarray(y), np.asarray(x))
+
+
+@torch_cuda
+@jax_gpu
+@pytest.mark.parametrize("config", [
+    "adamw_bf16", "adamw_bf16/stochastic", "adamw_bf16+loss_scale",
+    pytest.param("adam_fp32_master", marks=pytest.mark.xfail(
+        reason=GPU_COMPILED + "; the harness compares JAX on the GPU with eager torch"))])
+def test_parity_harness_on_gpu(config):
+  from torch_bridge import parity
+  report = parity.run_config(config, "bfloat16", steps=50)
+  print(report.table())
+  assert report.ok, report.table()
+  assert not report.copies, report.copies
