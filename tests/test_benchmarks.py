@@ -23,7 +23,7 @@ def _check(out, path, expected_bytes):
   assert all(v > 1.0 for v in out["bandwidth_gb_per_s"].values())
   for name, row in out["runs"].items():
     assert len(row["times_ms"]) == out["reps"] and row["ms"] > 0, name
-    assert 0 < row["fraction_of_bandwidth"], name
+    assert (0 < row["fraction_of_bandwidth"]) == (row["moved_bytes_per_param"] > 0), name
   for name, (per_param, moved) in expected_bytes.items():
     row = out["runs"][name]
     # Scalars and leaf-count rounding aside, the bytes follow from the dtypes.
@@ -34,9 +34,11 @@ def _check(out, path, expected_bytes):
 def test_jax_benchmark_quick(tmp_path):
   path = tmp_path / "jax.json"
   out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
-                   "adamw_bf16 kahan,adam_fp32_master,adamw_bf16 kahan (update_and_apply)"])
+                   ",".join(["adamw_bf16 kahan", "adam_fp32_master",
+                             "adamw_bf16 kahan (update_and_apply)", step.FLOOR])])
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
-                     "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18)})
+                     "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18),
+                     step.FLOOR: (10, 0)})
   assert out["runs"]["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
   assert out["settle_ms"] == 0.0
   idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--only", "scaled_adam"])
