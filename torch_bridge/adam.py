@@ -20,11 +20,12 @@ import functools
 import types
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_no_float64,
-                                 check_param, f32, init_skip_nonfinite, load_nonfinite,
+                                 check_param, init_skip_nonfinite, load_nonfinite,
                                  load_state_dict_exact, register_param_group, run_step,
                                  seed_from_key, step_grad)
 
@@ -63,8 +64,10 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   elements (``rounding.bits_from_key``: 0 for a whole tensor, a shard's
   offset, or every element's). Written with tensor scalars only, so that
   ``torch.compile`` turns it into one loop without recompiling when the
-  learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor
-  compiles with ``-ffp-contract=off``); the JAX side matches with ``no_fma``.
+  learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor's
+  CPU backend compiles with ``-ffp-contract=off``); the JAX side matches with
+  ``no_fma``. Compiled for CUDA (Triton) the step differed from the eager one
+  by a few ULP in one H100 run (docs/algorithms.md, "On GPU").
   """
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
   key_p, key_m = keys
@@ -237,14 +240,16 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
   def _scalars(self, group: dict, t: int, lr: float, device, cache: dict):
     key = (t, device)
     if key not in cache:
-      b1 = torch.tensor(f32(group["b1"]))
-      b2 = torch.tensor(f32(group["b2"]))
-      bc1 = torch.tensor(rounding.one_minus_pow(f32(group["b1"]), t))
-      bc2 = torch.tensor(rounding.one_minus_pow(f32(group["b2"]), t))
-      # fp32 arithmetic on the host; each value goes to the device by a fill (no sync).
-      cache[key] = tuple(rounding.device_scalar(s.item(), torch.float32, device) for s in (
-          torch.tensor(f32(lr)), b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2,
-          torch.tensor(f32(group["eps"])), torch.tensor(f32(group["weight_decay"]))))
+      # fp32 numpy scalar ops on the host (each rounded once, whatever torch's
+      # default dtype); each value goes to the device by a fill (no sync).
+      one = np.float32(1)
+      b1, b2 = np.float32(group["b1"]), np.float32(group["b2"])
+      bc1 = np.float32(rounding.one_minus_pow(float(b1), t))
+      bc2 = np.float32(rounding.one_minus_pow(float(b2), t))
+      values = (np.float32(lr), b1, b2, one - b1, one - b2, one / bc1, one / bc2,
+                np.float32(group["eps"]), np.float32(group["weight_decay"]))
+      cache[key] = tuple(rounding.device_scalar(float(v), torch.float32, device)
+                         for v in values)
     return cache[key]
 
   @torch.compiler.disable
