@@ -26,7 +26,9 @@ def like_param(p, x) -> jax.Array:
   has no operand to take a sharding from) and does not carry a sharding
   through bit casts; ``shard_alike`` ties ``x`` to ``p`` (an annotation: no
   data moves). Eagerly, and under explicit sharding, ``x`` already follows
-  ``p`` and is returned as it is.
+  ``p`` and is returned as it is. On a JAX without
+  ``jax.experimental.shard_alike`` (0.11) there is no tie: under automatic
+  sharding XLA then lays out state made inside ``jit`` as it chooses.
   """
   if shard_alike is not None and (isinstance(p, jax.core.Tracer)
                                   or isinstance(x, jax.core.Tracer)):

@@ -30,6 +30,8 @@ import pytest
 
 import sharded_jax as sj
 
+from optax_half import _util
+
 HERE = Path(__file__).parent
 
 RUNS = [(name, axis, mesh) for name in sj.CONFIGS for axis, mesh in
@@ -50,7 +52,11 @@ def results():
 
 
 @pytest.mark.parametrize("name,axis,mesh", RUNS, ids=["/".join(r) for r in RUNS])
-def test_sharded_equals_one_device(results, name, axis, mesh):
+def test_sharded_equals_one_device(results, name, axis, mesh, request):
+  if axis == "Auto" and _util.shard_alike is None:
+    request.applymarker(pytest.mark.xfail(
+        reason="this JAX has no shard_alike: under automatic axes a jitted init's state "
+               "is laid out by XLA (docs/algorithms.md, section 13)"))
   r = results[(name, axis, mesh)]
   # State follows the params' sharding (a vacuous check would have checked nothing).
   assert r["checked"] >= 5, r
