@@ -13,7 +13,9 @@ repetitions after a warm-up; compile time is reported separately ("setup
 s"). Bytes/param count the params, one gradient and the optimizer state
 actually allocated; "moved" is the algorithm's minimum traffic
 (benchmarks/common.py) and "xla B/p" what XLA's ``cost_analysis()`` says the
-compiled step accesses (custom calls count as 0 there). Findings: benchmarks/README.md.
+compiled step accesses (custom calls count as 0 there); the temporaries XLA
+allocates for each step (``memory_analysis()``) are printed per param after the
+table. Findings: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -70,14 +72,23 @@ IN_PLACE_SUFFIX = " (update_and_apply)"
 # arrays in and out and no work. Its time is the floor of that tree layout.
 FLOOR = "floor: adamw_bf16 kahan's arrays returned untouched"
 
+# Gradient clipping before the Kahan step, in place: optax's clip_by_global_norm
+# and optax_half's (the same bits, no fp32 copy of the bf16 gradients).
+# (oh.chain of the two; no commas in the names: --only splits at them)
+CLIPPED = {f"{module}.clip_by_global_norm + kahan{IN_PLACE_SUFFIX}":
+           clip for module, clip in (("optax", optax.clip_by_global_norm),
+                                     ("oh", oh.clip_by_global_norm))}
+
 
 def all_candidates(lr=1e-3):
   """(dtype, tx, mode) by name: every candidate (mode False: tx.update and
-  apply_updates), then the in-place steps (True: update_and_apply), then the
-  floor ("identity")."""
+  apply_updates), then the in-place steps (True: update_and_apply), the
+  clipped in-place steps, then the floor ("identity")."""
   out = {name: (dtype, tx, False) for name, (dtype, tx) in candidates(lr).items()}
   for name in IN_PLACE:
     out[name + IN_PLACE_SUFFIX] = (*out[name][:2], True)
+  for name, clip in CLIPPED.items():
+    out[name] = (jnp.bfloat16, oh.chain(clip(1.0), oh.adamw_bf16(lr)), True)
   out[FLOOR] = (*out["adamw_bf16 kahan"][:2], "identity")
   return out
 
@@ -174,6 +185,8 @@ def main(argv=None):
                       moved_per_param=0.0 if in_place == "identity"
                       else (2 * persistent + nbytes(grads)) / n,
                       extra=dict(xla_bytes_accessed_per_param=float(cost.get("bytes accessed", 0))
+                                 / n,
+                                 xla_temp_bytes_per_param=fn.memory_analysis().temp_size_in_bytes
                                  / n))
     r = runs[name]
     for _ in range(2):  # warm-up
@@ -195,6 +208,8 @@ def main(argv=None):
                                  heap_malloc=heap_malloc, settle_ms=args.settle_ms))
   print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
+  print("\nXLA temporaries (memory_analysis, allocated each step) bytes per param: " + ", ".join(
+      f"{k}: {v['xla_temp_bytes_per_param']:.1f}" for k, v in out["runs"].items()))
   return out
 
 

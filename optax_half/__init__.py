@@ -10,6 +10,8 @@ ScaledAdam (icefall) and its schedule:
   scaled_adam, scaled_adam_stats, eden
 Schedules:
   preheat_decay_schedule, eden
+Gradient clipping (optax's, without an fp32 copy of 16-bit gradients):
+  clip_by_global_norm
 One step with the params written in place (the native kernel, on CPU):
   update_and_apply, and chain (optax.chain, in place through its last element)
 Checkpoints (Orbax, checked leaf by leaf):
@@ -18,6 +20,7 @@ Checkpoints (Orbax, checked leaf by leaf):
 
 from optax_half import checkpoint, rounding
 from optax_half._in_place import chain, update_and_apply
+from optax_half.clipping import clip_by_global_norm
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
 from optax_half.loss_scale import (
     DynamicLossScaleState,
@@ -52,6 +55,7 @@ __all__ = [
     "adamw_bf16",
     "chain",
     "checkpoint",
+    "clip_by_global_norm",
     "dynamic_loss_scale",
     "eden",
     "find_loss_scale_state",

@@ -37,6 +37,8 @@ JAX_ONLY = {
     "find_loss_scale_state": "torch: the scaler object is the state (scaler.state_dict())",
     "update_and_apply": "torch: optimizer.step() writes the params in place",
     "chain": "torch: transform the grads (e.g. clip_grad_norm_) before optimizer.step()",
+    "clip_by_global_norm": "optax's clipping compiled without an fp32 copy of 16-bit grads "
+                           "(XLA:CPU); torch: torch.nn.utils.clip_grad_norm_ on the grads",
 }
 # Readers of an optimizer's statistics: JAX finds them in a state pytree and
 # names leaves by the params tree; torch reads them from the optimizer object.

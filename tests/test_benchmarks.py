@@ -35,11 +35,21 @@ def test_jax_benchmark_quick(tmp_path):
   path = tmp_path / "jax.json"
   out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
                    ",".join(["adamw_bf16 kahan", "adam_fp32_master",
-                             "adamw_bf16 kahan (update_and_apply)", step.FLOOR])])
+                             "adamw_bf16 kahan (update_and_apply)", step.FLOOR, *step.CLIPPED])])
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
                      "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18),
                      step.FLOOR: (10, 0)})
-  assert out["runs"]["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
+  runs = out["runs"]
+  assert runs["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
+  # tx.update's update is a temporary (2 B/param); in place none is. Clipped,
+  # the clipped bf16 gradients are one (2); where XLA writes an fp32 copy of
+  # the gradients for optax's clipping, that copy (4) is the larger, and the
+  # clipped gradients reuse its memory.
+  assert runs["adamw_bf16 kahan"]["xla_temp_bytes_per_param"] == pytest.approx(2, abs=0.01)
+  assert runs["adamw_bf16 kahan (update_and_apply)"]["xla_temp_bytes_per_param"] < 0.01
+  optax_clip, oh_clip = (runs[name]["xla_temp_bytes_per_param"] for name in step.CLIPPED)
+  assert oh_clip == pytest.approx(2, abs=0.01)
+  assert optax_clip == pytest.approx(oh_clip) or optax_clip == pytest.approx(4, abs=0.01)
   assert out["settle_ms"] == 0.0
   idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--only", "scaled_adam"])
   assert idle["settle_ms"] == 5.0
