@@ -76,10 +76,6 @@ def _is_scalar(p: torch.Tensor) -> bool:
   return p.numel() <= 1
 
 
-def _np32(x) -> np.float32:
-  return np.float32(x)
-
-
 class ScaledAdam(torch.optim.Optimizer):
   r"""ScaledAdam; see ``scaled_adam`` and ``optax_half.scaled_adam`` for the math.
 
@@ -310,7 +306,7 @@ class ScaledAdam(torch.optim.Optimizer):
       index = self._device_tensor(("quartiles", P), quartile_indices(P), torch.int64, device)
       quartiles = torch.sort(c["model_norms"]).values.index_select(0, index)
       c["model_norm_threshold"] = f32(group["clipping_scale"]) * quartiles[2]
-      c["percent_clipped"] = (c["num_clipped"].float() * 100) * f32(_np32(1) / _np32(P))
+      c["percent_clipped"] = (c["num_clipped"].float() * 100) * f32(np.float32(1) / np.float32(P))
       c["quartiles"] = quartiles
       c["num_clipped"] = torch.zeros_like(c["num_clipped"])
     if t >= P:
@@ -347,15 +343,18 @@ class ScaledAdam(torch.optim.Optimizer):
     key = (t, lr)
     if key not in cache:
       S = group["size_update_period"]
-      k = {"b1": _np32(group["b1"]), "b2": _np32(group["b2"]), "eps": _np32(group["eps"]),
-           "one_minus_b1": _np32(1 - group["b1"]), "one_minus_b2": _np32(1 - group["b2"]),
-           "b2_corr": _np32(group["b2"] ** S), "one_minus_b2_corr": _np32(1 - group["b2"] ** S),
-           "lr": _np32(lr)}
-      k["size_lr"] = k["lr"] * _np32(group["scalar_lr_scale"])
-      k["bc2"] = _np32(rounding.one_minus_pow(k["b2"], t + 1, one_minus_b=k["one_minus_b2"]))
-      k["inv_bc2"] = _np32(1) / k["bc2"]
-      k["size_bc2"] = _np32(rounding.one_minus_pow(k["b2_corr"], (t + 1) // S,
-                                                  one_minus_b=k["one_minus_b2_corr"]))
+      k = {"b1": np.float32(group["b1"]), "b2": np.float32(group["b2"]),
+           "eps": np.float32(group["eps"]),
+           "one_minus_b1": np.float32(1 - group["b1"]),
+           "one_minus_b2": np.float32(1 - group["b2"]),
+           "b2_corr": np.float32(group["b2"] ** S),
+           "one_minus_b2_corr": np.float32(1 - group["b2"] ** S),
+           "lr": np.float32(lr)}
+      k["size_lr"] = k["lr"] * np.float32(group["scalar_lr_scale"])
+      k["bc2"] = np.float32(rounding.one_minus_pow(k["b2"], t + 1, one_minus_b=k["one_minus_b2"]))
+      k["inv_bc2"] = np.float32(1) / k["bc2"]
+      k["size_bc2"] = np.float32(rounding.one_minus_pow(k["b2_corr"], (t + 1) // S,
+                                                        one_minus_b=k["one_minus_b2_corr"]))
       cache[key] = k
     return cache[key]
 
@@ -375,7 +374,7 @@ class ScaledAdam(torch.optim.Optimizer):
     one_minus_b1, one_minus_b2 = k["one_minus_b1"], k["one_minus_b2"]
     b2_corr, one_minus_b2_corr = k["b2_corr"], k["one_minus_b2_corr"]
     lr32, size_lr, bc2, inv_bc2 = k["lr"], k["size_lr"], k["bc2"], k["inv_bc2"]
-    min_rms, max_rms = _np32(group["param_min_rms"]), _np32(group["param_max_rms"])
+    min_rms, max_rms = np.float32(group["param_min_rms"]), np.float32(group["param_max_rms"])
     p = _dist.local(p)
     p32 = rounding.widen(p)
     delta_buf, v_buf = _dist.local(state["delta"]), _dist.local(state["exp_avg_sq"])
@@ -412,10 +411,11 @@ class ScaledAdam(torch.optim.Optimizer):
                       / (rounding.sqrt(rounding.widen(w_buf)) + float(eps)))
         rms32 = rounding.widen(rms_buf)
         scale_step = torch.where(rms32 < float(min_rms), 0.0, scale_step)
-        scale_step = torch.where(rms32 > float(max_rms), float(-size_lr * _np32(S)), scale_step)
+        scale_step = torch.where(rms32 > float(max_rms), float(-size_lr * np.float32(S)),
+                                 scale_step)
         delta = delta + float(one_minus_b1) * (p32 * scale_step)
     # The Adam-like step, scaled by the tensor's RMS.
-    v_hat = v32 * float(inv_bc2) if bc2 < _np32(0.99) else v32
+    v_hat = v32 * float(inv_bc2) if bc2 < np.float32(0.99) else v32
     denom = rounding.sqrt(v_hat) + float(eps)
     alpha = float(-lr32 * one_minus_b1) * torch.clamp(rounding.widen(rms_buf), min=float(min_rms))
     delta = delta + (g / denom) * alpha
