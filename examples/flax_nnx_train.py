@@ -33,7 +33,7 @@ def main(argv=None) -> dict:
 
   model = charlm_flax.create(cfg, jnp.bfloat16)  # bf16 weights, fp32 math
   schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, max(1, steps // 10), steps)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), oh.adamw_bf16(schedule, weight_decay=0.01))
+  tx = optax.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(schedule, weight_decay=0.01))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
 
   @nnx.jit

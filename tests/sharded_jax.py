@@ -66,6 +66,8 @@ CONFIGS = {
         lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-3), init_scale=2.0 ** 4), "bitwise"),
     "clip_by_global_norm+adamw_bf16": (
         lambda: optax.chain(optax.clip_by_global_norm(0.05), oh.adamw_bf16(1e-3)), "norm"),
+    "oh.clip_by_global_norm+adamw_bf16": (
+        lambda: optax.chain(oh.clip_by_global_norm(0.05), oh.adamw_bf16(1e-3)), "norm"),
     "scaled_adam": (lambda: oh.scaled_adam(1e-2, clipping_scale=1.0, size_update_period=2,
                                            clipping_update_period=2), "norm"),
     "kahan_summation(scaled_adam)": (
