@@ -93,7 +93,7 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   take either). ``update_and_apply(chain(...), grads, state, params)`` runs
   the ``update`` of every transformation but the last, then
   ``update_and_apply`` of the last: with ``adamw_bf16`` or
-  ``adam_fp32_master`` last (e.g. after ``optax.clip_by_global_norm``), the
+  ``adam_fp32_master`` last (e.g. after ``clip_by_global_norm``), the
   kernel writes the params in place, where ``optax.chain`` would run the
   optimizer's ``update`` and a separate ``optax.apply_updates`` pass. The
   same bits either way.

@@ -43,7 +43,6 @@ def test_jax_benchmark_quick(tmp_path):
                      step.FLOOR: (10, 0)})
   runs = out["runs"]
   assert runs["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
-  assert all(row["xla_temp_bytes_per_param"] >= 0 for row in runs.values())
   if jax.default_backend() == "cpu" and jax_native.available():  # the kernel's temporaries
     _check_cpu_temporaries(runs)
   assert out["settle_ms"] == 0.0

@@ -356,8 +356,9 @@ def test_update_and_apply_skips_nonfinite_steps_as_update_then_apply_updates(nam
   tx = make()
   params = {"w": jnp.ones((256,), jnp.bfloat16)}
   step = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
-  calls = step.lower(params, tx.init(params), params).compile().as_text()
-  assert "output_to_operand_aliasing={{0}: (2, {})" in calls  # in place
+  if jax.default_backend() == "cpu" and jax_native.available():  # the kernel, in place
+    calls = step.lower(params, tx.init(params), params).compile().as_text()
+    assert "output_to_operand_aliasing={{0}: (2, {})" in calls
   a = _jax_run(make, ("mat",), jit=jit, in_place=True, nan_step=1)
   b = _jax_run(make, ("mat",), jit=jit, nan_step=1)
   assert len(a) == len(b)
@@ -484,6 +485,7 @@ def test_update_and_apply_falls_back_for_an_update_that_is_not_a_weak_key():
   assert np.asarray(new["w"]).tolist() != np.asarray(params["w"]).tolist()
 
 
+@jax_kernel
 def test_a_skipped_in_place_step_keeps_subnormal_params():
   """A skipped step leaves every param bit as it was, subnormals included
   (XLA:CPU's apply_updates flushes a subnormal p + (-0.0) to zero; the
