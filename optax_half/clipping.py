@@ -38,6 +38,10 @@ import optax
 
 __all__ = ["clip_by_global_norm"]
 
+# The norm optax's clip_by_global_norm takes: optax.tree.norm, or before
+# optax had it (pyproject allows optax >= 0.2.5), optax.global_norm.
+_tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
+
 
 def _widened_by_xla_cpu(updates) -> bool:
   """Whether XLA:CPU would write an fp32 copy of a leaf for optax's norm: a
@@ -65,7 +69,7 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
 
   def update_fn(updates, state, params=None):
     del params
-    g_norm = optax.tree.norm(updates)
+    g_norm = _tree_norm(updates)
     trigger = jnp.squeeze(g_norm < max_norm)
     if jnp.ndim(trigger) != 0:
       raise ValueError(f"max_norm must be a scalar, got shape {jnp.shape(max_norm)}")
