@@ -183,7 +183,8 @@ def main(argv=None):
     runs[name] = dict(fn=fn, params=params, state=state, grads=grads, times=[],
                       setup_s=compile_s, bytes_per_param=(persistent + nbytes(grads)) / n,
                       moved_per_param=0.0 if in_place == "identity"
-                      else (2 * persistent + nbytes(grads)) / n,
+                      # clipped: the norm reads the gradients once more
+                      else (2 * persistent + nbytes(grads) * (2 if name in CLIPPED else 1)) / n,
                       extra=dict(xla_bytes_accessed_per_param=float(cost.get("bytes accessed", 0))
                                  / n,
                                  xla_temp_bytes_per_param=fn.memory_analysis().temp_size_in_bytes
