@@ -462,6 +462,26 @@ def test_fused_step_equals_eager():
   assert _same(*out)
 
 
+@pytest.mark.parametrize("make", [
+    lambda ps, fused: tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1, fused=fused),
+    lambda ps, fused: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, fused=fused),
+    lambda ps, fused: tb.adamw_bf16(ps, 1e-2, compensation="stochastic", fused=fused)],
+    ids=["adam_fp32_master", "adamw_bf16 kahan", "adamw_bf16 stochastic"])
+def test_fused_step_of_fp16_params_equals_eager(make):
+  """fp16 params, which the native kernel does not take: fused=True compiles
+  the per-tensor step on CPU too, with the eager step's bits (the README's
+  advice for fp16 on CPU, where fused=None steps them eagerly)."""
+  grads = _grads(5, torch.float16)
+  out = []
+  for fused in (False, True):
+    params = _params(torch.float16)
+    opt = make(params, fused)
+    _run(opt, params, grads)
+    out.append(_snapshot(opt, params))
+  assert _same(*out)
+  assert not _same([_bits(p) for p in _params(torch.float16)], out[0][:len(SHAPES)])
+
+
 @pytest.mark.parametrize("wrap", [tb.kahan_summation, tb.round_to_nearest,
                                   lambda o: tb.master_weights(o, split=True),
                                   lambda o: tb.stochastic_rounding(o, key=1)])

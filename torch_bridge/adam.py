@@ -367,11 +367,13 @@ def adam_fp32_master(
       gradients hold a NaN or Inf; reads one bool on the host per step, like
       ``torch.amp.GradScaler``. Without it a non-finite gradient element
       poisons its own param and moments (docs/algorithms.md).
-    fused: how the step runs (torch only). None: CPU tensors in the native
-      kernel (``optax_half_native``, one call for all of them), others in the
-      eager per-tensor step; True: the native kernel on CPU, the per-tensor
-      step compiled by ``torch.compile`` elsewhere; False: the eager per-tensor
-      step everywhere (the reference). The numbers are the same bits in all three.
+    fused: how the step runs (torch only). None: CPU tensors the native
+      kernel takes (``optax_half_native``, one call for all of them) there,
+      others (fp16 params, other devices) in the eager per-tensor step; True:
+      the same kernel, and the per-tensor step compiled by ``torch.compile``
+      for the others (on CPU the fast path for fp16 params); False: the eager
+      per-tensor step everywhere (the reference). On CPU the numbers are the
+      same bits in all three (on CUDA see docs/algorithms.md, "On GPU").
   """
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
                            compensation=_MASTER, mu_dtype=torch.float32,
@@ -415,11 +417,13 @@ def adamw_bf16(
       in ``optax_half`` gives the same random bits.
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
       Inf, as in ``adam_fp32_master``.
-    fused: how the step runs (torch only). None: CPU tensors in the native
-      kernel (``optax_half_native``, one call for all of them), others in the
-      eager per-tensor step; True: the native kernel on CPU, the per-tensor
-      step compiled by ``torch.compile`` elsewhere; False: the eager per-tensor
-      step everywhere (the reference). The numbers are the same bits in all three.
+    fused: how the step runs (torch only). None: CPU tensors the native
+      kernel takes (``optax_half_native``, one call for all of them) there,
+      others (fp16 params, other devices) in the eager per-tensor step; True:
+      the same kernel, and the per-tensor step compiled by ``torch.compile``
+      for the others (on CPU the fast path for fp16 params); False: the eager
+      per-tensor step everywhere (the reference). On CPU the numbers are the
+      same bits in all three (on CUDA see docs/algorithms.md, "On GPU").
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(

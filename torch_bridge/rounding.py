@@ -220,11 +220,16 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) ->
     y = word.view(torch.float32).to(torch.bfloat16)
     return torch.where(torch.isnan(x), x.to(torch.bfloat16), y)
   nearest = x.to(dtype)
-  zero = torch.zeros((), dtype=dtype, device=x.device)
   overshoot = widen(nearest).abs() > x.abs()
-  down = torch.where(overshoot, torch.nextafter(nearest, zero.expand_as(nearest)), nearest)
-  inf = torch.where(x < 0, -torch.inf, torch.inf).to(dtype)
-  up = torch.nextafter(down, inf)
+  # down = nextafter(nearest, 0) where nearest overshoots, else nearest; up =
+  # nextafter(down, +-inf on x's side): one step of the 15-bit magnitude, the
+  # sign kept (nearest has x's sign, -0 included; x = +-0 never takes up).
+  # Integer steps, not torch.nextafter, which Inductor computes in fp32 for
+  # fp16 tensors (a compiled step, fused=True, then never moved a value).
+  word = nearest.view(torch.int16).to(torch.int32)
+  sign, down_magnitude = word & -32768, (word & 0x7FFF) - overshoot.to(torch.int32)
+  down = (sign | down_magnitude).to(torch.int16).view(dtype)
+  up = (sign | (down_magnitude + 1)).to(torch.int16).view(dtype)
   down32 = widen(down)
   gap = widen(up).abs() - down32.abs()
   frac = (x.abs() - down32.abs()) / gap
@@ -243,8 +248,15 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0,
 
 
 def swap_halves(bits: torch.Tensor) -> torch.Tensor:
-  """``optax_half.rounding.swap_halves`` on int32 words: the 16-bit halves exchanged."""
-  return ((bits & 0xFFFF) * 65536) | ((bits >> 16) & 0xFFFF)
+  """``optax_half.rounding.swap_halves`` on int32 words: the 16-bit halves exchanged.
+
+  No op overflows int32: a compiled step (Inductor's C++, where signed
+  overflow is undefined) rounded fp16 moments with other bits than the eager
+  step when the low half was shifted up by ``(bits & 0xFFFF) * 65536``; its
+  top bit is set separately.
+  """
+  top = torch.where((bits & 0x8000) != 0, -2**31, 0).to(torch.int32)
+  return ((bits & 0x7FFF) * 65536) | top | ((bits >> 16) & 0xFFFF)
 
 
 def round_moments(m32: torch.Tensor, v32: torch.Tensor, m_dtype: torch.dtype,
