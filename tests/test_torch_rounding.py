@@ -98,3 +98,18 @@ def test_one_minus_pow_with_a_traced_b():
     for n in (1, 2, 3, 10, 977, 12345, 2**31 - 1):
       ours = np.float32(f(jnp.float32(b), jnp.int32(n)))
       assert ours == np.float32(tr.one_minus_pow(float(np.float32(b)), n)), (b, n)
+
+
+def test_mix32_compiled_equals_python_integers():
+  """Compiled, mix32 multiplies without int32 overflow (undefined in
+  Inductor's C++) and gives the words of the integer reference, as eagerly."""
+  gen = torch.Generator().manual_seed(0)
+  edges = [0, 1, -1, 2**31 - 1, -2**31, 0xFFFF, 0x10000, -0x10000, 0x8000, -0x8000]
+  x = torch.cat([torch.randint(-2**31, 2**31 - 1, (4096,), dtype=torch.int32, generator=gen),
+                 torch.tensor(edges, dtype=torch.int32)])
+  want = torch.tensor([tr._signed32(tr._mix32_int(v & 0xFFFFFFFF)) for v in x.tolist()],
+                      dtype=torch.int32)
+  compiled = torch.compile(tr.mix32, dynamic=True, options={"emulate_precision_casts": True})
+  assert torch.equal(tr.mix32(x), want)
+  assert torch.equal(compiled(x), want)
+  assert torch.equal(tr.swap_halves(x), (x << 16) | ((x >> 16) & 0xFFFF))

@@ -57,12 +57,24 @@ def _mix32_int(x: int) -> int:
   return x
 
 
+def _times(x: torch.Tensor, m: int) -> torch.Tensor:
+  """``x * m`` mod 2^32 on int32 words (uint32 bits). Eagerly torch's int32
+  multiply wraps. In a compiled graph (Inductor's C++, where a signed
+  overflow is undefined) it is computed in int64 from m's 16-bit halves, so
+  that no op overflows: x * m_lo + ((x * m_hi) mod 2^16) * 2^16."""
+  if not torch.compiler.is_compiling():
+    return x * m
+  x64 = x.to(torch.int64) & _MASK
+  y = (x64 * (m & 0xFFFF) + ((x64 * (m >> 16)) & 0xFFFF) * 65536) & _MASK
+  return torch.where(y >= 2**31, y - 2**32, y).to(torch.int32)
+
+
 def mix32(x: torch.Tensor) -> torch.Tensor:
   """``optax_half.rounding.mix32`` on int32 tensors (uint32 bits, wrapping)."""
   x = x ^ ((x >> 16) & 0xFFFF)
-  x = x * _M1
+  x = _times(x, _M1)
   x = x ^ ((x >> 15) & 0x1FFFF)
-  x = x * _M2
+  x = _times(x, _M2)
   x = x ^ ((x >> 15) & 0x1FFFF)
   return x
 
