@@ -36,6 +36,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from optax_half._util import is_float
+
 __all__ = ["clip_by_global_norm"]
 
 # The norm optax's clip_by_global_norm takes: optax.tree.norm, or before
@@ -47,8 +49,7 @@ def _widened_by_xla_cpu(updates) -> bool:
   """Whether XLA:CPU would write an fp32 copy of a leaf for optax's norm: a
   16-bit float leaf, lowered for the CPU (trace time)."""
   return jax.default_backend() == "cpu" and any(
-      jnp.issubdtype(x.dtype, jnp.floating) and jnp.dtype(x.dtype).itemsize == 2
-      for x in jax.tree.leaves(updates))
+      is_float(x) and jnp.dtype(x.dtype).itemsize == 2 for x in jax.tree.leaves(updates))
 
 
 def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransformation:
