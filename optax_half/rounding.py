@@ -245,16 +245,20 @@ def _stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(x), x.astype(jnp.bfloat16), y)
 
 
-def _stochastic_round_generic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
+def _stochastic_round_f16(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
   # Neighbours of x in `dtype`: `down` towards zero, `up` away from zero.
   # frac = (|x| - |down|) / (|up| - |down|) is exact in fp32; round away from
   # zero when a 24-bit uniform u in [0, 1) is below it.
   nearest = x.astype(dtype)
-  zero = jnp.zeros((), dtype)
   overshoot = jnp.abs(widen(nearest)) > jnp.abs(x)
-  down = jnp.where(overshoot, jnp.nextafter(nearest, zero), nearest)
-  inf = jnp.where(x < 0, -jnp.inf, jnp.inf).astype(dtype)
-  up = jnp.nextafter(down, inf)
+  # down = nextafter(nearest, 0) where nearest overshoots, else nearest; up =
+  # nextafter(down, +-inf on x's side): one step of the 15-bit magnitude, the
+  # sign kept (nearest has x's sign, -0 included; x = +-0 never takes up).
+  # Integer steps, as torch_bridge.rounding takes them.
+  word = lax.bitcast_convert_type(nearest, jnp.int16).astype(jnp.int32)
+  sign, down_magnitude = word & -32768, (word & 0x7FFF) - overshoot.astype(jnp.int32)
+  down = lax.bitcast_convert_type((sign | down_magnitude).astype(jnp.int16), dtype)
+  up = lax.bitcast_convert_type((sign | (down_magnitude + 1)).astype(jnp.int16), dtype)
   down32 = widen(down)
   gap = jnp.abs(widen(up)) - jnp.abs(down32)
   frac = (jnp.abs(x) - jnp.abs(down32)) / gap
@@ -266,10 +270,11 @@ def _stochastic_round_generic(x: jax.Array, dtype, bits: jax.Array) -> jax.Array
 def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
   """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased.
 
-  ``E[stochastic_round(x)] == x`` up to the 2^-16 (bf16) or 2^-24 (other
-  dtypes) granularity of the random threshold. ``bits`` is a uint32 array of
+  ``E[stochastic_round(x)] == x`` up to the 2^-16 (bf16) or 2^-24 (fp16)
+  granularity of the random threshold. ``bits`` is a uint32 array of
   ``x``'s shape (see ``random_bits``). Non-finite values round to nearest.
-  For fp32 targets this is the identity.
+  For fp32 targets this is the identity; other dtypes (fp8) raise a
+  ``ValueError``.
   """
   x = jnp.asarray(x, jnp.float32)
   dtype = jnp.dtype(dtype)
@@ -277,7 +282,9 @@ def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
     return x
   if dtype == jnp.bfloat16:
     return _stochastic_round_bf16(x, bits)
-  return _stochastic_round_generic(x, dtype, bits)
+  if dtype != jnp.float16:
+    raise ValueError(f"stochastic rounding rounds to bfloat16 or float16; got {dtype.name}.")
+  return _stochastic_round_f16(x, dtype, bits)
 
 
 def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,

@@ -113,3 +113,16 @@ def test_mix32_compiled_equals_python_integers():
   assert torch.equal(tr.mix32(x), want)
   assert torch.equal(compiled(x), want)
   assert torch.equal(tr.swap_halves(x), (x << 16) | ((x >> 16) & 0xFFFF))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_stochastic_round_refuses_fp8_with_one_message(dtype):
+  x = np.linspace(-2, 2, 64, dtype=np.float32)
+  bits = jr.random_bits(0, 0, 0, 0, x.shape)
+  with pytest.raises(ValueError) as j:
+    jr.stochastic_round(jnp.asarray(x), getattr(jnp, dtype), bits)
+  with pytest.raises(ValueError) as t:
+    tr.stochastic_round(torch.from_numpy(x), getattr(torch, dtype),
+                        torch.from_numpy(np.array(bits).view(np.int32)))
+  assert str(j.value) == str(t.value) == (
+      f"stochastic rounding rounds to bfloat16 or float16; got {dtype}.")

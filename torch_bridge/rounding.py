@@ -231,6 +231,9 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) ->
     word = (x.view(torch.int32) + ((bits >> 16) & 0xFFFF)) & -65536
     y = word.view(torch.float32).to(torch.bfloat16)
     return torch.where(torch.isnan(x), x.to(torch.bfloat16), y)
+  if dtype != torch.float16:
+    raise ValueError(f"stochastic rounding rounds to bfloat16 or float16; got "
+                     f"{str(dtype).removeprefix('torch.')}.")
   nearest = x.to(dtype)
   overshoot = widen(nearest).abs() > x.abs()
   # down = nextafter(nearest, 0) where nearest overshoots, else nearest; up =
