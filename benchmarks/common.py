@@ -11,6 +11,8 @@ of those is the "bandwidth" a step's GB/s is divided by.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import platform
@@ -95,6 +97,40 @@ def add_settle_argument(parser) -> None:
 def settle(ms: float) -> None:
   if ms > 0:
     time.sleep(ms / 1e3)
+
+
+# Python's cyclic garbage collector during the timed steps (``--gc``). Each
+# jitted call returns a new Python object per array; in the tree layout
+# (512 leaves, 2,048 arrays a step) they set off several collections a step,
+# and a full one walks every object in the process (benchmarks/README.md).
+# "on": as a training loop runs by default; "freeze": ``gc.freeze()`` after
+# setup (the objects alive then are never walked again, the steps' arrays
+# are still collected); "off": no collection while timing (as ``timeit`` does).
+GC_MODES = ("on", "freeze", "off")
+
+
+def add_gc_argument(parser) -> None:
+  parser.add_argument("--gc", choices=GC_MODES, default="on",
+                      help="Python's garbage collector during the timed steps: on (default), "
+                           "freeze (gc.freeze() after setup) or off")
+
+
+@contextlib.contextmanager
+def garbage_collection(mode: str):
+  """Runs the block with Python's collector in ``mode`` (``GC_MODES``);
+  restores it (enabled, nothing frozen) after."""
+  if mode not in GC_MODES:
+    raise ValueError(f"gc mode must be one of {GC_MODES}; got {mode!r}.")
+  gc.collect()
+  if mode == "freeze":
+    gc.freeze()
+  elif mode == "off":
+    gc.disable()
+  try:
+    yield
+  finally:
+    gc.enable()
+    gc.unfreeze()
 
 
 def median_ms(times) -> float:

@@ -136,6 +136,7 @@ def main(argv=None):
                            "a linear loss: a pass that produces them, as a backward pass would)")
   parser.add_argument("--json", default=None)
   common.add_settle_argument(parser)
+  common.add_gc_argument(parser)
   parser.add_argument("--heap-malloc", action="store_true",
                       help="rerun with glibc serving large allocations from the heap "
                            "(common.HEAP_MALLOC_ENV)")
@@ -194,19 +195,22 @@ def main(argv=None):
       r["params"], r["state"] = fn(r["params"], r["state"], fresh(grads))
     jax.block_until_ready(r["params"])
 
-  for r in common.interleaved(runs, reps):
-    g = fresh(r["grads"])  # untimed: a step's gradients are its own, dead after it
-    common.settle(args.settle_ms)
-    start = time.perf_counter()
-    r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
-    jax.block_until_ready(r["params"])
-    r["times"].append(time.perf_counter() - start)
+  with common.garbage_collection(args.gc):
+    for r in common.interleaved(runs, reps):
+      g = fresh(r["grads"])  # untimed: a step's gradients are its own, dead after it
+      common.settle(args.settle_ms)
+      start = time.perf_counter()
+      r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
+      jax.block_until_ready(r["params"])
+      r["times"].append(time.perf_counter() - start)
 
   out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}"
-                      f"{', heap-only malloc' if heap_malloc else ''}",
+                      f"{', heap-only malloc' if heap_malloc else ''}"
+                      f"{'' if args.gc == 'on' else f', gc {args.gc}'}",
                       runs, "optax.adamw fp32 (reference)", n, bw, args.json,
                       extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads,
-                                 heap_malloc=heap_malloc, settle_ms=args.settle_ms))
+                                 heap_malloc=heap_malloc, settle_ms=args.settle_ms,
+                                 gc=args.gc))
   print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   print("\nXLA temporaries (memory_analysis, allocated each step) bytes per param: " + ", ".join(

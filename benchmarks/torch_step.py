@@ -90,6 +90,7 @@ def main(argv=None):
   parser.add_argument("--only", default=None, help="comma-separated candidate names (+ reference)")
   parser.add_argument("--json", default=None)
   common.add_settle_argument(parser)
+  common.add_gc_argument(parser)
   parser.add_argument("--heap-malloc", action="store_true",
                       help="rerun with glibc serving large allocations from the heap "
                            "(common.HEAP_MALLOC_ENV)")
@@ -120,17 +121,19 @@ def main(argv=None):
     runs[name] = dict(opt=opt, times=[], setup_s=setup,
                       bytes_per_param=(persistent + param_bytes) / n,
                       moved_per_param=(2 * persistent + param_bytes) / n)
-  for run in common.interleaved(runs, reps):
-    common.settle(args.settle_ms)
-    start = time.perf_counter()
-    run["opt"].step()
-    run["times"].append(time.perf_counter() - start)
+  with common.garbage_collection(args.gc):
+    for run in common.interleaved(runs, reps):
+      common.settle(args.settle_ms)
+      start = time.perf_counter()
+      run["opt"].step()
+      run["times"].append(time.perf_counter() - start)
   return common.report(
       f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}"
-      f"{', heap-only malloc' if heap_malloc else ''}", runs,
+      f"{', heap-only malloc' if heap_malloc else ''}"
+      f"{'' if args.gc == 'on' else f', gc {args.gc}'}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
       extra=dict(framework="torch", tree=tree_name, reps=reps, heap_malloc=heap_malloc,
-                 settle_ms=args.settle_ms))
+                 settle_ms=args.settle_ms, gc=args.gc))
 
 
 if __name__ == "__main__":

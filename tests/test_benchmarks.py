@@ -45,9 +45,25 @@ def test_jax_benchmark_quick(tmp_path):
   assert runs["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
   if jax.default_backend() == "cpu" and jax_native.available():  # the kernel's temporaries
     _check_cpu_temporaries(runs)
-  assert out["settle_ms"] == 0.0
-  idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--only", "scaled_adam"])
-  assert idle["settle_ms"] == 5.0
+  assert out["settle_ms"] == 0.0 and out["gc"] == "on"
+  idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--gc", "freeze",
+                    "--only", "scaled_adam"])
+  assert idle["settle_ms"] == 5.0 and idle["gc"] == "freeze"
+
+
+@pytest.mark.parametrize("mode", ["on", "freeze", "off"])
+def test_garbage_collection_mode_holds_inside_and_is_undone_after(mode):
+  import gc  # noqa: PLC0415
+
+  from benchmarks import common  # noqa: PLC0415
+  assert gc.isenabled() and gc.get_freeze_count() == 0
+  with common.garbage_collection(mode):
+    assert gc.isenabled() == (mode != "off")
+    assert (gc.get_freeze_count() > 0) == (mode == "freeze")
+  assert gc.isenabled() and gc.get_freeze_count() == 0
+  with pytest.raises(ValueError, match="gc mode"):
+    with common.garbage_collection("later"):
+      pass
 
 
 def _check_cpu_temporaries(runs):
