@@ -15,8 +15,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Two pytest-xdist workers: most of the suite is single-threaded XLA compiles,
+# so on 2 cores two workers take ~18 min where one took ~23 (2026-11-25).
+# TEST_WORKERS=0 runs it in one process; the slowest tests are listed at the end.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
 
 # Long-run soak (tests/test_soak.py, marker `soak`, not in `make test`): 100k steps
 # of every optimizer in JAX and torch; SOAK_STEPS=10000 make soak for a shorter one.
