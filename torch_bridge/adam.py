@@ -417,13 +417,7 @@ def adamw_bf16(
       in ``optax_half`` gives the same random bits.
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
       Inf, as in ``adam_fp32_master``.
-    fused: how the step runs (torch only). None: CPU tensors the native
-      kernel takes (``optax_half_native``, one call for all of them) there,
-      others (fp16 params, other devices) in the eager per-tensor step; True:
-      the same kernel, and the per-tensor step compiled by ``torch.compile``
-      for the others (on CPU the fast path for fp16 params); False: the eager
-      per-tensor step everywhere (the reference). On CPU the numbers are the
-      same bits in all three (on CUDA see docs/algorithms.md, "On GPU").
+    fused: how the step runs (torch only), as in ``adam_fp32_master``.
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(
