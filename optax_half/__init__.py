@@ -14,11 +14,14 @@ Gradient clipping (optax's, without an fp32 copy of 16-bit gradients):
   clip_by_global_norm
 One step with the params written in place (the native kernel, on CPU):
   update_and_apply, and chain (optax.chain, in place through its last element)
+A state from one layout to the other (flat_state=False <-> True):
+  relayout_state
 Checkpoints (Orbax, checked leaf by leaf):
   checkpoint.save, checkpoint.restore
 """
 
 from optax_half import checkpoint, rounding
+from optax_half._flat import relayout_state
 from optax_half._in_place import chain, update_and_apply
 from optax_half.clipping import clip_by_global_norm
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
@@ -63,6 +66,7 @@ __all__ = [
     "loss_scale",
     "master_weights",
     "preheat_decay_schedule",
+    "relayout_state",
     "round_to_nearest",
     "rounding",
     "scale_by_adamw",

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-__all__ = ["Flat", "check", "key", "pack", "unpack", "template"]
+__all__ = ["Flat", "check", "key", "pack", "relayout_state", "unpack", "template"]
 
 # The state fields that hold one buffer per param.
 FIELDS = ("mu", "nu", "compensation", "master")
@@ -105,7 +105,8 @@ def check(state, like, name: str = "flat_state=True") -> None:
       raise ValueError(
           f"{name}: the state's {f} is not in the flat layout of these params (expected "
           f"{expected}, got {have if have is not None else type(v).__name__}): a state built "
-          "with flat_state=False, or for another params tree.")
+          "with flat_state=False (optax_half.relayout_state converts it), or for another "
+          "params tree.")
 
 
 def pack(state):
@@ -129,3 +130,56 @@ def template(init, params):
   return jax.eval_shape(init, jax.tree.map(
       lambda p: jax.ShapeDtypeStruct(jnp.shape(p), jnp.asarray(p).dtype)
       if not isinstance(p, optax.MaskedNode) else p, params))
+
+
+def _relayout(state, like, path: str):
+  """``state`` with every param-shaped field in the layout ``like`` has there."""
+  if isinstance(like, Flat):
+    return state if isinstance(state, Flat) else _pack_tree(state)
+  if isinstance(state, Flat):
+    try:
+      return _unpack_tree(state, like)
+    except (KeyError, TypeError, ValueError) as e:
+      raise ValueError(f"relayout_state: {path} is a flat array of another params tree or "
+                       f"dtype ({e!r}).") from None
+  if _is_state(like):
+    if type(state) is not type(like):
+      raise ValueError(f"relayout_state: {path} is a {type(state).__name__} where the target "
+                       f"optimizer has a {type(like).__name__}: a state of another optimizer.")
+    return state._replace(**{f: _relayout(v, w, f"{path}.{f}")
+                             for f, v, w in zip(like._fields, state, like)})
+  if isinstance(like, (tuple, list)):
+    if not isinstance(state, (tuple, list)) or len(state) != len(like):
+      raise ValueError(f"relayout_state: {path} does not have the target's "
+                       f"{len(like)} elements: a state of another optimizer.")
+    return type(state)(_relayout(v, w, f"{path}[{i}]")
+                       for i, (v, w) in enumerate(zip(state, like)))
+  return state
+
+
+def relayout_state(state, tx, params):
+  """``state`` in the layout of ``tx.init(params)``: the same values, with
+  the param-shaped buffers of ``adamw_bf16`` / ``adam_fp32_master`` stored
+  per param (``flat_state=False``) or flat (``flat_state=True``) as ``tx``
+  stores them.
+
+  So a run can change layout: a state of ``adamw_bf16(lr)`` given to
+  ``adamw_bf16(lr, flat_state=True)`` (or back, e.g. to
+  ``torch_bridge.convert``, which takes the per-param layout) continues the
+  same run bit for bit. ``tx`` is the optimizer the state is for, in the
+  target layout (also inside ``optax.chain``, ``oh.chain``,
+  ``dynamic_loss_scale``, ``optax.inject_hyperparams``); ``params`` the
+  params tree, whose shapes give the per-param layout. Nothing else of the
+  state changes; a state of another optimizer or params tree is refused
+  with a ``ValueError``.
+  """
+  like = template(tx.init, params)
+  out = _relayout(state, like, "state")
+
+  def spec(x):
+    return tuple(jnp.shape(x)), jnp.dtype(x.dtype if hasattr(x, "dtype") else jnp.asarray(x))
+  if (jax.tree.structure(out) != jax.tree.structure(like)
+      or [spec(x) for x in jax.tree.leaves(out)] != [spec(x) for x in jax.tree.leaves(like)]):
+    raise ValueError("relayout_state: the state does not fit tx.init(params) (its structure, "
+                     "shapes or dtypes differ): a state of another optimizer or params tree.")
+  return out

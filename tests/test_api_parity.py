@@ -36,6 +36,7 @@ JAX_ONLY = {
     "value_and_scaled_grad": "torch: scaler.scale(loss).backward()",
     "find_loss_scale_state": "torch: the scaler object is the state (scaler.state_dict())",
     "update_and_apply": "torch: optimizer.step() writes the params in place",
+    "relayout_state": "the flat_state layout is JAX's; torch keeps one state tensor per param",
     "chain": "torch: transform the grads (e.g. clip_grad_norm_) before optimizer.step()",
     "clip_by_global_norm": "optax's clipping compiled without an fp32 copy of 16-bit grads "
                            "(XLA:CPU); torch: torch.nn.utils.clip_grad_norm_ on the grads",

@@ -42,7 +42,7 @@ def _tree(seed, scale, dtypes=None):
           for i, (s, d) in enumerate(zip(SHAPES, dtypes))}
 
 
-def _run(tx, params, grads, in_place, scale=1.0):
+def _run(tx, params, grads, in_place, scale=1.0, state=None):
   def step(p, s, g):
     if in_place:
       return oh.update_and_apply(tx, g, s, p)
@@ -50,7 +50,7 @@ def _run(tx, params, grads, in_place, scale=1.0):
     return optax.apply_updates(p, u), s
 
   step = jax.jit(step)
-  state = tx.init(params)
+  state = tx.init(params) if state is None else state
   for g in grads:
     params, state = step(params, state, jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g))
   return params, state
@@ -169,6 +169,59 @@ def test_convert_refuses_a_flat_state_clearly():
     convert.optax_state_to_torch(state, params, opt)
   with pytest.raises(ValueError, match="flat_state=True state is not converted"):
     convert.torch_state_to_optax(opt, params, state)
+
+
+@pytest.mark.parametrize("name", ["kahan", "stochastic", "adam_fp32_master"])
+def test_relayout_state_continues_the_same_run_in_the_other_layout(name):
+  params, grads = _tree(0, 1.0), _grads(jnp.bfloat16)
+  tree_tx, flat_tx = CONFIGS[name](), CONFIGS[name](flat_state=True)
+  want_p, want_s = _run(tree_tx, params, grads, in_place=True)
+  half = STEPS // 2
+  for first, second in ((tree_tx, flat_tx), (flat_tx, tree_tx)):
+    p, s = _run(first, params, grads[:half], in_place=True)
+    s = oh.relayout_state(s, second, p)
+    assert jax.tree.structure(s) == jax.tree.structure(second.init(params))
+    p, s = _run(second, p, grads[half:], in_place=False, state=s)
+    _same(p, want_p)
+    _same(oh.relayout_state(s, tree_tx, p), want_s)
+    _same(oh.relayout_state(s, second, p), s)  # already in that layout: unchanged
+
+
+@pytest.mark.parametrize("wrap", ["dynamic_loss_scale", "optax.chain", "oh.chain",
+                                  "inject_hyperparams"])
+def test_relayout_state_reaches_into_wrapped_states(wrap):
+  def make(**k):
+    if wrap == "dynamic_loss_scale":
+      return oh.dynamic_loss_scale(oh.adamw_bf16(1e-2, **k))
+    if wrap == "optax.chain":
+      return optax.chain(optax.scale(1.0), oh.adamw_bf16(1e-2, **k))
+    if wrap == "oh.chain":
+      return oh.chain(optax.scale(1.0), oh.adamw_bf16(1e-2, **k))
+    return optax.inject_hyperparams(oh.adamw_bf16, hyperparam_dtype=jnp.float32)(
+        learning_rate=1e-2, **k)
+
+  params, grads = _tree(0, 1.0), _grads(jnp.bfloat16, steps=2)
+  _, tree_s = _run(make(), params, grads, in_place=False)
+  flat_s = oh.relayout_state(tree_s, make(flat_state=True), params)
+  assert any(isinstance(x, _flat.Flat) for x in jax.tree.leaves(
+      flat_s, is_leaf=lambda x: isinstance(x, _flat.Flat)))
+  assert jax.tree.structure(flat_s) == jax.tree.structure(make(flat_state=True).init(params))
+  _same(oh.relayout_state(flat_s, make(), params), tree_s)
+
+
+def test_relayout_state_refuses_another_optimizer_or_params_tree():
+  params = {"a": jnp.ones((4,), jnp.bfloat16), "b": jnp.ones((6,), jnp.bfloat16)}
+  flat_tx = oh.adamw_bf16(1e-3, flat_state=True)
+  with pytest.raises(ValueError, match="a MasterWeightsState where the target optimizer has a "
+                                       "KahanSummationState"):
+    oh.relayout_state(oh.adam_fp32_master(1e-3).init(params), flat_tx, params)
+  with pytest.raises(ValueError, match="flat array of another params tree"):
+    oh.relayout_state(flat_tx.init(params), oh.adamw_bf16(1e-3),
+                      {"a": params["a"], "b": jnp.ones((7,), jnp.bfloat16)})
+  with pytest.raises(ValueError, match="does not fit tx.init"):  # fp32 moments, bf16 expected
+    oh.relayout_state(oh.adamw_bf16(1e-3, mu_dtype=jnp.float32).init(params), flat_tx, params)
+  with pytest.raises(ValueError, match="2 elements"):
+    oh.relayout_state((flat_tx.init(params),), optax.chain(optax.identity(), flat_tx), params)
 
 
 def test_a_state_of_another_layout_or_params_tree_is_refused_clearly():

@@ -231,8 +231,9 @@ def _check_not_flat(opt_state) -> None:
   flat = jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, _flat.Flat))
   if any(isinstance(x, _flat.Flat) for x in flat):
     raise ValueError("convert: a flat_state=True state is not converted (torch keeps one "
-                     "state tensor per param); convert a run of the same optimizer with "
-                     "flat_state=False, whose values a flat state equals.")
+                     "state tensor per param); optax_half.relayout_state(state, tx, params), with "
+                     "tx the same optimizer with flat_state=False, gives the per-param layout "
+                     "(the same values) to convert.")
 
 
 def _check_scaler(loss_scale, scaler) -> None:
