@@ -138,12 +138,34 @@ def median_ms(times) -> float:
   return statistics.median(times) * 1e3
 
 
+def cpu() -> dict:
+  """The machine a run measured: its CPU model (Linux: /proc/cpuinfo), the
+  CPUs this process may use, and the native kernel's lanes (16: AVX-512,
+  8: AVX2, 1: scalar, 0: not built). Results of different CPUs differ in
+  kind, not only in degree (benchmarks/README.md), so every JSON says which."""
+  model = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  try:
+    cores = len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    cores = os.cpu_count() or 1
+  import optax_half_native  # noqa: PLC0415 (builds the kernel on first use)
+  return dict(model=model, machine=platform.machine(), cores=cores,
+              kernel_lanes=optax_half_native.lanes())
+
+
 def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dict,
            json_path=None, extra=None) -> dict:
   """Prints the table (ratios to ``reference``) and writes JSON; returns the JSON dict."""
   best_bw = max(bandwidth.values())
   ref = median_ms(runs[reference]["times"])
-  print(f"{title}: {n_params / 1e6:.2f}M params, machine {platform.machine()}; memory "
+  machine = cpu()
+  print(f"{title}: {n_params / 1e6:.2f}M params; {machine['model']} ({machine['machine']}, "
+        f"{machine['cores']} CPUs, kernel lanes {machine['kernel_lanes']}); memory "
         f"bandwidth " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
   print(f"{'optimizer':56s} {'ms/step':>8s} {'vs ref':>7s} {'B/param':>8s} {'moved B/p':>9s} "
         f"{'GB/s':>6s} {'of bw':>6s} {'setup s':>8s}")
@@ -159,7 +181,7 @@ def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dic
     print(f"{name:56s} {ms:8.2f} {ref / ms:6.2f}x {r['bytes_per_param']:8.1f} "
           f"{r['moved_per_param']:9.1f} {gbs:6.1f} {gbs / best_bw:6.0%} {r['setup_s']:8.2f}")
   out = dict(title=title, params=n_params, reference=reference, bandwidth_gb_per_s=bandwidth,
-             runs=table, **(extra or {}))
+             cpu=machine, runs=table, **(extra or {}))
   if json_path:
     with open(json_path, "w") as f:
       json.dump(out, f, indent=1)

@@ -23,6 +23,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 def _check(out, path, expected_bytes):
   assert json.loads(path.read_text()) == json.loads(json.dumps(out))
   assert all(v > 1.0 for v in out["bandwidth_gb_per_s"].values())
+  assert out["cpu"]["model"] and out["cpu"]["cores"] >= 1
+  assert out["cpu"]["kernel_lanes"] in (0, 1, 8, 16)
   for name, row in out["runs"].items():
     assert len(row["times_ms"]) == out["reps"] and row["ms"] > 0, name
     assert (0 < row["fraction_of_bandwidth"]) == (row["moved_bytes_per_param"] > 0), name
