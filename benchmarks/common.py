@@ -28,6 +28,23 @@ TREES = {
     "quick": [((1024, 1024), 1), ((1024,), 1), ((1024, 256), 1), ((), 1)],
 }
 BANDWIDTH_BYTES = 256 * 2**20
+# The yardsticks' best of BANDWIDTH_REPS calls after BANDWIDTH_WARMUP: the
+# first calls of a fresh buffer run slower (on this project's Intel VM the
+# best of the first 6 was 45-47 GB/s, of 40 48-52; 2026-11-25).
+BANDWIDTH_WARMUP, BANDWIDTH_REPS = 2, 20
+
+
+def best_gb_per_s(run, moved_bytes: int) -> float:
+  """GB/s of the fastest of ``BANDWIDTH_REPS`` calls of ``run`` (which
+  returns when its work is done), after ``BANDWIDTH_WARMUP`` untimed ones."""
+  for _ in range(BANDWIDTH_WARMUP):
+    run()
+  best = float("inf")
+  for _ in range(BANDWIDTH_REPS):
+    start = time.perf_counter()
+    run()
+    best = min(best, time.perf_counter() - start)
+  return moved_bytes / best / 1e9
 
 
 # glibc: serve every allocation from the heap and keep freed memory for reuse.

@@ -104,23 +104,17 @@ _copy = jax.jit(lambda y, x: x + 0.0, donate_argnums=0, keep_unused=True)
 
 def bandwidth() -> dict:
   """Streaming bandwidth into donated buffers (no fresh allocation timed)."""
-  x = jnp.ones(common.BANDWIDTH_BYTES // 4, jnp.float32)
-  y = jnp.zeros_like(x)
-  scale, copy = _scale, _copy
-  out = {}
-  for name in ("in-place scale", "copy"):
-    best = float("inf")
-    for _ in range(6):
-      start = time.perf_counter()
-      if name == "copy":
-        y = copy(y, x)
-        y.block_until_ready()
-      else:
-        x = scale(x)
-        x.block_until_ready()
-      best = min(best, time.perf_counter() - start)
-    out[name] = 2 * common.BANDWIDTH_BYTES / best / 1e9
-  return out
+  bufs = dict(x=jnp.ones(common.BANDWIDTH_BYTES // 4, jnp.float32))
+  bufs["y"] = jnp.zeros_like(bufs["x"])
+
+  def scale():
+    bufs["x"] = _scale(bufs["x"]).block_until_ready()
+
+  def copy():
+    bufs["y"] = _copy(bufs["y"], bufs["x"]).block_until_ready()
+
+  return {name: common.best_gb_per_s(run, 2 * common.BANDWIDTH_BYTES)
+          for name, run in (("in-place scale", scale), ("copy", copy))}
 
 
 def fresh(tree):

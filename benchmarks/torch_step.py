@@ -60,16 +60,9 @@ def candidates(lr=1e-3):
 def bandwidth() -> dict:
   x = torch.ones(common.BANDWIDTH_BYTES // 4)
   y = torch.empty_like(x)
-  out = {}
-  for name, fn in (("in-place scale", lambda: x.mul_(1.0000001)), ("copy", lambda: y.copy_(x))):
-    fn()
-    best = float("inf")
-    for _ in range(5):
-      start = time.perf_counter()
-      fn()
-      best = min(best, time.perf_counter() - start)
-    out[name] = 2 * common.BANDWIDTH_BYTES / best / 1e9
-  return out
+  return {name: common.best_gb_per_s(fn, 2 * common.BANDWIDTH_BYTES)
+          for name, fn in (("in-place scale", lambda: x.mul_(1.0000001)),
+                           ("copy", lambda: y.copy_(x)))}
 
 
 def state_bytes(opt) -> int:

@@ -31,7 +31,6 @@ import os
 import socket
 import sys
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
