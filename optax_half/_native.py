@@ -10,8 +10,9 @@ materialise the fp32 update. The state and the returned updates are those of
 the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
 bit for bit: the kernel computes what ``scale_by_adamw`` and the wrappers
 compute, with the same fp32 scalars (``adam.coefficients``) and the same
-random keys. On other platforms, and for trees it does not take (fp16 or
-integer leaves), the composed transformation runs: ``lax.platform_dependent``
+random keys. On other platforms, and for trees it does not take (integer
+leaves; fp16 leaves except the params of ``adam_fp32_master``), the composed
+transformation runs: ``lax.platform_dependent``
 picks at lowering time, so nothing is decided on the host at run time.
 """
 
@@ -114,19 +115,19 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
   """``_util.unscaled_all_finite(tree, inv_scale)``, the gradient check of
   ``dynamic_loss_scale`` and ``skip_nonfinite``.
 
-  On CPU, for bf16 and fp32 leaves on one device, one pass of the native
-  check over each leaf (``oh::all_finite_range``: the same fp32 products,
+  On CPU, for bf16, fp32 and (with F16C) fp16 leaves on one device, one
+  pass of the native check over each leaf (``oh::all_finite_range``: the same fp32 products,
   each tested for an all-ones exponent), where XLA:CPU's reduction of
   ``isfinite``'s bools runs at a fraction of the memory bandwidth (4.2 ms
-  against 0.75-0.90 for 16.8M bf16 values here). Elsewhere, and for fp16
-  leaves, XLA's reduction.
+  against 0.75-0.90 for 16.8M bf16 values here). Elsewhere XLA's reduction.
   """
   def framework():
     return unscaled_all_finite(tree, inv_scale)
 
   floats = [jnp.asarray(x) for x in jax.tree.leaves(tree) if is_float(x)]
-  if (not floats or jax.default_backend() != "cpu" or _maybe_sharded(tree)
-      or any(x.dtype not in (jnp.bfloat16, jnp.float32) for x in floats) or not available()):
+  if (not floats or jax.default_backend() != "cpu" or _maybe_sharded(tree) or not available()
+      or any(x.dtype not in (jnp.bfloat16, jnp.float32)
+             and not (x.dtype == jnp.float16 and has_f16()) for x in floats)):
     return framework()
   scale = jnp.ones((1,), jnp.float32) if inv_scale is None else jnp.reshape(
       jnp.asarray(inv_scale, jnp.float32), (1,))
@@ -140,8 +141,16 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
   return jax.lax.platform_dependent(cpu=kernel, default=framework)
 
 
-def _takes(params, grads, core) -> bool:
-  """Whether the kernel takes this tree (trace time: dtypes and shapes only)."""
+def has_f16() -> bool:
+  """Whether the FFI library steps fp16 params (``adam_fp32_master``'s mode;
+  built where the CPU has F16C)."""
+  return available() and native.has_f16(native.ffi_library(jax.ffi.include_dir()))
+
+
+def _takes(kind, params, grads, core) -> bool:
+  """Whether the kernel takes this tree (trace time: dtypes and shapes only):
+  bf16 and fp32 leaves, and fp16 params of ``adam_fp32_master`` (fp32
+  moments, fp16 or fp32 gradients) where ``has_f16``."""
   ok = (jnp.bfloat16, jnp.float32)
   leaves = jax.tree.leaves(params)
   if not leaves or params is None:
@@ -149,7 +158,14 @@ def _takes(params, grads, core) -> bool:
   for p, g, m, v in zip(leaves, jax.tree.leaves(grads), jax.tree.leaves(core.mu),
                         jax.tree.leaves(core.nu)):
     dtypes = [jnp.asarray(x).dtype for x in (p, g, m, v)]
-    if any(d not in ok for d in dtypes) or np.shape(g) != np.shape(p):
+    if np.shape(g) != np.shape(p):
+      return False
+    if dtypes[0] == jnp.float16:
+      if not (kind == "master" and dtypes[1] in (jnp.float16, jnp.float32)
+              and dtypes[2:] == [jnp.float32] * 2 and has_f16()):
+        return False
+      continue
+    if any(d not in ok for d in dtypes):
       return False
     if dtypes[0] == jnp.float32 and dtypes[1:] != [jnp.float32] * 3:
       return False
@@ -221,7 +237,7 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
                 or not available())
 
   def native(updates, state, params) -> bool:
-    return on_cpu(params) and _takes(params, updates, state.inner_state)
+    return on_cpu(params) and _takes(kind, params, updates, state.inner_state)
 
   def step(in_place, updates, state, params, extra_args, inv_scale=None):
     if inv_scale is not None and not native(updates, state, params):

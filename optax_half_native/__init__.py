@@ -33,8 +33,8 @@ from typing import Optional
 
 import numpy as np
 
-__all__ = ["library", "ffi_library", "kernel", "lanes", "leaf_keys", "TENSOR_DTYPE", "MODES",
-           "build_errors"]
+__all__ = ["library", "ffi_library", "has_f16", "kernel", "lanes", "leaf_keys", "TENSOR_DTYPE",
+           "MODES", "build_errors"]
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h")
@@ -213,10 +213,18 @@ def lanes() -> int:
   return 0 if lib is None else int(lib.oh_lanes())
 
 
+def has_f16(lib: Optional[ctypes.CDLL]) -> bool:
+  """Whether ``lib`` (``library()`` or ``ffi_library(...)``) steps fp16
+  params: ``adam_fp32_master``'s mode with fp32 moments, fp16 or fp32
+  gradients (built where the CPU has F16C)."""
+  return lib is not None and bool(lib.oh_has_f16())
+
+
 def kernel(param: str, grad: str, mu: str, nu: str, mode: str, stochastic_moments: bool):
   """The entry point for one configuration, or None if there is none.
 
-  Types are "B" (bf16) or "F" (fp32); ``mode`` is a key of ``MODES``. The
+  Types are "B" (bf16), "F" (fp32) or "H" (fp16: params only, in mode
+  "master" with "F" moments, where ``has_f16``); ``mode`` is a key of ``MODES``. The
   function takes ``(tensors: TENSOR_DTYPE array pointer, n, nthreads)``.
   """
   lib = library()

@@ -10,10 +10,23 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace oh {
 
 struct bf16 {
+  uint16_t bits;
+};
+
+// IEEE binary16 (fp16) storage: params of adam_fp32_master only (mode
+// kMaster, fp32 moments), with fp16 or fp32 gradients. Converted by the
+// F16C instructions (vcvtph2ps exactly; vcvtps2ph rounding to nearest even,
+// subnormals and NaN payloads kept), which is what torch's and XLA's CPU
+// conversions do (docs/algorithms.md section 12); without F16C there is no
+// fp16 kernel (OH_F16 undefined) and fp16 params take the framework code.
+struct f16 {
   uint16_t bits;
 };
 
@@ -55,6 +68,15 @@ inline float round_nearest(float x, float) { return x; }
 // that copies a struct local to memory.
 inline void store(bf16* to, bf16 v) { to->bits = v.bits; }
 inline void store(float* to, float v) { *to = v; }
+
+#if defined(__F16C__)
+#define OH_F16 1
+inline float widen(f16 h) { return _cvtsh_ss(h.bits); }
+inline f16 round_nearest(float x, f16) {
+  return f16{uint16_t(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
+}
+inline void store(f16* to, f16 v) { to->bits = v.bits; }
+#endif
 
 // rounding.mix32: a bijective 32-bit hash (of one word, or of each lane of
 // a vector of words).
@@ -164,6 +186,7 @@ struct Lanes16 {
 
   static F get(const float* a, int64_t i) { return _mm512_loadu_ps(a + i); }
   static F get(const bf16* a, int64_t i) { return widen(load16(a, i)); }
+  static F get(const f16* a, int64_t i) { return _mm512_cvtph_ps(load16(a, i)); }
   static __m256i load16(const void* a, int64_t i) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i));
   }
@@ -189,6 +212,7 @@ struct Lanes16 {
   static __mmask16 nan_mask(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
 
   static F to(F x, float) { return x; }
+  static __m256i to(F x, f16) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
   static __m256i to(F x, bf16) {
     __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
     const __mmask16 odd = _mm512_fpclass_ps_mask(x, kNanOrSubnormal);
@@ -209,6 +233,9 @@ struct Lanes16 {
   }
   static void put(float* a, int64_t i, F v) { _mm512_storeu_ps(a + i, v); }
   static void put(bf16* a, int64_t i, __m256i v) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(a) + i), v);
+  }
+  static void put(f16* a, int64_t i, __m256i v) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(reinterpret_cast<uint16_t*>(a) + i), v);
   }
   // put_moments_stochastic for two bf16 moments: both sums, then one word
@@ -276,6 +303,9 @@ struct Lanes8 {
 
   static F get(const float* a, int64_t i) { return _mm256_loadu_ps(a + i); }
   static F get(const bf16* a, int64_t i) { return widen(load8(a, i)); }
+#if defined(OH_F16)  // F16C
+  static F get(const f16* a, int64_t i) { return _mm256_cvtph_ps(load8(a, i)); }
+#endif
   static F widen(__m128i h) { return floats(widen16(h) << 16); }
   static F widen(F x) { return x; }
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
@@ -289,6 +319,9 @@ struct Lanes8 {
   }
 
   static F to(F x, float) { return x; }
+#if defined(OH_F16)  // F16C
+  static __m128i to(F x, f16) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
+#endif
   static __m128i to(F x, bf16) {  // round_nearest
     const U u = bits(x);
     const U r = nearest_even_bits(u);
@@ -303,6 +336,11 @@ struct Lanes8 {
   static void put(bf16* a, int64_t i, __m128i v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(a) + i), v);
   }
+#if defined(OH_F16)
+  static void put(f16* a, int64_t i, __m128i v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(a) + i), v);
+  }
+#endif
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
     const U h = split_high(b);

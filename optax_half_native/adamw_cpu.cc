@@ -10,7 +10,7 @@
   }
 
 using oh::bf16;
-// Names: param, grad, mu, nu types (B = bf16, F = fp32), mode (oh::Mode), SR.
+// Names: param, grad, mu, nu types (B = bf16, F = fp32, H = fp16), mode (oh::Mode), SR.
 #define OH_MOMENTS(P, PN, G, GN, MODE)             \
   OH_ENTRY(PN##GN##BB, P, G, bf16, bf16, MODE, 0)  \
   OH_ENTRY(PN##GN##BB, P, G, bf16, bf16, MODE, 1)  \
@@ -29,5 +29,13 @@ using oh::bf16;
 OH_MODES(bf16, B)
 OH_MODES(float, F)
 OH_ENTRY(FFFF, float, float, float, float, 0, 0)
+
+#if defined(OH_F16)
+// fp16 params: adam_fp32_master's mode (kMaster) with fp32 moments, fp16 or
+// fp32 gradients (H = fp16).
+using oh::f16;
+OH_ENTRY(HHFF, f16, f16, float, float, 1, 0)
+OH_ENTRY(HFFF, f16, float, float, float, 1, 0)
+#endif
 
 extern "C" int oh_lanes() { return oh::kLanes; }

@@ -120,6 +120,23 @@ void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 // unsupported combination or mode.
 bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts, int n,
               const oh::ParallelFor& parallel) {
+#if defined(OH_F16)
+  if (types[0] == ffi::DataType::F16) {  // fp16 params: kMaster with fp32 moments only
+    if (mode != oh::kMaster || sr || types[2] != ffi::DataType::F32 ||
+        types[3] != ffi::DataType::F32) {
+      return false;
+    }
+    if (types[1] == ffi::DataType::F16) {
+      oh::step_all<oh::f16, oh::f16, float, float, oh::kMaster, false>(ts, n, 1, &parallel);
+      return true;
+    }
+    if (types[1] == ffi::DataType::F32) {
+      oh::step_all<oh::f16, float, float, float, oh::kMaster, false>(ts, n, 1, &parallel);
+      return true;
+    }
+    return false;
+  }
+#endif
   return with_type(types[0], [&](auto pt) {
     return with_type(types[1], [&](auto gt) {
       return with_type(types[2], [&](auto mt) {
@@ -265,7 +282,7 @@ ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi
   const float s = scale.typed_data()[0];
   const int64_t nchunks = std::max<int64_t>(1, (n + oh::kMinPerThread - 1) / oh::kMinPerThread);
   std::vector<char> ok(size_t(nchunks), 1);
-  const bool typed = with_type(g.element_type(), [&](auto gt) {
+  auto check = [&](auto gt) {
     using G = decltype(gt);
     const G* data = static_cast<const G*>(g.untyped_data());
     pool_parallel_for(pool, nthreads)(nchunks, [&](int64_t c) {
@@ -273,8 +290,12 @@ ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi
                                            std::min(n, (c + 1) * oh::kMinPerThread), s);
     });
     return true;
-  });
-  if (!typed) return ffi::Error::InvalidArgument("oh_all_finite: g must be bf16 or fp32");
+  };
+  bool typed = with_type(g.element_type(), check);
+#if defined(OH_F16)
+  if (!typed && g.element_type() == ffi::DataType::F16) typed = check(oh::f16{});
+#endif
+  if (!typed) return ffi::Error::InvalidArgument("oh_all_finite: g must be bf16, fp16 or fp32");
   bool all = true;
   for (char c : ok) all = all && c;
   finite->typed_data()[0] = all;

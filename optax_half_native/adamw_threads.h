@@ -28,6 +28,14 @@ struct Tensor {
 // order (key_p is the start of its "keys"). Each library (adamw_cpu.cc,
 // adamw_ffi.cc) is one translation unit that includes this header once.
 extern "C" int oh_tensor_struct_size() { return int(sizeof(Tensor)); }
+// Whether this build steps fp16 params (F16C: OH_F16 in adamw.h).
+extern "C" int oh_has_f16() {
+#if defined(OH_F16)
+  return 1;
+#else
+  return 0;
+#endif
+}
 extern "C" int oh_tensor_field_offset(int k) {
   const size_t offsets[] = {offsetof(Tensor, numel), offsetof(Tensor, p),
                             offsetof(Tensor, p_out), offsetof(Tensor, g),

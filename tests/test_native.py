@@ -23,6 +23,7 @@ import pytest
 
 import optax_half as oh
 from optax_half import _native as jax_native
+import optax_half_native as native_lib
 
 torch = pytest.importorskip("torch")
 import torch_bridge as tb  # noqa: E402
@@ -63,9 +64,9 @@ TORCH_CONFIGS = [
          (torch.float32, torch.float32)])]
 
 
-def _torch_run(make, fused, fp32_leaves=(), loss_scale=False):
+def _torch_run(make, fused, fp32_leaves=(), loss_scale=False, low=torch.bfloat16):
   params = [torch.nn.Parameter(torch.from_numpy(_values(i, s, 0.5)).to(
-      torch.float32 if k in fp32_leaves else torch.bfloat16))
+      torch.float32 if k in fp32_leaves else low))
             for i, (k, s) in enumerate(SHAPES.items())]
   opt = make(params, fused)
   scaler = tb.dynamic_loss_scale(init_scale=2.0**8) if loss_scale else None
@@ -114,6 +115,59 @@ def test_torch_kernel_equals_the_eager_step_named(name):
                       _torch_run(make, False, ("scalar",), scaled))
 
 
+f16_kernel = pytest.mark.skipif(not native_lib.has_f16(native_lib.library()),
+                                reason="the kernel has fp16 params where the CPU has F16C")
+
+
+@f16_kernel
+@pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaler"])
+def test_torch_kernel_steps_fp16_params_of_adam_fp32_master_as_the_eager_step(scaled,
+                                                                             monkeypatch):
+  """fp16 params (fp32 leaves among them) with fp32 master and moments, fp16
+  gradients, with and without the loss scaler: the kernel's bits are the
+  eager step's, and the eager step does not run."""
+  from torch_bridge import adam  # noqa: PLC0415
+
+  def make(ps, fused):
+    return tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1, fused=fused)
+  _assert_torch_equal(_torch_run(make, None, ("scalar",), scaled, low=torch.float16),
+                      _torch_run(make, False, ("scalar",), scaled, low=torch.float16))
+  calls = []
+  monkeypatch.setattr(adam, "adamw_step", lambda *a, **k: calls.append(1))
+  p = torch.nn.Parameter(torch.ones(5, dtype=torch.float16))
+  opt = make([p], None)
+  p.grad = torch.ones_like(p)
+  opt.step()
+  assert calls == [] and float(p.detach()[0]) != 1.0
+
+
+@f16_kernel
+def test_torch_kernel_rounds_fp16_subnormals_and_nans_as_the_eager_step():
+  """fp16 params whose values cross the fp16 subnormal range (6e-8 .. 6e-5)
+  and the largest finite values, with NaN gradients at one step: the
+  kernel's params, master copies and moments equal the eager step's bit for
+  bit, in the wide lanes and the tail (4099 elements), a NaN's payload aside
+  (``_same_but_nan_bits``: in the tail torch's eager ops wrote 0x7FFFFFFF
+  where the kernel's scalar loop carried the gradient's 0x7FC00000)."""
+  n = 4099
+  w = np.concatenate([_log_uniform(1, n - 3, -9, -3), np.float32([65500.0, -65500.0, 1e-8])])
+  grads = [_log_uniform(2 + t, n, -9, 1) for t in range(3)]
+  grads[1][[5, 40, 4097]] = np.nan
+  runs = []
+  for fused in (None, False):
+    p = torch.nn.Parameter(torch.from_numpy(w).to(torch.float16))
+    opt = tb.adam_fp32_master([p], 1e-4, fused=fused)
+    for g in grads:
+      p.grad = torch.from_numpy(g).to(torch.float16)
+      opt.step()
+    runs.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
+  for a, b in zip(*runs):
+    _same_but_nan_bits(a.numpy(), b.numpy(), a.dtype)
+  bits = runs[0][0].numpy().view(np.uint16)
+  assert ((bits & 0x7C00) == 0).sum() > ((bits & 0x7FFF) == 0).sum()  # subnormals reached
+  assert np.isnan(runs[0][0].numpy()).sum() == 3
+
+
 def test_torch_kernel_is_used_and_the_eager_step_is_not(monkeypatch):
   from torch_bridge import adam  # noqa: PLC0415
   calls = []
@@ -146,15 +200,16 @@ JAX_CONFIGS = {
 
 
 def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad_scale=1.0,
-             nan_leaf="vec"):
+             nan_leaf="vec", low=jnp.bfloat16):
   """STEPS steps: tx.update + optax.apply_updates, or (``in_place``)
   ``oh.update_and_apply``. ``jit``: True jits tx.update (the in-place step:
   the whole step), "step" the whole step, both with the params and state
   donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN
   (in ``nan_leaf``).
-  ``grad_scale``: the gradients' values are multiplied by it (a loss scale)."""
+  ``grad_scale``: the gradients' values are multiplied by it (a loss scale).
+  ``low``: the dtype of the params not in ``fp32_leaves``."""
   params = {k: jnp.asarray(_values(i, s, 0.5)).astype(
-      jnp.float32 if k in fp32_leaves else jnp.bfloat16) for i, (k, s) in enumerate(SHAPES.items())}
+      jnp.float32 if k in fp32_leaves else low) for i, (k, s) in enumerate(SHAPES.items())}
   tx = make()
   state = tx.init(params)
   update = jax.jit(tx.update) if jit is True else tx.update
@@ -253,6 +308,36 @@ def test_jax_kernel_is_one_custom_call_per_dtype_group_where_it_applies():
   assert _custom_calls(oh.adamw_bf16(1e-3), {**tree, "h": jnp.ones(3, jnp.float16)}) == 0
   assert _custom_calls(oh.adamw_bf16(1e-3, mu_dtype=jnp.float16), tree) == 0
   assert _custom_calls(oh.scale_by_adamw(1e-3), tree) == 0  # the bare core stays framework code
+
+
+@jax_kernel
+@f16_kernel
+@pytest.mark.parametrize("loss_scaled", [False, True], ids=["plain", "dynamic_loss_scale"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_and_apply"])
+def test_jax_kernel_steps_fp16_params_of_adam_fp32_master_as_the_composed_transformation(
+    in_place, loss_scaled, monkeypatch):
+  """fp16 params (fp32 leaves among them) of adam_fp32_master, alone and in
+  dynamic_loss_scale (the kernel unscales the fp16 gradients as it reads
+  them), with a NaN step: the kernel's bits are the composed
+  transformation's, and the kernel runs (one call per dtype group)."""
+  def make():
+    tx = oh.adam_fp32_master(1e-2, weight_decay=0.1)
+    return oh.dynamic_loss_scale(tx, init_scale=3000.0) if loss_scaled else tx
+
+  runs = []
+  for kernel in (True, False):
+    with monkeypatch.context() as m:
+      if not kernel:
+        m.setattr(jax_native, "available", lambda: False)
+      runs.append(_jax_run(make, ("mat",), jit="step", in_place=in_place,
+                           nan_step=2 if loss_scaled else None,
+                           grad_scale=3000.0 if loss_scaled else 1.0, low=jnp.float16))
+  for a, b in zip(*runs):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+  tree = {"h": jnp.ones((4, 3), jnp.float16), "b": jnp.ones(5), "c": jnp.ones((), jnp.float16)}
+  assert _custom_calls(make(), tree) == 2
+  assert _custom_calls(oh.adamw_bf16(1e-3), tree) == 0  # fp16 moments: no kernel
 
 
 @jax_kernel
@@ -659,8 +744,8 @@ def test_the_native_finiteness_check_equals_xlas(jit):
   or an Inf at the first element, either side of a 16-lane step, either
   side of the threads' 65536-element chunks, the last element, the scalar
   tail of a 37-element leaf; finite values whose product overflows,
-  subnormals; inverse scales of 1, 1/3000, 2, Inf and a subnormal; bf16 and
-  fp32 leaves."""
+  subnormals; inverse scales of 1, 1/3000, 2, Inf and a subnormal; bf16,
+  fp32 and (where the kernel has them) fp16 leaves."""
   from optax_half import _util  # noqa: PLC0415
   rng = np.random.default_rng(3)
   base = {"a": rng.standard_normal(200003).astype(np.float32),
@@ -671,7 +756,9 @@ def test_the_native_finiteness_check_equals_xlas(jit):
   values = [np.nan, np.inf, -np.inf, 3e38, 1e-40]
   inverses = [1.0, 1 / 3000, 2.0, np.inf, 1e-45] if jit else [1 / 3000, 2.0]
   seen = {True: 0, False: 0}
-  for dtypes in ((jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)):
+  f16 = native_lib.has_f16(native_lib.library())
+  for dtypes in ((jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
+                 *([(jnp.float16, jnp.float32)] if f16 else [])):
     tree = {k: jnp.asarray(v, d) for (k, v), d in zip(base.items(), dtypes)}
     if jit:
       assert jax_native.FINITE_TARGET in check.lower(tree, 1.0).as_text()
@@ -687,9 +774,9 @@ def test_the_native_finiteness_check_equals_xlas(jit):
         assert bool(check(poisoned, inv)) == want, (dtypes, leaf, where, value, inv)
         seen[want] += 1
   assert seen[False] > 10 and (seen[True] > 10 or not jit)  # op by op: NaNs and Infs only
-  # fp16 leaves: XLA's reduction (the kernel takes bf16 and fp32).
+  # fp16 leaves: the kernel's check where it has fp16 (F16C), else XLA's reduction.
   fp16 = {"h": jnp.ones(8, jnp.float16)}
-  assert jax_native.FINITE_TARGET not in jax.jit(jax_native.all_finite).lower(fp16).as_text()
+  assert (jax_native.FINITE_TARGET in jax.jit(jax_native.all_finite).lower(fp16).as_text()) == f16
 
 
 def test_a_library_whose_struct_differs_from_tensor_dtype_is_refused(monkeypatch):
@@ -819,13 +906,14 @@ def test_the_kernel_steps_as_many_lanes_as_the_cpu_has():
 def test_the_avx2_lanes_have_the_same_bits(tmp_path):
   """The AVX2 build (Lanes8, for CPUs without AVX-512) runs the bit-exactness
   tests above in a process of its own: torch kernel == eager step in every
-  configuration (subnormals and NaNs included), JAX kernel == composed."""
+  configuration (subnormals and NaNs included), JAX kernel == composed, fp16
+  params included."""
   env = dict(os.environ, OPTAX_HALF_CACHE=str(tmp_path / "cache"),
              OPTAX_HALF_NATIVE_FLAGS="-mno-avx512f")
   out = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
        "lanes_as_the_cpu or equals_the_eager_step or subnormals or "
-       "jax_kernel_equals_the_composed"],
+       "jax_kernel_equals_the_composed or fp16_params"],
       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]

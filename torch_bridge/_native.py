@@ -5,9 +5,9 @@ them with one kernel call per configuration (param, grad, mu, nu dtypes, mode,
 moment rounding), on ``torch.get_num_threads()`` threads, the GIL released.
 The kernel computes what ``adam.adamw_step`` computes, bit for bit (its random
 keys from the same seed, step and leaf, its scalars from the same fp32
-values), so a tensor it cannot take (another device, fp16, a non-contiguous
-view, a dtype it was not built for) goes through ``adamw_step`` with no change
-in the numbers.
+values), so a tensor it cannot take (another device, fp16 outside
+``adam_fp32_master``, a non-contiguous view, a dtype it was not built for)
+goes through ``adamw_step`` with no change in the numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import optax_half_native as native
 
 __all__ = ["Batch", "available"]
 
-_CODES = {torch.bfloat16: "B", torch.float32: "F"}
+# The kernel's type codes; fp16 ("H") only as params of the master mode
+# (native.kernel finds no other fp16 entry point, and none without F16C).
+_CODES = {torch.bfloat16: "B", torch.float32: "F", torch.float16: "H"}
 _KERNELS: dict = {}  # ((dtypes, mode), stochastic moments) -> kernel or None
 
 
