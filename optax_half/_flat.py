@@ -135,7 +135,11 @@ def template(init, params):
 def _relayout(state, like, path: str):
   """``state`` with every param-shaped field in the layout ``like`` has there."""
   if isinstance(like, Flat):
-    return state if isinstance(state, Flat) else _pack_tree(state)
+    out = state if isinstance(state, Flat) else _pack_tree(state)
+    if set(out.arrays) != set(like.arrays):
+      raise ValueError(f"relayout_state: {path} holds {sorted(out.arrays)} where the target "
+                       f"has {sorted(like.arrays)}: buffers of another params tree or dtype.")
+    return out
   if isinstance(state, Flat):
     try:
       return _unpack_tree(state, like)
@@ -154,6 +158,11 @@ def _relayout(state, like, path: str):
                        f"{len(like)} elements: a state of another optimizer.")
     return type(state)(_relayout(v, w, f"{path}[{i}]")
                        for i, (v, w) in enumerate(zip(state, like)))
+  if isinstance(like, dict):  # e.g. optax.multi_transform's inner states
+    if not isinstance(state, dict) or set(state) != set(like):
+      raise ValueError(f"relayout_state: {path} does not have the target's keys "
+                       f"{sorted(like)}: a state of another optimizer.")
+    return {k: _relayout(v, like[k], f"{path}[{k!r}]") for k, v in state.items()}
   return state
 
 
@@ -168,7 +177,8 @@ def relayout_state(state, tx, params):
   ``torch_bridge.convert``, which takes the per-param layout) continues the
   same run bit for bit. ``tx`` is the optimizer the state is for, in the
   target layout (also inside ``optax.chain``, ``oh.chain``,
-  ``dynamic_loss_scale``, ``optax.inject_hyperparams``); ``params`` the
+  ``dynamic_loss_scale``, ``optax.inject_hyperparams``,
+  ``optax.multi_transform``); ``params`` the
   params tree, whose shapes give the per-param layout. Nothing else of the
   state changes; a state of another optimizer or params tree is refused
   with a ``ValueError``.

@@ -218,10 +218,39 @@ def test_relayout_state_refuses_another_optimizer_or_params_tree():
   with pytest.raises(ValueError, match="flat array of another params tree"):
     oh.relayout_state(flat_tx.init(params), oh.adamw_bf16(1e-3),
                       {"a": params["a"], "b": jnp.ones((7,), jnp.bfloat16)})
-  with pytest.raises(ValueError, match="does not fit tx.init"):  # fp32 moments, bf16 expected
-    oh.relayout_state(oh.adamw_bf16(1e-3, mu_dtype=jnp.float32).init(params), flat_tx, params)
+  with pytest.raises(ValueError, match="does not fit tx.init"):  # tree to tree: fp32 moments
+    oh.relayout_state(oh.adamw_bf16(1e-3, mu_dtype=jnp.float32).init(params),
+                      oh.adamw_bf16(1e-3), params)
   with pytest.raises(ValueError, match="2 elements"):
     oh.relayout_state((flat_tx.init(params),), optax.chain(optax.identity(), flat_tx), params)
+  # Packing: the field is named (fp32 moments where the target's are bf16; another tree).
+  with pytest.raises(ValueError, match=r"state\.inner_state\.mu holds \['float32_"):
+    oh.relayout_state(oh.adamw_bf16(1e-3, mu_dtype=jnp.float32).init(params), flat_tx, params)
+  other = {"a": params["a"], "b": jnp.ones((7,), jnp.bfloat16)}
+  with pytest.raises(ValueError, match=r"state\.compensation holds .* another params tree"):
+    oh.relayout_state(oh.adamw_bf16(1e-3).init(other), flat_tx, params)
+  labels = {"a": "x", "b": "x"}
+  with pytest.raises(ValueError, match="target's keys"):
+    oh.relayout_state(optax.multi_transform({"y": flat_tx}, {"a": "y", "b": "y"}).init(params),
+                      optax.multi_transform({"x": flat_tx}, labels), params)
+
+
+def test_relayout_state_reaches_into_multi_transform():
+  """optax.multi_transform keeps its inner states in a dict: each moves
+  layout, and the run continues bit for bit."""
+  params, grads = _tree(0, 1.0), _grads(jnp.bfloat16)
+  labels = {k: ("first" if i % 2 else "second") for i, k in enumerate(params)}
+
+  def make(**k):
+    return optax.multi_transform({"first": oh.adamw_bf16(1e-2, **k),
+                                  "second": oh.adam_fp32_master(1e-2, **k)}, labels)
+  want_p, want_s = _run(make(), params, grads, in_place=False)
+  p, s = _run(make(), params, grads[:2], in_place=False)
+  s = oh.relayout_state(s, make(flat_state=True), p)
+  assert jax.tree.structure(s) == jax.tree.structure(make(flat_state=True).init(params))
+  p, s = _run(make(flat_state=True), p, grads[2:], in_place=False, state=s)
+  _same(p, want_p)
+  _same(oh.relayout_state(s, make(), p), want_s)
 
 
 def test_a_state_of_another_layout_or_params_tree_is_refused_clearly():
