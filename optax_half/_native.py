@@ -11,7 +11,7 @@ the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
 bit for bit: the kernel computes what ``scale_by_adamw`` and the wrappers
 compute, with the same fp32 scalars (``adam.coefficients``) and the same
 random keys. On other platforms, and for trees it does not take (integer
-leaves; fp16 leaves except the params of ``adam_fp32_master``), the composed
+leaves; fp16 leaves except params in mode ``"master"``, ``_mode``), the composed
 transformation runs: ``lax.platform_dependent``
 picks at lowering time, so nothing is decided on the host at run time.
 """
@@ -147,10 +147,24 @@ def has_f16() -> bool:
   return available() and native.has_f16(native.ffi_library(jax.ffi.include_dir()))
 
 
+def _mode(kind: str, dtype) -> str:
+  """The kernel's mode for a param of ``dtype`` (``torch_bridge.adam._mode``):
+  fp32 params take ``"update"`` (the wrappers hand them to the core as they
+  are), fp16 params of ``"split"`` ``"master"`` (``master_weights(split=True)``
+  splits bf16 only and keeps a full fp32 master of the others), every other
+  param its kind's."""
+  if jnp.dtype(dtype) == jnp.float32:
+    return "update"
+  if kind == "split" and jnp.dtype(dtype) != jnp.bfloat16:
+    return "master"
+  return kind
+
+
 def _takes(kind, params, grads, core) -> bool:
   """Whether the kernel takes this tree (trace time: dtypes and shapes only):
-  bf16 and fp32 leaves, and fp16 params of ``adam_fp32_master`` (fp32
-  moments, fp16 or fp32 gradients) where ``has_f16``."""
+  bf16 and fp32 leaves, and fp16 params in mode ``"master"`` (``adam_fp32_master``;
+  ``adamw_bf16(compensation="split")`` with fp32 moments) with fp32 moments and
+  fp16 or fp32 gradients, where ``has_f16``."""
   ok = (jnp.bfloat16, jnp.float32)
   leaves = jax.tree.leaves(params)
   if not leaves or params is None:
@@ -161,8 +175,7 @@ def _takes(kind, params, grads, core) -> bool:
     if np.shape(g) != np.shape(p):
       return False
     if dtypes[0] == jnp.float16:
-      if not (kind == "master" and dtypes[1] in (jnp.float16, jnp.float32)
-              and dtypes[2:] == [jnp.float32] * 2 and has_f16()):
+      if not _takes_f16(_mode(kind, dtypes[0]), dtypes[1], dtypes[2:]):
         return False
       continue
     if any(d not in ok for d in dtypes):
@@ -171,6 +184,13 @@ def _takes(kind, params, grads, core) -> bool:
       return False
   return (len(jax.tree.leaves(grads)) == len(leaves) == len(jax.tree.leaves(core.mu))
           == len(jax.tree.leaves(core.nu)))
+
+
+def _takes_f16(mode: str, grad_dtype, moment_dtypes) -> bool:
+  """Whether the kernel steps an fp16 param in ``mode`` with these gradient
+  and moment dtypes (``dispatch`` in adamw_ffi.cc)."""
+  return (mode == "master" and grad_dtype in (jnp.float16, jnp.float32)
+          and list(moment_dtypes) == [jnp.float32] * 2 and has_f16())
 
 
 def _maybe_sharded(params) -> bool:
@@ -184,27 +204,34 @@ def _maybe_sharded(params) -> bool:
 
 def _takes_flat(kind: str, params, grads, state) -> bool:
   """Whether one flat call (``_flat_update``) takes this tree and flat state:
-  every leaf a bf16 param with one gradient dtype, one dtype per flat buffer
-  (the mode's buffer of the dtype the kernel reads)."""
+  every leaf a param of one 16-bit dtype (bf16, or fp16 in mode ``"master"``)
+  with one gradient dtype, one dtype per flat buffer (the mode's buffer of the
+  dtype the kernel reads)."""
   params, grads = jax.tree.leaves(params), jax.tree.leaves(grads)
   core = state.inner_state
   if not params or len(grads) != len(params):
     return False
-  if any(jnp.asarray(p).dtype != jnp.bfloat16 or np.shape(g) != np.shape(p)
-         for p, g in zip(params, grads)):
+  dtype = jnp.asarray(params[0]).dtype
+  if dtype not in (jnp.bfloat16, jnp.float16) or any(
+      jnp.asarray(p).dtype != dtype or np.shape(g) != np.shape(p) for p, g in zip(params, grads)):
     return False
-  if len({jnp.asarray(g).dtype for g in grads}) != 1 or jnp.asarray(grads[0]).dtype not in (
-      jnp.bfloat16, jnp.float32):
+  grad_dtype = jnp.asarray(grads[0]).dtype
+  if len({jnp.asarray(g).dtype for g in grads}) != 1 or grad_dtype not in (dtype, jnp.float32):
     return False
-  # The buffer each mode reads (buffer_type in adamw_ffi.cc).
-  want = {"kahan": [jnp.bfloat16], "split": [jnp.int16], "master": [jnp.float32]}.get(kind, [])
 
   def dtypes(flat):
     return [x.dtype for x in flat.arrays.values()]
+  mode = _mode(kind, dtype)
+  if len(dtypes(core.mu)) != 1 or len(dtypes(core.nu)) != 1:
+    return False
+  moments = dtypes(core.mu) + dtypes(core.nu)
+  if dtype == jnp.float16 and not _takes_f16(mode, grad_dtype, moments):
+    return False
+  # The buffer each mode reads (buffer_type in adamw_ffi.cc).
+  want = {"kahan": [dtype], "split": [jnp.int16], "master": [jnp.float32]}.get(mode, [])
   ok = (jnp.bfloat16, jnp.float32)
   buffer = dtypes(getattr(state, _BUFFER_FIELD[kind])) if kind in _BUFFER_FIELD else []
-  return (len(dtypes(core.mu)) == 1 and dtypes(core.mu)[0] in ok and len(dtypes(core.nu)) == 1
-          and dtypes(core.nu)[0] in ok and buffer == want)
+  return all(d in ok for d in moments) and buffer == want
 
 
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update,
@@ -350,8 +377,8 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   # Every leaf is a float leaf: its leaf index is its position.
   keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))
   scalars = _scalars(hyperparams, adam, core.count, grad_scale)
-  p_out, new = _call(FLAT_TARGET, kind, state_rounding, scalars, keys, leaves, grads, states,
-                     in_place)
+  p_out, new = _call(FLAT_TARGET, _mode(kind, leaves[0].dtype), state_rounding, scalars, keys,
+                     leaves, grads, states, in_place)
   if in_place:
     result = jax.tree.unflatten(treedef, p_out)
   else:
@@ -381,9 +408,8 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
   scalars = _scalars(hyperparams, adam, core.count, grad_scale)
   groups: dict = {}
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
-    # The wrappers hand 32-bit leaves to the core as they are: mode "update".
-    # (it reads no buffer; a leaf's buffer, if any, is kept as it is).
-    mode = "update" if p.dtype == jnp.float32 else kind
+    # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
+    mode = _mode(kind, p.dtype)
     buffer_dtype = None if mode == "update" or isinstance(b, optax.MaskedNode) else b.dtype
     groups.setdefault((mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype), []).append(k)
   out, new_mu, new_nu, new_buffers = [None] * len(leaves), list(mus), list(nus), list(buffers)

@@ -223,8 +223,9 @@ def has_f16(lib: Optional[ctypes.CDLL]) -> bool:
 def kernel(param: str, grad: str, mu: str, nu: str, mode: str, stochastic_moments: bool):
   """The entry point for one configuration, or None if there is none.
 
-  Types are "B" (bf16), "F" (fp32) or "H" (fp16: params only, in mode
-  "master" with "F" moments, where ``has_f16``); ``mode`` is a key of ``MODES``. The
+  Types are "B" (bf16), "F" (fp32) or "H" (fp16: params, and their
+  gradients, in mode "master" with "F" moments only, where ``has_f16``);
+  ``mode`` is a key of ``MODES``. The
   function takes ``(tensors: TENSOR_DTYPE array pointer, n, nthreads)``.
   """
   lib = library()

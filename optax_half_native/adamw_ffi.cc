@@ -271,7 +271,7 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
 }
 
 // all(isfinite(widen(g) * scale)) of one gradient (oh::all_finite_range),
-// in chunks on XLA's pool. Operands: g (bf16 or fp32), scale f32[1] (1 / the
+// in chunks on XLA's pool. Operands: g (bf16, fp32 or, with F16C, fp16), scale f32[1] (1 / the
 // loss scale, or 1). Result: pred[].
 ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi::F32> scale,
                          ffi::Result<ffi::Buffer<ffi::PRED>> finite, int32_t nthreads) {

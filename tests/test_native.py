@@ -115,11 +115,21 @@ def test_torch_kernel_equals_the_eager_step_named(name):
                       _torch_run(make, False, ("scalar",), scaled))
 
 
-f16_kernel = pytest.mark.skipif(not native_lib.has_f16(native_lib.library()),
-                                reason="the kernel has fp16 params where the CPU has F16C")
+@pytest.fixture
+def torch_f16():
+  """Skips where torch's kernel library has no fp16 entry points (no F16C)."""
+  if not native_lib.has_f16(native_lib.library()):
+    pytest.skip("torch's kernel has fp16 params where the CPU has F16C")
 
 
-@f16_kernel
+@pytest.fixture
+def jax_f16():
+  """Skips where JAX's kernel library (the FFI one) has no fp16 params (no F16C)."""
+  if not jax_native.has_f16():
+    pytest.skip("JAX's kernel has fp16 params where the CPU has F16C")
+
+
+@pytest.mark.usefixtures("torch_f16")
 @pytest.mark.parametrize("scaled", [False, True], ids=["plain", "scaler"])
 def test_torch_kernel_steps_fp16_params_of_adam_fp32_master_as_the_eager_step(scaled,
                                                                              monkeypatch):
@@ -141,7 +151,7 @@ def test_torch_kernel_steps_fp16_params_of_adam_fp32_master_as_the_eager_step(sc
   assert calls == [] and float(p.detach()[0]) != 1.0
 
 
-@f16_kernel
+@pytest.mark.usefixtures("torch_f16")
 def test_torch_kernel_rounds_fp16_subnormals_and_nans_as_the_eager_step():
   """fp16 params whose values cross the fp16 subnormal range (6e-8 .. 6e-5)
   and the largest finite values, with NaN gradients at one step: the
@@ -200,14 +210,15 @@ JAX_CONFIGS = {
 
 
 def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad_scale=1.0,
-             nan_leaf="vec", low=jnp.bfloat16):
+             nan_leaf="vec", low=jnp.bfloat16, grad_dtype=None):
   """STEPS steps: tx.update + optax.apply_updates, or (``in_place``)
   ``oh.update_and_apply``. ``jit``: True jits tx.update (the in-place step:
   the whole step), "step" the whole step, both with the params and state
   donated; False runs op by op. ``nan_step``: that step's gradients hold a NaN
   (in ``nan_leaf``).
   ``grad_scale``: the gradients' values are multiplied by it (a loss scale).
-  ``low``: the dtype of the params not in ``fp32_leaves``."""
+  ``low``: the dtype of the params not in ``fp32_leaves``; ``grad_dtype``: the
+  gradients' (default: their param's)."""
   params = {k: jnp.asarray(_values(i, s, 0.5)).astype(
       jnp.float32 if k in fp32_leaves else low) for i, (k, s) in enumerate(SHAPES.items())}
   tx = make()
@@ -223,7 +234,8 @@ def _jax_run(make, fp32_leaves=(), jit=True, in_place=False, nan_step=None, grad
   if (in_place and jit) or jit == "step":
     step = jax.jit(step, donate_argnums=(0, 1))
   for t in range(STEPS):
-    grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1 * grad_scale)).astype(params[k].dtype)
+    grads = {k: jnp.asarray(_values(100 * t + i, s, 0.1 * grad_scale)).astype(
+        grad_dtype or params[k].dtype)
              for i, (k, s) in enumerate(SHAPES.items())}
     if t == nan_step:
       grads[nan_leaf] = grads[nan_leaf].at[3].set(jnp.nan)
@@ -310,18 +322,31 @@ def test_jax_kernel_is_one_custom_call_per_dtype_group_where_it_applies():
   assert _custom_calls(oh.scale_by_adamw(1e-3), tree) == 0  # the bare core stays framework code
 
 
+# The optimizers whose fp16 params take the kernel's mode "master" (fp32
+# master and moments): adam_fp32_master, and adamw_bf16's split with fp32
+# moments (master_weights(split=True) keeps a full fp32 master of fp16 params).
+JAX_F16_CONFIGS = {
+    "adam_fp32_master": lambda: oh.adam_fp32_master(1e-2, weight_decay=0.1),
+    "adamw_bf16 split fp32-moments": lambda: oh.adamw_bf16(
+        1e-2, compensation="split", mu_dtype=jnp.float32, nu_dtype=jnp.float32, key=5),
+}
+
+
 @jax_kernel
-@f16_kernel
+@pytest.mark.usefixtures("jax_f16")
+@pytest.mark.parametrize("grads", ["fp16", "fp32"])
 @pytest.mark.parametrize("loss_scaled", [False, True], ids=["plain", "dynamic_loss_scale"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_and_apply"])
-def test_jax_kernel_steps_fp16_params_of_adam_fp32_master_as_the_composed_transformation(
-    in_place, loss_scaled, monkeypatch):
-  """fp16 params (fp32 leaves among them) of adam_fp32_master, alone and in
-  dynamic_loss_scale (the kernel unscales the fp16 gradients as it reads
-  them), with a NaN step: the kernel's bits are the composed
-  transformation's, and the kernel runs (one call per dtype group)."""
+@pytest.mark.parametrize("name", list(JAX_F16_CONFIGS))
+def test_jax_kernel_steps_fp16_params_in_master_mode_as_the_composed_transformation(
+    name, in_place, loss_scaled, grads, monkeypatch):
+  """fp16 params (fp32 leaves among them) with fp32 master and moments, fp16
+  or fp32 gradients, alone and in dynamic_loss_scale (the kernel unscales
+  the gradients as it reads them), with a NaN step: the kernel's bits are
+  the composed transformation's, and the kernel runs (one call per dtype
+  group)."""
   def make():
-    tx = oh.adam_fp32_master(1e-2, weight_decay=0.1)
+    tx = JAX_F16_CONFIGS[name]()
     return oh.dynamic_loss_scale(tx, init_scale=3000.0) if loss_scaled else tx
 
   runs = []
@@ -331,13 +356,37 @@ def test_jax_kernel_steps_fp16_params_of_adam_fp32_master_as_the_composed_transf
         m.setattr(jax_native, "available", lambda: False)
       runs.append(_jax_run(make, ("mat",), jit="step", in_place=in_place,
                            nan_step=2 if loss_scaled else None,
-                           grad_scale=3000.0 if loss_scaled else 1.0, low=jnp.float16))
+                           grad_scale=3000.0 if loss_scaled else 1.0, low=jnp.float16,
+                           grad_dtype=jnp.float32 if grads == "fp32" else None))
   for a, b in zip(*runs):
     a, b = np.asarray(a), np.asarray(b)
     assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
   tree = {"h": jnp.ones((4, 3), jnp.float16), "b": jnp.ones(5), "c": jnp.ones((), jnp.float16)}
   assert _custom_calls(make(), tree) == 2
-  assert _custom_calls(oh.adamw_bf16(1e-3), tree) == 0  # fp16 moments: no kernel
+  # Gradients of the other dtype: the same calls.
+  state = make().init(tree)
+  other = jax.tree.map(lambda x: x.astype(jnp.float32), tree)
+  assert jax.jit(make().update).lower(other, state, tree).as_text().count(jax_native.TARGET) == 2
+
+
+@jax_kernel
+def test_jax_kernel_takes_fp16_params_only_in_master_mode():
+  """fp16 params with fp16 moments, or a Kahan buffer, or stochastic rounding
+  take the composed transformation (no kernel for them), as torch_bridge's
+  kernel has no fp16 entry point but master mode's."""
+  tree = {"h": jnp.ones((4, 3), jnp.float16), "c": jnp.ones((), jnp.float16)}
+  for tx in (oh.adamw_bf16(1e-3), oh.adamw_bf16(1e-3, compensation="split"),
+             oh.adamw_bf16(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+             oh.adamw_bf16(1e-3, compensation="stochastic", mu_dtype=jnp.float32,
+                           nu_dtype=jnp.float32)):
+    assert _custom_calls(tx, tree) == 0
+  mine = oh.adamw_bf16(1e-3, compensation="split", mu_dtype=jnp.float32, nu_dtype=jnp.float32)
+  assert _custom_calls(mine, tree) == (1 if jax_native.has_f16() else 0)
+  # torch_bridge picks the same mode for the same param (its _mode).
+  from torch_bridge import adam as torch_adam  # noqa: PLC0415
+  for kind in ("kahan", "split", "stochastic", "none"):
+    for jdt, tdt in ((jnp.bfloat16, torch.bfloat16), (jnp.float16, torch.float16)):
+      assert jax_native._mode(kind, jdt) == torch_adam._mode(kind, tdt)
 
 
 @jax_kernel
@@ -756,7 +805,7 @@ def test_the_native_finiteness_check_equals_xlas(jit):
   values = [np.nan, np.inf, -np.inf, 3e38, 1e-40]
   inverses = [1.0, 1 / 3000, 2.0, np.inf, 1e-45] if jit else [1 / 3000, 2.0]
   seen = {True: 0, False: 0}
-  f16 = native_lib.has_f16(native_lib.library())
+  f16 = jax_native.has_f16()
   for dtypes in ((jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16),
                  *([(jnp.float16, jnp.float32)] if f16 else [])):
     tree = {k: jnp.asarray(v, d) for (k, v), d in zip(base.items(), dtypes)}

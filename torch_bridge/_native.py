@@ -5,8 +5,8 @@ them with one kernel call per configuration (param, grad, mu, nu dtypes, mode,
 moment rounding), on ``torch.get_num_threads()`` threads, the GIL released.
 The kernel computes what ``adam.adamw_step`` computes, bit for bit (its random
 keys from the same seed, step and leaf, its scalars from the same fp32
-values), so a tensor it cannot take (another device, fp16 outside
-``adam_fp32_master``, a non-contiguous view, a dtype it was not built for)
+values), so a tensor it cannot take (another device, fp16 outside mode
+``"master"``, a non-contiguous view, a dtype it was not built for)
 goes through ``adamw_step`` with no change in the numbers.
 """
 
