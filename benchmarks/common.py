@@ -155,11 +155,13 @@ def median_ms(times) -> float:
   return statistics.median(times) * 1e3
 
 
-def cpu() -> dict:
+def cpu(kernel_library=None) -> dict:
   """The machine a run measured: its CPU model (Linux: /proc/cpuinfo), the
-  CPUs this process may use, and the native kernel's lanes (16: AVX-512,
-  8: AVX2, 1: scalar, 0: not built). Results of different CPUs differ in
-  kind, not only in degree (benchmarks/README.md), so every JSON says which."""
+  CPUs this process may use, and the lanes of the native kernel library the
+  run stepped with (``kernel_library``: the ctypes library, None where it is
+  not built; 16: AVX-512, 8: AVX2, 1: scalar, 0: not built) and whether it
+  has fp16 params (F16C). Results of different CPUs differ in kind, not only
+  in degree (benchmarks/README.md), so every JSON says which."""
   model = platform.processor() or platform.machine()
   try:
     with open("/proc/cpuinfo") as f:
@@ -170,19 +172,22 @@ def cpu() -> dict:
     cores = len(os.sched_getaffinity(0))
   except AttributeError:  # not on Linux
     cores = os.cpu_count() or 1
-  import optax_half_native  # noqa: PLC0415 (builds the kernel on first use)
-  return dict(model=model, machine=platform.machine(), cores=cores,
-              kernel_lanes=optax_half_native.lanes())
+  import optax_half_native  # noqa: PLC0415
+  lanes = 0 if kernel_library is None else optax_half_native.lanes(kernel_library)
+  return dict(model=model, machine=platform.machine(), cores=cores, kernel_lanes=lanes,
+              kernel_f16=optax_half_native.has_f16(kernel_library))
 
 
 def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dict,
-           json_path=None, extra=None) -> dict:
-  """Prints the table (ratios to ``reference``) and writes JSON; returns the JSON dict."""
+           json_path=None, extra=None, kernel_library=None) -> dict:
+  """Prints the table (ratios to ``reference``) and writes JSON; returns the
+  JSON dict. ``kernel_library``: the native library the framework stepped with."""
   best_bw = max(bandwidth.values())
   ref = median_ms(runs[reference]["times"])
-  machine = cpu()
+  machine = cpu(kernel_library)
   print(f"{title}: {n_params / 1e6:.2f}M params; {machine['model']} ({machine['machine']}, "
-        f"{machine['cores']} CPUs, kernel lanes {machine['kernel_lanes']}); memory "
+        f"{machine['cores']} CPUs, kernel lanes {machine['kernel_lanes']}"
+        f"{', fp16' if machine['kernel_f16'] else ''}); memory "
         f"bandwidth " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
   print(f"{'optimizer':56s} {'ms/step':>8s} {'vs ref':>7s} {'B/param':>8s} {'moved B/p':>9s} "
         f"{'GB/s':>6s} {'of bw':>6s} {'setup s':>8s}")

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_half as oh
+import optax_half_native as native
 from benchmarks import common
 
 
@@ -39,7 +40,7 @@ def make_tree(tree: str):
 
 
 def candidates(lr=1e-3):
-  bf16, f32 = jnp.bfloat16, jnp.float32
+  bf16, f16, f32 = jnp.bfloat16, jnp.float16, jnp.float32
   return {
       "optax.adamw fp32 (reference)": (f32, optax.adamw(lr)),
       "optax.adamw bf16 (naive)": (bf16, optax.adamw(lr)),
@@ -49,12 +50,15 @@ def candidates(lr=1e-3):
       "adamw_bf16 stochastic": (bf16, oh.adamw_bf16(lr, compensation="stochastic")),
       "adam_fp32_master": (bf16, oh.adam_fp32_master(lr)),
       "adam_fp32_master flat_state": (bf16, oh.adam_fp32_master(lr, flat_state=True)),
+      "adam_fp32_master fp16": (f16, oh.adam_fp32_master(lr)),
       "kahan_summation(scale_by_adamw) (no kernel)": (
           bf16, oh.kahan_summation(oh.scale_by_adamw(lr, weight_decay=1e-2))),
       "master_weights(scale_by_adamw) (no kernel)": (
           bf16, oh.master_weights(oh.scale_by_adamw(lr, mu_dtype=f32, nu_dtype=f32,
                                                     state_rounding="nearest"))),
       "dynamic_loss_scale(adamw_bf16 kahan)": (bf16, oh.dynamic_loss_scale(oh.adamw_bf16(lr))),
+      "dynamic_loss_scale(adam_fp32_master) fp16": (
+          f16, oh.dynamic_loss_scale(oh.adam_fp32_master(lr))),
       "scaled_adam": (bf16, oh.scaled_adam(lr)),
   }
 
@@ -63,7 +67,8 @@ def candidates(lr=1e-3):
 # donated buffers) instead of tx.update + optax.apply_updates.
 IN_PLACE = ("adamw_bf16 kahan", "adamw_bf16 kahan flat_state", "adamw_bf16 split",
             "adamw_bf16 stochastic", "adam_fp32_master", "adam_fp32_master flat_state",
-            "dynamic_loss_scale(adamw_bf16 kahan)")
+            "adam_fp32_master fp16", "dynamic_loss_scale(adamw_bf16 kahan)",
+            "dynamic_loss_scale(adam_fp32_master) fp16")
 IN_PLACE_SUFFIX = " (update_and_apply)"
 
 
@@ -212,7 +217,8 @@ def main(argv=None):
                       runs, "optax.adamw fp32 (reference)", n, bw, args.json,
                       extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads,
                                  heap_malloc=heap_malloc, settle_ms=args.settle_ms,
-                                 gc=args.gc))
+                                 gc=args.gc),
+                      kernel_library=native.ffi_library(jax.ffi.include_dir()))
   print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   print("\nXLA temporaries (memory_analysis, allocated each step) bytes per param: " + ", ".join(

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import optax_half_native as native
 import torch_bridge as tb
 from benchmarks import common
 
@@ -42,6 +43,7 @@ def candidates(lr=1e-3):
       "adamw_bf16 split": (bf16, lambda ps: tb.adamw_bf16(ps, lr, compensation="split")),
       "adamw_bf16 stochastic": (bf16, lambda ps: tb.adamw_bf16(ps, lr, compensation="stochastic")),
       "adam_fp32_master": (bf16, lambda ps: tb.adam_fp32_master(ps, lr)),
+      "adam_fp32_master fp16": (torch.float16, lambda ps: tb.adam_fp32_master(ps, lr)),
       "adamw_bf16 kahan, eager per-tensor (fused=False)": (
           bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False)),
       "scaled_adam": (bf16, lambda ps: tb.scaled_adam(ps, lr)),
@@ -126,7 +128,8 @@ def main(argv=None):
       f"{'' if args.gc == 'on' else f', gc {args.gc}'}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
       extra=dict(framework="torch", tree=tree_name, reps=reps, heap_malloc=heap_malloc,
-                 settle_ms=args.settle_ms, gc=args.gc))
+                 settle_ms=args.settle_ms, gc=args.gc),
+      kernel_library=native.library())
 
 
 if __name__ == "__main__":

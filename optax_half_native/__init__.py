@@ -206,10 +206,11 @@ def ffi_library(xla_include_dir: str) -> Optional[ctypes.CDLL]:
   return _load("adamw_ffi.cc", (xla_include_dir,))
 
 
-def lanes() -> int:
-  """Elements per iteration of the torch library's loop: 16 (AVX-512 with
-  BF16), 8 (AVX2) or 1; 0 if it is unavailable."""
-  lib = library()
+def lanes(lib: Optional[ctypes.CDLL] = None) -> int:
+  """Elements per iteration of ``lib``'s loop (default: the torch library,
+  ``library()``; or ``ffi_library(...)``): 16 (AVX-512 with BF16), 8 (AVX2)
+  or 1; 0 if it is unavailable."""
+  lib = library() if lib is None else lib
   return 0 if lib is None else int(lib.oh_lanes())
 
 

@@ -14,6 +14,7 @@ import sys
 import jax
 import pytest
 
+import optax_half_native as native
 from benchmarks import step
 from optax_half import _native as jax_native
 
@@ -37,12 +38,19 @@ def _check(out, path, expected_bytes):
 
 def test_jax_benchmark_quick(tmp_path):
   path = tmp_path / "jax.json"
+  f16_in_place = "adam_fp32_master fp16" + step.IN_PLACE_SUFFIX
   out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
                    ",".join(["adamw_bf16 kahan", "adam_fp32_master",
-                             "adamw_bf16 kahan (update_and_apply)", step.FLOOR, *step.CLIPPED])])
+                             "adamw_bf16 kahan (update_and_apply)", f16_in_place, step.FLOOR,
+                             *step.CLIPPED])])
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
                      "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18),
-                     step.FLOOR: (10, 0), **{name: (10, 20) for name in step.CLIPPED}})
+                     f16_in_place: (16, 30), step.FLOOR: (10, 0),
+                     **{name: (10, 20) for name in step.CLIPPED}})
+  # The lanes and fp16 of the library JAX stepped with (the FFI one).
+  lib = native.ffi_library(jax.ffi.include_dir())
+  assert out["cpu"]["kernel_lanes"] == (native.lanes(lib) if lib is not None else 0)
+  assert out["cpu"]["kernel_f16"] == native.has_f16(lib)
   runs = out["runs"]
   assert runs["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
   if jax.default_backend() == "cpu" and jax_native.available():  # the kernel's temporaries
@@ -85,9 +93,11 @@ def test_torch_benchmark_quick(tmp_path):
   from benchmarks import torch_step  # noqa: PLC0415
   path = tmp_path / "torch.json"
   out = torch_step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
-                         "adamw_bf16 kahan,adam_fp32_master"])
+                         "adamw_bf16 kahan,adam_fp32_master,adam_fp32_master fp16"])
   _check(out, path, {"torch AdamW fused fp32 (reference)": (16, 28),
-                     "adamw_bf16 kahan": (10, 18), "adam_fp32_master": (16, 30)})
+                     "adamw_bf16 kahan": (10, 18), "adam_fp32_master": (16, 30),
+                     "adam_fp32_master fp16": (16, 30)})
+  assert out["cpu"]["kernel_lanes"] == native.lanes(native.library())
 
 
 _MMAPPED_BLOCKS = """
