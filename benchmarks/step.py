@@ -51,6 +51,7 @@ def candidates(lr=1e-3):
       "adam_fp32_master": (bf16, oh.adam_fp32_master(lr)),
       "adam_fp32_master flat_state": (bf16, oh.adam_fp32_master(lr, flat_state=True)),
       "adam_fp32_master fp16": (f16, oh.adam_fp32_master(lr)),
+      "adamw_bf16 kahan fp16": (f16, oh.adamw_bf16(lr)),
       "kahan_summation(scale_by_adamw) (no kernel)": (
           bf16, oh.kahan_summation(oh.scale_by_adamw(lr, weight_decay=1e-2))),
       "master_weights(scale_by_adamw) (no kernel)": (
@@ -67,8 +68,8 @@ def candidates(lr=1e-3):
 # donated buffers) instead of tx.update + optax.apply_updates.
 IN_PLACE = ("adamw_bf16 kahan", "adamw_bf16 kahan flat_state", "adamw_bf16 split",
             "adamw_bf16 stochastic", "adam_fp32_master", "adam_fp32_master flat_state",
-            "adam_fp32_master fp16", "dynamic_loss_scale(adamw_bf16 kahan)",
-            "dynamic_loss_scale(adam_fp32_master) fp16")
+            "adam_fp32_master fp16", "adamw_bf16 kahan fp16",
+            "dynamic_loss_scale(adamw_bf16 kahan)", "dynamic_loss_scale(adam_fp32_master) fp16")
 IN_PLACE_SUFFIX = " (update_and_apply)"
 
 

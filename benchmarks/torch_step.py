@@ -44,6 +44,7 @@ def candidates(lr=1e-3):
       "adamw_bf16 stochastic": (bf16, lambda ps: tb.adamw_bf16(ps, lr, compensation="stochastic")),
       "adam_fp32_master": (bf16, lambda ps: tb.adam_fp32_master(ps, lr)),
       "adam_fp32_master fp16": (torch.float16, lambda ps: tb.adam_fp32_master(ps, lr)),
+      "adamw_bf16 kahan fp16": (torch.float16, lambda ps: tb.adamw_bf16(ps, lr)),
       "adamw_bf16 kahan, eager per-tensor (fused=False)": (
           bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False)),
       "scaled_adam": (bf16, lambda ps: tb.scaled_adam(ps, lr)),

@@ -11,7 +11,7 @@ the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
 bit for bit: the kernel computes what ``scale_by_adamw`` and the wrappers
 compute, with the same fp32 scalars (``adam.coefficients``) and the same
 random keys. On other platforms, and for trees it does not take (integer
-leaves; fp16 leaves except params in mode ``"master"``, ``_mode``), the composed
+leaves; fp16 params with bf16 moments), the composed
 transformation runs: ``lax.platform_dependent``
 picks at lowering time, so nothing is decided on the host at run time.
 """
@@ -77,12 +77,13 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
   field; ``FLAT_TARGET``: one per field) over leaves that share their dtypes.
   ``states``: the (mu, nu, buffer) lists, a buffer ``None`` for modes without
   one; the moments are written stochastically where ``state_rounding`` says
-  so and one of them is bf16. Returns (p_out list, (mu, nu, buffer) lists):
+  so and one of them is 16-bit. Returns (p_out list, (mu, nu, buffer) lists):
   the new params (or, in mode ``"update"``, the fp32 updates), and the state
   updated in place; with ``in_place`` the new params go into the params'
   buffers."""
   n = len(leaves)
-  sr = state_rounding == "stochastic" and jnp.bfloat16 in (states[0][0].dtype, states[1][0].dtype)
+  sr = state_rounding == "stochastic" and any(  # a 16-bit moment
+      jnp.dtype(x[0].dtype).itemsize == 2 for x in states[:2])
   states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
   out_dtype = jnp.float32 if mode == "update" else leaves[0].dtype
   state_arrays = [x for field in states for x in field]
@@ -162,9 +163,8 @@ def _mode(kind: str, dtype) -> str:
 
 def _takes(kind, params, grads, core) -> bool:
   """Whether the kernel takes this tree (trace time: dtypes and shapes only):
-  bf16 and fp32 leaves, and fp16 params in mode ``"master"`` (``adam_fp32_master``;
-  ``adamw_bf16(compensation="split")`` with fp32 moments) with fp32 moments and
-  fp16 or fp32 gradients, where ``has_f16``."""
+  bf16 and fp32 leaves, and fp16 params with fp16 or fp32 gradients and
+  moments (``_takes_f16``)."""
   ok = (jnp.bfloat16, jnp.float32)
   leaves = jax.tree.leaves(params)
   if not leaves or params is None:
@@ -188,9 +188,12 @@ def _takes(kind, params, grads, core) -> bool:
 
 def _takes_f16(mode: str, grad_dtype, moment_dtypes) -> bool:
   """Whether the kernel steps an fp16 param in ``mode`` with these gradient
-  and moment dtypes (``dispatch`` in adamw_ffi.cc)."""
-  return (mode == "master" and grad_dtype in (jnp.float16, jnp.float32)
-          and list(moment_dtypes) == [jnp.float32] * 2 and has_f16())
+  and moment dtypes (``dispatch`` in adamw_ffi.cc: fp16 or fp32 each, in
+  every mode but ``"split"``, which fp16 params do not take, where the
+  library has fp16)."""
+  ok = (jnp.float16, jnp.float32)
+  return (mode in ("master", "kahan", "stochastic", "none") and grad_dtype in ok
+          and all(d in ok for d in moment_dtypes) and has_f16())
 
 
 def _maybe_sharded(params) -> bool:
@@ -225,13 +228,15 @@ def _takes_flat(kind: str, params, grads, state) -> bool:
   if len(dtypes(core.mu)) != 1 or len(dtypes(core.nu)) != 1:
     return False
   moments = dtypes(core.mu) + dtypes(core.nu)
-  if dtype == jnp.float16 and not _takes_f16(mode, grad_dtype, moments):
+  if dtype == jnp.float16:
+    if not _takes_f16(mode, grad_dtype, moments):
+      return False
+  elif any(d not in (jnp.bfloat16, jnp.float32) for d in moments):
     return False
   # The buffer each mode reads (buffer_type in adamw_ffi.cc).
   want = {"kahan": [dtype], "split": [jnp.int16], "master": [jnp.float32]}.get(mode, [])
-  ok = (jnp.bfloat16, jnp.float32)
   buffer = dtypes(getattr(state, _BUFFER_FIELD[kind])) if kind in _BUFFER_FIELD else []
-  return all(d in ok for d in moments) and buffer == want
+  return buffer == want
 
 
 def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update,

@@ -216,23 +216,22 @@ def lanes(lib: Optional[ctypes.CDLL] = None) -> int:
 
 def has_f16(lib: Optional[ctypes.CDLL]) -> bool:
   """Whether ``lib`` (``library()`` or ``ffi_library(...)``) steps fp16
-  params: ``adam_fp32_master``'s mode with fp32 moments, fp16 or fp32
-  gradients (built where the CPU has F16C)."""
+  params (built where the CPU has F16C)."""
   return lib is not None and bool(lib.oh_has_f16())
 
 
 def kernel(param: str, grad: str, mu: str, nu: str, mode: str, stochastic_moments: bool):
   """The entry point for one configuration, or None if there is none.
 
-  Types are "B" (bf16), "F" (fp32) or "H" (fp16: params, and their
-  gradients, in mode "master" with "F" moments only, where ``has_f16``);
-  ``mode`` is a key of ``MODES``. The
+  Types are "B" (bf16), "F" (fp32) or "H" (fp16: params, gradients and
+  moments of fp16 params, in the modes "master", "kahan", "stochastic" and
+  "none", where ``has_f16``); ``mode`` is a key of ``MODES``. The
   function takes ``(tensors: TENSOR_DTYPE array pointer, n, nthreads)``.
   """
   lib = library()
   if lib is None:
     return None
-  sr = int(stochastic_moments and "B" in (mu + nu))
+  sr = int(stochastic_moments and ("B" in mu + nu or "H" in mu + nu))  # a 16-bit moment
   name = f"oh_adamw_{param}{grad}{mu}{nu}_{MODES[mode]}_{sr}"
   fn = getattr(lib, name, None)
   if fn is not None and fn.argtypes is None:

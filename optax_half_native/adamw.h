@@ -20,12 +20,12 @@ struct bf16 {
   uint16_t bits;
 };
 
-// IEEE binary16 (fp16) storage: params of adam_fp32_master only (mode
-// kMaster, fp32 moments), with fp16 or fp32 gradients. Converted by the
-// F16C instructions (vcvtph2ps exactly; vcvtps2ph rounding to nearest even,
-// subnormals and NaN payloads kept), which is what torch's and XLA's CPU
-// conversions do (docs/algorithms.md section 12); without F16C there is no
-// fp16 kernel (OH_F16 undefined) and fp16 params take the framework code.
+// IEEE binary16 (fp16) storage: params (modes kMaster, kKahan with an fp16
+// buffer, kStochastic, kNearest), their gradients and moments. Converted by
+// the F16C instructions (vcvtph2ps exactly; vcvtps2ph rounding to nearest
+// even, subnormals and NaN payloads kept), which is what torch's and XLA's
+// CPU conversions do (docs/algorithms.md section 12); without F16C there is
+// no fp16 kernel (OH_F16 undefined) and fp16 params take the framework code.
 struct f16 {
   uint16_t bits;
 };
@@ -76,6 +76,24 @@ inline f16 round_nearest(float x, f16) {
   return f16{uint16_t(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT))};
 }
 inline void store(f16* to, f16 v) { to->bits = v.bits; }
+
+// rounding.stochastic_round to fp16 (_stochastic_round_f16) with the word
+// `bits`: the neighbours of x towards and away from zero by integer steps of
+// the 15-bit magnitude of its nearest fp16, the fraction of the gap x has
+// passed, and up where the 24-bit uniform (bits >> 8) * 2^-24 is below it;
+// a non-finite x rounds to nearest. Every fp32 op is the framework's.
+inline f16 round_stochastic(float x, uint32_t bits, f16 like) {
+  const f16 nearest = round_nearest(x, like);
+  const float ax = std::fabs(x);
+  const bool over = std::fabs(widen(nearest)) > ax;  // nearest is away from zero
+  const int32_t magnitude = int32_t(nearest.bits & 0x7FFFu) - int32_t(over);
+  const uint16_t sign = nearest.bits & 0x8000u;
+  const f16 down{uint16_t(sign | magnitude)}, up{uint16_t(sign | (magnitude + 1))};
+  const float down32 = std::fabs(widen(down));
+  const float frac = (ax - down32) / (std::fabs(widen(up)) - down32);
+  const float u = float(bits >> 8) * 0x1p-24f;
+  return std::isfinite(x) ? (u < frac ? up : down) : nearest;
+}
 #endif
 
 // rounding.mix32: a bijective 32-bit hash (of one word, or of each lane of
@@ -146,6 +164,7 @@ struct Scalar {
   static constexpr int kWidth = 1;
   template <typename T> static F get(const T* a, int64_t i) { return oh::widen(a[i]); }
   template <typename T> static F widen(T v) { return oh::widen(v); }
+  template <typename T> static F widen(T v, T) { return oh::widen(v); }  // a rounded value of T
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) { return join(hi[i], lo[i]); }
   static F sqrt(F x) { return std::sqrt(x); }
   static U counter(uint64_t first) { return uint32_t(first); }
@@ -200,6 +219,9 @@ struct Lanes16 {
         _mm512_maskz_permutexvar_epi16(0xAAAAAAAAu, high_halves, _mm512_castsi256_si512(h)));
   }
   static F widen(F x) { return x; }
+  // A vector rounded to P, widened back (the Kahan buffer's subtrahend).
+  static F widen(__m256i h, bf16) { return widen(h); }
+  static F widen(__m256i h, f16) { return _mm512_cvtph_ps(h); }
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
     const U l = (U)_mm512_cvtepi16_epi32(load16(lo, i));  // sign-extended, as int32(lo)
     return floats((widen16(load16(hi, i)) << 16) + l);
@@ -229,6 +251,25 @@ struct Lanes16 {
   static __m256i to_stochastic(F x, U r, bf16) {
     U y = stochastic_bits(bits(x), r);
     y = (U)_mm512_mask_mov_epi32((__m512i)y, nan_mask(x), _mm512_set1_epi32(kBf16QuietNan));
+    return narrow16(y);
+  }
+  // round_stochastic(x, r, f16), lane by lane.
+  static __m256i to_stochastic(F x, U r, f16) {
+    const __m256i nearest = to(x, f16{});
+    const F ax = _mm512_abs_ps(x);
+    const __mmask16 over = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_cvtph_ps(nearest)), ax,
+                                              _CMP_GT_OQ);
+    const U word = widen16(nearest);
+    const U magnitude = (U)_mm512_mask_sub_epi32((__m512i)(word & 0x7FFFu), over,
+                                                 (__m512i)(word & 0x7FFFu), _mm512_set1_epi32(1));
+    const U down = (word & 0x8000u) | magnitude, up = (word & 0x8000u) | (magnitude + 1u);
+    const F down32 = _mm512_abs_ps(_mm512_cvtph_ps(narrow16(down)));
+    const F frac = (ax - down32) / (_mm512_abs_ps(_mm512_cvtph_ps(narrow16(up))) - down32);
+    const F u = _mm512_cvtepi32_ps((__m512i)(r >> 8)) * 0x1p-24f;
+    U y = (U)_mm512_mask_mov_epi32((__m512i)down, _mm512_cmp_ps_mask(u, frac, _CMP_LT_OQ),
+                                   (__m512i)up);
+    const __mmask16 nonfinite = _mm512_fpclass_ps_mask(x, 0x01 | 0x80 | 0x08 | 0x10);
+    y = (U)_mm512_mask_mov_epi32((__m512i)y, nonfinite, (__m512i)word);
     return narrow16(y);
   }
   static void put(float* a, int64_t i, F v) { _mm512_storeu_ps(a + i, v); }
@@ -308,6 +349,11 @@ struct Lanes8 {
 #endif
   static F widen(__m128i h) { return floats(widen16(h) << 16); }
   static F widen(F x) { return x; }
+  // A vector rounded to P, widened back (the Kahan buffer's subtrahend).
+  static F widen(__m128i h, bf16) { return widen(h); }
+#if defined(OH_F16)
+  static F widen(__m128i h, f16) { return _mm256_cvtph_ps(h); }
+#endif
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
     const U l = (U)_mm256_cvtepi16_epi32(load8(lo, i));  // sign-extended, as int32(lo)
     return floats((widen16(load8(hi, i)) << 16) + l);
@@ -332,6 +378,26 @@ struct Lanes8 {
     const U y = stochastic_bits(bits(x), r);
     return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, y));
   }
+#if defined(OH_F16)
+  // round_stochastic(x, r, f16), lane by lane.
+  static __m128i to_stochastic(F x, U r, f16) {
+    const __m128i nearest = to(x, f16{});
+    const U abs_mask = U{} + 0x7FFFFFFFu;
+    const F ax = floats(bits(x) & abs_mask);
+    const U over = bits(_mm256_cmp_ps(floats(bits(_mm256_cvtph_ps(nearest)) & abs_mask), ax,
+                                      _CMP_GT_OQ));  // all ones where |nearest| > |x|
+    const U word = widen16(nearest);
+    const U magnitude = (word & 0x7FFFu) + over;  // minus one where over
+    const U down = (word & 0x8000u) | magnitude, up = (word & 0x8000u) | (magnitude + 1u);
+    const F down32 = floats(bits(_mm256_cvtph_ps(narrow16(down))) & abs_mask);
+    const F up32 = floats(bits(_mm256_cvtph_ps(narrow16(up))) & abs_mask);
+    const F frac = (ax - down32) / (up32 - down32);
+    const F u = _mm256_cvtepi32_ps((__m256i)(r >> 8)) * _mm256_set1_ps(0x1p-24f);
+    const U y = select(bits(_mm256_cmp_ps(u, frac, _CMP_LT_OQ)), up, down);
+    const U nonfinite = (U)((bits(x) & 0x7F800000u) == 0x7F800000u);  // all ones where Inf/NaN
+    return narrow16(select(nonfinite, word, y));
+  }
+#endif
   static void put(float* a, int64_t i, F v) { _mm256_storeu_ps(a + i, v); }
   static void put(bf16* a, int64_t i, __m128i v) {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(reinterpret_cast<uint16_t*>(a) + i), v);
@@ -377,7 +443,9 @@ inline void put_moments_stochastic(M* mu, V* nu, int64_t i, typename L::F m32,
     L::put_moments_stochastic(mu, nu, i, m32, v32, w);
   } else {
     L::put(mu, i, L::to_stochastic(m32, w, M{}));
-    L::put(nu, i, L::to_stochastic(v32, w << 16, V{}));
+    // swap_halves(w); a bf16 nu reads its high half only, which w << 16 is.
+    if constexpr (std::is_same_v<V, bf16>) L::put(nu, i, L::to_stochastic(v32, w << 16, V{}));
+    else L::put(nu, i, L::to_stochastic(v32, (w << 16) | (w >> 16), V{}));
   }
 }
 
@@ -418,7 +486,7 @@ inline __attribute__((always_inline)) void adamw_lanes(
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
     } else if constexpr (MODE == kKahan) {
       const auto new_p = L::to(x_new, P{});
-      L::put(comp, i, L::to(x_new - L::widen(new_p), P{}));
+      L::put(comp, i, L::to(x_new - L::widen(new_p, P{}), P{}));
       L::put(p_out, i, new_p);
     } else if constexpr (MODE == kStochastic) {
       L::put(p_out, i, L::to_stochastic(x_new, mix32(index ^ key_p), P{}));

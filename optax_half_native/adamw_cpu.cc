@@ -31,11 +31,24 @@ OH_MODES(float, F)
 OH_ENTRY(FFFF, float, float, float, float, 0, 0)
 
 #if defined(OH_F16)
-// fp16 params: adam_fp32_master's mode (kMaster) with fp32 moments, fp16 or
-// fp32 gradients (H = fp16).
+// fp16 params (H = fp16) with fp16 or fp32 gradients and moments, in the
+// modes that do not split the param (kMaster, kKahan, kStochastic, kNearest).
 using oh::f16;
-OH_ENTRY(HHFF, f16, f16, float, float, 1, 0)
-OH_ENTRY(HFFF, f16, float, float, float, 1, 0)
+#define OH_F16_MOMENTS(G, GN, MODE)               \
+  OH_ENTRY(H##GN##HH, f16, G, f16, f16, MODE, 0)   \
+  OH_ENTRY(H##GN##HH, f16, G, f16, f16, MODE, 1)   \
+  OH_ENTRY(H##GN##HF, f16, G, f16, float, MODE, 0) \
+  OH_ENTRY(H##GN##HF, f16, G, f16, float, MODE, 1) \
+  OH_ENTRY(H##GN##FH, f16, G, float, f16, MODE, 0) \
+  OH_ENTRY(H##GN##FH, f16, G, float, f16, MODE, 1) \
+  OH_ENTRY(H##GN##FF, f16, G, float, float, MODE, 0)
+#define OH_F16_MODES(G, GN)    \
+  OH_F16_MOMENTS(G, GN, 1)     \
+  OH_F16_MOMENTS(G, GN, 3)     \
+  OH_F16_MOMENTS(G, GN, 4)     \
+  OH_F16_MOMENTS(G, GN, 5)
+OH_F16_MODES(f16, H)
+OH_F16_MODES(float, F)
 #endif
 
 extern "C" int oh_lanes() { return oh::kLanes; }

@@ -110,6 +110,29 @@ bool with_type(ffi::DataType d, F&& f) {
   return false;
 }
 
+#if defined(OH_F16)
+// Calls f(type tag) for F16 or F32; false for any other type.
+template <typename F>
+bool with_f16_type(ffi::DataType d, F&& f) {
+  if (d == ffi::DataType::F16) return f(oh::f16{});
+  if (d == ffi::DataType::F32) return f(float{});
+  return false;
+}
+
+// fp16 params in the modes that do not split them (adamw_cpu.cc's fp16 entries).
+template <typename G, typename M, typename V>
+bool run_f16_mode(int mode, bool sr, const oh::Tensor* ts, int n,
+                  const oh::ParallelFor& parallel) {
+  switch (mode) {
+    case oh::kMaster: return run_sr<oh::f16, G, M, V, oh::kMaster>(sr, ts, n, parallel);
+    case oh::kKahan: return run_sr<oh::f16, G, M, V, oh::kKahan>(sr, ts, n, parallel);
+    case oh::kStochastic: return run_sr<oh::f16, G, M, V, oh::kStochastic>(sr, ts, n, parallel);
+    case oh::kNearest: return run_sr<oh::f16, G, M, V, oh::kNearest>(sr, ts, n, parallel);
+    default: return false;
+  }
+}
+#endif
+
 void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   if (out->untyped_data() != in.untyped_data() && in.size_bytes() > 0) {
     std::memcpy(out->untyped_data(), in.untyped_data(), in.size_bytes());
@@ -121,20 +144,15 @@ void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts, int n,
               const oh::ParallelFor& parallel) {
 #if defined(OH_F16)
-  if (types[0] == ffi::DataType::F16) {  // fp16 params: kMaster with fp32 moments only
-    if (mode != oh::kMaster || sr || types[2] != ffi::DataType::F32 ||
-        types[3] != ffi::DataType::F32) {
-      return false;
-    }
-    if (types[1] == ffi::DataType::F16) {
-      oh::step_all<oh::f16, oh::f16, float, float, oh::kMaster, false>(ts, n, 1, &parallel);
-      return true;
-    }
-    if (types[1] == ffi::DataType::F32) {
-      oh::step_all<oh::f16, float, float, float, oh::kMaster, false>(ts, n, 1, &parallel);
-      return true;
-    }
-    return false;
+  if (types[0] == ffi::DataType::F16) {  // fp16 params: fp16 or fp32 gradients and moments
+    return with_f16_type(types[1], [&](auto gt) {
+      return with_f16_type(types[2], [&](auto mt) {
+        return with_f16_type(types[3], [&](auto vt) {
+          return run_f16_mode<decltype(gt), decltype(mt), decltype(vt)>(mode, sr, ts, n,
+                                                                        parallel);
+        });
+      });
+    });
   }
 #endif
   return with_type(types[0], [&](auto pt) {

@@ -38,14 +38,15 @@ def _check(out, path, expected_bytes):
 
 def test_jax_benchmark_quick(tmp_path):
   path = tmp_path / "jax.json"
-  f16_in_place = "adam_fp32_master fp16" + step.IN_PLACE_SUFFIX
+  f16_in_place = "adamw_bf16 kahan fp16" + step.IN_PLACE_SUFFIX
+  master_f16 = "adam_fp32_master fp16" + step.IN_PLACE_SUFFIX
   out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
                    ",".join(["adamw_bf16 kahan", "adam_fp32_master",
-                             "adamw_bf16 kahan (update_and_apply)", f16_in_place, step.FLOOR,
-                             *step.CLIPPED])])
+                             "adamw_bf16 kahan (update_and_apply)", f16_in_place, master_f16,
+                             step.FLOOR, *step.CLIPPED])])
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
                      "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18),
-                     f16_in_place: (16, 30), step.FLOOR: (10, 0),
+                     f16_in_place: (10, 18), master_f16: (16, 30), step.FLOOR: (10, 0),
                      **{name: (10, 20) for name in step.CLIPPED}})
   # The lanes and fp16 of the library JAX stepped with (the FFI one).
   lib = native.ffi_library(jax.ffi.include_dir())
@@ -93,10 +94,11 @@ def test_torch_benchmark_quick(tmp_path):
   from benchmarks import torch_step  # noqa: PLC0415
   path = tmp_path / "torch.json"
   out = torch_step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
-                         "adamw_bf16 kahan,adam_fp32_master,adam_fp32_master fp16"])
+                         "adamw_bf16 kahan,adam_fp32_master,adam_fp32_master fp16,"
+                         "adamw_bf16 kahan fp16"])
   _check(out, path, {"torch AdamW fused fp32 (reference)": (16, 28),
                      "adamw_bf16 kahan": (10, 18), "adam_fp32_master": (16, 30),
-                     "adam_fp32_master fp16": (16, 30)})
+                     "adam_fp32_master fp16": (16, 30), "adamw_bf16 kahan fp16": (10, 18)})
   assert out["cpu"]["kernel_lanes"] == native.lanes(native.library())
 
 

@@ -113,7 +113,9 @@ def test_one_native_call_steps_every_leaf_of_a_flat_state():
   assert _flat_calls(oh.adamw_bf16(1e-3, flat_state=True), mixed) == (0, 2)
 
 
-F16_MASTER = {
+F16_CONFIGS = {
+    "kahan": CONFIGS["kahan"],
+    "stochastic": CONFIGS["stochastic"],
     "adam_fp32_master": CONFIGS["adam_fp32_master"],
     "split fp32-moments": lambda **k: oh.adamw_bf16(
         1e-2, compensation="split", mu_dtype=jnp.float32, nu_dtype=jnp.float32, key=4, **k),
@@ -124,15 +126,15 @@ F16_MASTER = {
                     reason="the native kernel runs on CPU")
 @pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.float32])
 @pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("name", list(F16_MASTER))
-def test_fp16_params_in_master_mode_step_a_flat_state_in_one_call(name, in_place, grad_dtype):
-  """fp16 params with an fp32 master and fp32 moments (the kernel's master
-  mode, where it has fp16): one flat call, the tree layout's bits."""
+@pytest.mark.parametrize("name", list(F16_CONFIGS))
+def test_fp16_params_step_a_flat_state_in_one_call(name, in_place, grad_dtype):
+  """fp16 params (fp16 or fp32 moments, an fp16 Kahan buffer or an fp32
+  master, where the kernel has fp16): one flat call, the tree layout's bits."""
   if not jax_native.has_f16():
     pytest.skip("JAX's kernel has fp16 params where the CPU has F16C")
   dtypes = [jnp.float16] * len(SHAPES)
   params, grads = _tree(0, 1.0, dtypes), _grads(grad_dtype, dtypes)
-  make = F16_MASTER[name]
+  make = F16_CONFIGS[name]
   tree_p, tree_s = _run(make(), params, grads, in_place)
   flat_p, flat_s = _run(make(flat_state=True), params, grads, in_place)
   _same(flat_p, tree_p)

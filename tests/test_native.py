@@ -152,11 +152,47 @@ def test_torch_kernel_steps_fp16_params_of_adam_fp32_master_as_the_eager_step(sc
 
 
 @pytest.mark.usefixtures("torch_f16")
-def test_torch_kernel_rounds_fp16_subnormals_and_nans_as_the_eager_step():
+@pytest.mark.parametrize("config", TORCH_CONFIGS,
+                         ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c.values()))
+def test_torch_kernel_steps_fp16_params_of_adamw_bf16_as_the_eager_step(config, monkeypatch):
+  """fp16 params (an fp32 leaf among them) of adamw_bf16 in every
+  compensation, moment dtype (fp16 or fp32) and moment rounding: the
+  kernel's bits are the eager step's (fp16 stochastic rounding included),
+  and the eager step does not run for them."""
+  from torch_bridge import adam  # noqa: PLC0415
+
+  def make(params, fused):
+    return tb.adamw_bf16(params, 1e-2, key=11, fused=fused, **config)
+  _assert_torch_equal(_torch_run(make, None, ("scalar",), low=torch.float16),
+                      _torch_run(make, False, ("scalar",), low=torch.float16))
+  calls = []
+  monkeypatch.setattr(adam, "adamw_step", lambda *a, **k: calls.append(1))
+  p = torch.nn.Parameter(torch.ones(5, dtype=torch.float16))
+  opt = make([p], None)
+  p.grad = torch.ones_like(p)
+  opt.step()
+  assert calls == [] and float(p.detach()[0]) != 1.0
+
+
+_F16_SPECIAL = {
+    "adam_fp32_master": lambda ps, fused: tb.adam_fp32_master(ps, 1e-4, fused=fused),
+    **{f"adamw_bf16 {c} {r} moments {m}": (
+        lambda ps, fused, c=c, r=r, m=m: tb.adamw_bf16(
+            ps, 1e-4, key=5, compensation=c, state_rounding=r, fused=fused,
+            mu_dtype=None if m == "fp16" else torch.float32))
+       for c in ("kahan", "split", "stochastic", "none") for r in ("stochastic", "nearest")
+       for m in ("fp16", "fp32")},
+}
+
+
+@pytest.mark.usefixtures("torch_f16")
+@pytest.mark.parametrize("name", list(_F16_SPECIAL))
+def test_torch_kernel_rounds_fp16_params_subnormals_and_nans_as_the_eager_step(name):
   """fp16 params whose values cross the fp16 subnormal range (6e-8 .. 6e-5)
-  and the largest finite values, with NaN gradients at one step: the
-  kernel's params, master copies and moments equal the eager step's bit for
-  bit, in the wide lanes and the tail (4099 elements), a NaN's payload aside
+  and the largest finite values, with NaN gradients at one step (fp16
+  moments, Kahan buffers and stochastic roundings reach subnormals too): the
+  kernel's params and state equal the eager step's bit for bit, in the wide
+  lanes and the tail (4099 elements), a NaN's payload aside
   (``_same_but_nan_bits``: in the tail torch's eager ops wrote 0x7FFFFFFF
   where the kernel's scalar loop carried the gradient's 0x7FC00000)."""
   n = 4099
@@ -166,7 +202,7 @@ def test_torch_kernel_rounds_fp16_subnormals_and_nans_as_the_eager_step():
   runs = []
   for fused in (None, False):
     p = torch.nn.Parameter(torch.from_numpy(w).to(torch.float16))
-    opt = tb.adam_fp32_master([p], 1e-4, fused=fused)
+    opt = _F16_SPECIAL[name]([p], fused)
     for g in grads:
       p.grad = torch.from_numpy(g).to(torch.float16)
       opt.step()
@@ -183,12 +219,12 @@ def test_torch_kernel_is_used_and_the_eager_step_is_not(monkeypatch):
   calls = []
   monkeypatch.setattr(adam, "adamw_step", lambda *a, **k: calls.append(1))
   params = [torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16)),
-            torch.nn.Parameter(torch.ones(4, dtype=torch.float16))]  # fp16: not in the kernel
+            torch.nn.Parameter(torch.ones(2, 4, dtype=torch.bfloat16).t())]  # not contiguous
   opt = tb.adamw_bf16(params, 1e-2)
   for p in params:
     p.grad = torch.ones_like(p)
   opt.step()
-  assert calls == [1]  # the fp16 param only
+  assert calls == [1]  # the non-contiguous param only
   assert int(opt.state[params[0]]["step"]) == 1 and not torch.equal(
       opt.state[params[0]]["mu"], torch.zeros(5, dtype=torch.bfloat16))
 
@@ -316,8 +352,12 @@ def test_jax_kernel_is_one_custom_call_per_dtype_group_where_it_applies():
   grads = {k: v.astype(jnp.float32) if k in ("w3", "w7") else v for k, v in many.items()}
   text = jax.jit(oh.adamw_bf16(1e-3).update).lower(grads, state, many).as_text()
   assert text.count(jax_native.TARGET) == 3  # 38 leaves in two calls, 2 in one
-  # fp16 leaves, integer leaves and moments of another dtype: the composed transformation.
-  assert _custom_calls(oh.adamw_bf16(1e-3), {**tree, "h": jnp.ones(3, jnp.float16)}) == 0
+  # fp16 leaves: a third group where the kernel has fp16, else the composed
+  # transformation for the whole tree, as for integer leaves and moments of
+  # another dtype (fp16 moments of bf16 params).
+  with_f16 = {**tree, "h": jnp.ones(3, jnp.float16)}
+  assert _custom_calls(oh.adamw_bf16(1e-3), with_f16) == (3 if jax_native.has_f16() else 0)
+  assert _custom_calls(oh.adamw_bf16(1e-3), {**tree, "i": jnp.ones(3, jnp.int32)}) == 0
   assert _custom_calls(oh.adamw_bf16(1e-3, mu_dtype=jnp.float16), tree) == 0
   assert _custom_calls(oh.scale_by_adamw(1e-3), tree) == 0  # the bare core stays framework code
 
@@ -369,19 +409,52 @@ def test_jax_kernel_steps_fp16_params_in_master_mode_as_the_composed_transformat
   assert jax.jit(make().update).lower(other, state, tree).as_text().count(jax_native.TARGET) == 2
 
 
+JAX_F16_ADAMW = {
+    f"{c}-{r}-{m}": (lambda c=c, r=r, m=m: oh.adamw_bf16(
+        1e-2, compensation=c, state_rounding=r, key=11,
+        mu_dtype=None if m == "fp16" else jnp.float32,
+        nu_dtype=None if m == "fp16" else jnp.float32))
+    for c, r, m in itertools.product(["kahan", "split", "stochastic", "none"],
+                                     ["stochastic", "nearest"], ["fp16", "fp32"])}
+
+
 @jax_kernel
-def test_jax_kernel_takes_fp16_params_only_in_master_mode():
-  """fp16 params with fp16 moments, or a Kahan buffer, or stochastic rounding
-  take the composed transformation (no kernel for them), as torch_bridge's
-  kernel has no fp16 entry point but master mode's."""
+@pytest.mark.usefixtures("jax_f16")
+@pytest.mark.parametrize("name", list(JAX_F16_ADAMW))
+def test_jax_kernel_steps_fp16_params_of_adamw_bf16_as_the_composed_transformation(
+    name, monkeypatch):
+  """fp16 params (an fp32 leaf among them) of adamw_bf16 in every
+  compensation, moment dtype and moment rounding, through tx.update (jitted
+  and op by op) and in place: the kernel's bits are the composed
+  transformation's, and the kernel runs (one call per dtype group)."""
+  make = JAX_F16_ADAMW[name]
+  for jit, in_place in (("step", False), ("step", True), (False, False)):
+    runs = []
+    for kernel in (True, False):
+      with monkeypatch.context() as m:
+        if not kernel:
+          m.setattr(jax_native, "available", lambda: False)
+        runs.append(_jax_run(make, ("scalar",), jit=jit, in_place=in_place, low=jnp.float16))
+    for a, b in zip(*runs):
+      a, b = np.asarray(a), np.asarray(b)
+      assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), (jit,
+                                                                                      in_place)
+  tree = {"h": jnp.ones((4, 3), jnp.float16), "b": jnp.ones(5), "c": jnp.ones((), jnp.float16)}
+  assert _custom_calls(make(), tree) == 2
+
+
+@jax_kernel
+def test_jax_kernel_takes_fp16_params_but_not_with_bf16_moments():
+  """fp16 params take the kernel with fp16 or fp32 moments (where it has
+  fp16); with a bf16 moment they take the composed transformation, as
+  torch_bridge's kernel has no entry point for them either."""
   tree = {"h": jnp.ones((4, 3), jnp.float16), "c": jnp.ones((), jnp.float16)}
-  for tx in (oh.adamw_bf16(1e-3), oh.adamw_bf16(1e-3, compensation="split"),
-             oh.adamw_bf16(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
-             oh.adamw_bf16(1e-3, compensation="stochastic", mu_dtype=jnp.float32,
-                           nu_dtype=jnp.float32)):
+  for tx in (oh.adamw_bf16(1e-3, mu_dtype=jnp.bfloat16),
+             oh.adamw_bf16(1e-3, compensation="stochastic", nu_dtype=jnp.bfloat16)):
     assert _custom_calls(tx, tree) == 0
-  mine = oh.adamw_bf16(1e-3, compensation="split", mu_dtype=jnp.float32, nu_dtype=jnp.float32)
-  assert _custom_calls(mine, tree) == (1 if jax_native.has_f16() else 0)
+  for tx in (oh.adamw_bf16(1e-3), oh.adamw_bf16(1e-3, compensation="split"),
+             oh.adamw_bf16(1e-3, compensation="stochastic", mu_dtype=jnp.float32)):
+    assert _custom_calls(tx, tree) == (1 if jax_native.has_f16() else 0)
   # torch_bridge picks the same mode for the same param (its _mode).
   from torch_bridge import adam as torch_adam  # noqa: PLC0415
   for kind in ("kahan", "split", "stochastic", "none"):
@@ -956,13 +1029,15 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
   """The AVX2 build (Lanes8, for CPUs without AVX-512) runs the bit-exactness
   tests above in a process of its own: torch kernel == eager step in every
   configuration (subnormals and NaNs included), JAX kernel == composed, fp16
-  params included."""
+  params included (adamw_bf16's every mode through the subnormal test, its
+  JAX runs for the Kahan configurations: the same lanes)."""
   env = dict(os.environ, OPTAX_HALF_CACHE=str(tmp_path / "cache"),
              OPTAX_HALF_NATIVE_FLAGS="-mno-avx512f")
   out = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
        "lanes_as_the_cpu or equals_the_eager_step or subnormals or "
-       "jax_kernel_equals_the_composed or fp16_params"],
+       "jax_kernel_equals_the_composed or (fp16_params and not adamw_bf16) or "
+       "(fp16_params_of_adamw_bf16 and kahan)"],
       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]

@@ -5,8 +5,8 @@ them with one kernel call per configuration (param, grad, mu, nu dtypes, mode,
 moment rounding), on ``torch.get_num_threads()`` threads, the GIL released.
 The kernel computes what ``adam.adamw_step`` computes, bit for bit (its random
 keys from the same seed, step and leaf, its scalars from the same fp32
-values), so a tensor it cannot take (another device, fp16 outside mode
-``"master"``, a non-contiguous view, a dtype it was not built for)
+values), so a tensor it cannot take (another device, an fp16 param with
+bf16 moments, a non-contiguous view, a dtype it was not built for)
 goes through ``adamw_step`` with no change in the numbers.
 """
 
@@ -21,8 +21,8 @@ import optax_half_native as native
 
 __all__ = ["Batch", "available"]
 
-# The kernel's type codes; fp16 ("H") only as params of the master mode
-# (native.kernel finds no other fp16 entry point, and none without F16C).
+# The kernel's type codes; fp16 ("H") params with fp16 or fp32 gradients and
+# moments (native.kernel finds no other fp16 entry point, and none without F16C).
 _CODES = {torch.bfloat16: "B", torch.float32: "F", torch.float16: "H"}
 _KERNELS: dict = {}  # ((dtypes, mode), stochastic moments) -> kernel or None
 
