@@ -11,20 +11,21 @@
 
 using oh::bf16;
 // Names: param, grad, mu, nu types (B = bf16, F = fp32, H = fp16), mode (oh::Mode), SR.
-#define OH_MOMENTS(P, PN, G, GN, MODE)             \
-  OH_ENTRY(PN##GN##BB, P, G, bf16, bf16, MODE, 0)  \
-  OH_ENTRY(PN##GN##BB, P, G, bf16, bf16, MODE, 1)  \
-  OH_ENTRY(PN##GN##BF, P, G, bf16, float, MODE, 0) \
-  OH_ENTRY(PN##GN##BF, P, G, bf16, float, MODE, 1) \
-  OH_ENTRY(PN##GN##FB, P, G, float, bf16, MODE, 0) \
-  OH_ENTRY(PN##GN##FB, P, G, float, bf16, MODE, 1) \
+// Moments of the 16-bit type M16 (code MN) or fp32, each; SR for a 16-bit one.
+#define OH_MOMENTS(P, PN, G, GN, MODE, M16, MN)             \
+  OH_ENTRY(PN##GN##MN##MN, P, G, M16, M16, MODE, 0)   \
+  OH_ENTRY(PN##GN##MN##MN, P, G, M16, M16, MODE, 1)   \
+  OH_ENTRY(PN##GN##MN##F, P, G, M16, float, MODE, 0)  \
+  OH_ENTRY(PN##GN##MN##F, P, G, M16, float, MODE, 1)  \
+  OH_ENTRY(PN##GN##F##MN, P, G, float, M16, MODE, 0)  \
+  OH_ENTRY(PN##GN##F##MN, P, G, float, M16, MODE, 1)  \
   OH_ENTRY(PN##GN##FF, P, G, float, float, MODE, 0)
-#define OH_MODES(G, GN)         \
-  OH_MOMENTS(bf16, B, G, GN, 1) \
-  OH_MOMENTS(bf16, B, G, GN, 2) \
-  OH_MOMENTS(bf16, B, G, GN, 3) \
-  OH_MOMENTS(bf16, B, G, GN, 4) \
-  OH_MOMENTS(bf16, B, G, GN, 5)
+#define OH_MODES(G, GN)                     \
+  OH_MOMENTS(bf16, B, G, GN, 1, bf16, B)    \
+  OH_MOMENTS(bf16, B, G, GN, 2, bf16, B)    \
+  OH_MOMENTS(bf16, B, G, GN, 3, bf16, B)    \
+  OH_MOMENTS(bf16, B, G, GN, 4, bf16, B)    \
+  OH_MOMENTS(bf16, B, G, GN, 5, bf16, B)
 
 OH_MODES(bf16, B)
 OH_MODES(float, F)
@@ -34,19 +35,11 @@ OH_ENTRY(FFFF, float, float, float, float, 0, 0)
 // fp16 params (H = fp16) with fp16 or fp32 gradients and moments, in the
 // modes that do not split the param (kMaster, kKahan, kStochastic, kNearest).
 using oh::f16;
-#define OH_F16_MOMENTS(G, GN, MODE)               \
-  OH_ENTRY(H##GN##HH, f16, G, f16, f16, MODE, 0)   \
-  OH_ENTRY(H##GN##HH, f16, G, f16, f16, MODE, 1)   \
-  OH_ENTRY(H##GN##HF, f16, G, f16, float, MODE, 0) \
-  OH_ENTRY(H##GN##HF, f16, G, f16, float, MODE, 1) \
-  OH_ENTRY(H##GN##FH, f16, G, float, f16, MODE, 0) \
-  OH_ENTRY(H##GN##FH, f16, G, float, f16, MODE, 1) \
-  OH_ENTRY(H##GN##FF, f16, G, float, float, MODE, 0)
-#define OH_F16_MODES(G, GN)    \
-  OH_F16_MOMENTS(G, GN, 1)     \
-  OH_F16_MOMENTS(G, GN, 3)     \
-  OH_F16_MOMENTS(G, GN, 4)     \
-  OH_F16_MOMENTS(G, GN, 5)
+#define OH_F16_MODES(G, GN)                 \
+  OH_MOMENTS(f16, H, G, GN, 1, f16, H)      \
+  OH_MOMENTS(f16, H, G, GN, 3, f16, H)      \
+  OH_MOMENTS(f16, H, G, GN, 4, f16, H)      \
+  OH_MOMENTS(f16, H, G, GN, 5, f16, H)
 OH_F16_MODES(f16, H)
 OH_F16_MODES(float, F)
 #endif
