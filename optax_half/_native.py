@@ -143,8 +143,8 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
 
 
 def has_f16() -> bool:
-  """Whether the FFI library steps fp16 params (``adam_fp32_master``'s mode;
-  built where the CPU has F16C)."""
+  """Whether the FFI library steps fp16 params (``_takes_f16``; built where
+  the CPU has F16C)."""
   return available() and native.has_f16(native.ffi_library(jax.ffi.include_dir()))
 
 
@@ -207,8 +207,8 @@ def _maybe_sharded(params) -> bool:
 
 def _takes_flat(kind: str, params, grads, state) -> bool:
   """Whether one flat call (``_flat_update``) takes this tree and flat state:
-  every leaf a param of one 16-bit dtype (bf16, or fp16 in mode ``"master"``)
-  with one gradient dtype, one dtype per flat buffer (the mode's buffer of the
+  every leaf a param of one 16-bit dtype (bf16, or fp16 as ``_takes_f16``
+  allows) with one gradient dtype, one dtype per flat buffer (the mode's buffer of the
   dtype the kernel reads)."""
   params, grads = jax.tree.leaves(params), jax.tree.leaves(grads)
   core = state.inner_state

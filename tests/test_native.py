@@ -439,6 +439,69 @@ def test_jax_kernel_steps_fp16_params_of_adamw_bf16_as_the_composed_transformati
   assert _custom_calls(make(), tree) == 2
 
 
+_JAX_F16_SPECIAL = {
+    "adam_fp32_master": lambda: oh.adam_fp32_master(1e-4),
+    **{f"adamw_bf16 {c} {r} moments {m}": (
+        lambda c=c, r=r, m=m: oh.adamw_bf16(1e-4, key=5, compensation=c, state_rounding=r,
+                                            mu_dtype=None if m == "fp16" else jnp.float32))
+       for c in ("kahan", "split", "stochastic", "none") for r in ("stochastic", "nearest")
+       for m in ("fp16", "fp32")},
+}
+
+
+@jax_kernel
+@pytest.mark.usefixtures("jax_f16")
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_and_apply"])
+@pytest.mark.parametrize("name", list(_JAX_F16_SPECIAL))
+def test_jax_kernel_rounds_fp16_params_subnormals_and_nans_as_the_composed_transformation(
+    name, in_place, monkeypatch):
+  """The JAX twin of the torch test above: fp16 params across the fp16
+  subnormal range and at +-65500, gradients from 1e-9 to 10 with NaNs at
+  one step: the kernel's params and state equal the composed
+  transformation's bit for bit (both jitted, so both see XLA's treatment of
+  fp32 subnormals), in the wide lanes and the tail. In place, one documented
+  exception (docs/algorithms.md section 1): a new param of -0.0 from a
+  positive one (a tiny weight rounding to zero), which the kernel writes as
+  it is and ``apply_updates``' ``p + (-p)`` can only give as +0.0."""
+  n = 4099
+  w = np.concatenate([_log_uniform(1, n - 3, -9, -3), np.float32([65500.0, -65500.0, 1e-8])])
+  grads = [_log_uniform(2 + t, n, -9, 1) for t in range(3)]
+  grads[1][[5, 40, 4097]] = np.nan
+  runs = []
+  for kernel in (True, False):
+    with monkeypatch.context() as m:
+      if not kernel:
+        m.setattr(jax_native, "available", lambda: False)
+      tx = _JAX_F16_SPECIAL[name]()
+
+      def step(p, s, g, tx=tx):
+        if in_place:
+          return oh.update_and_apply(tx, g, s, p)
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+      step = jax.jit(step)
+      params = {"w": jnp.asarray(w, jnp.float16)}
+      state = tx.init(params)
+      if kernel:
+        assert jax_native.TARGET in step.lower(params, state, params).as_text()
+      for g in grads:
+        params, state = step(params, state, {"w": jnp.asarray(g, jnp.float16)})
+      runs.append(jax.tree.leaves((params, state)))
+  (kernel_p, *kernel_state), (composed_p, *composed_state) = runs
+  for a, b in zip(kernel_state, composed_state):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), name
+  a, b = np.asarray(kernel_p).view(np.uint16), np.asarray(composed_p).view(np.uint16)
+  differ = a != b
+  if not in_place:
+    assert not differ.any(), name
+  # Only zeros of the other sign: -0.0 in place, +0.0 through apply_updates.
+  assert ((a[differ] == 0x8000) & (b[differ] == 0)).all(), (name, a[differ], b[differ])
+  p = np.asarray(runs[0][0]).view(np.uint16)
+  assert ((p & 0x7C00) == 0).sum() > ((p & 0x7FFF) == 0).sum()  # subnormals reached
+  assert np.isnan(np.asarray(runs[0][0], np.float32)).sum() == 3
+
+
 @jax_kernel
 def test_jax_kernel_takes_fp16_params_but_not_with_bf16_moments():
   """fp16 params take the kernel with fp16 or fp32 moments (where it has
@@ -1017,6 +1080,11 @@ def test_the_kernel_steps_as_many_lanes_as_the_cpu_has():
   else:
     want = 1
   assert native.lanes() == want
+  # fp16 params where the CPU has F16C, in both libraries (otherwise every
+  # fp16 test would skip).
+  f16c = "f16c" in flags and "-mno-f16c" not in os.environ.get("OPTAX_HALF_NATIVE_FLAGS", "")
+  assert native.has_f16(native.library()) == f16c
+  assert jax_native.has_f16() == f16c
 
 
 @pytest.mark.skipif(not {"avx2", "avx512f"} <= _cpu_flags(),
@@ -1037,6 +1105,7 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]
+  assert "skipped" not in out.stdout, out.stdout[-2000:]  # the fp16 ones need F16C: it is here
 
 
 def test_chain_steps_its_last_optimizer_in_place():

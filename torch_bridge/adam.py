@@ -369,10 +369,10 @@ def adam_fp32_master(
       poisons its own param and moments (docs/algorithms.md).
     fused: how the step runs (torch only). None: CPU tensors the native
       kernel takes (``optax_half_native``, one call for all of them) there,
-      others (fp16 params, other devices) in the eager per-tensor step; True:
-      the same kernel, and the per-tensor step compiled by ``torch.compile``
-      for the others (on CPU the fast path for fp16 params); False: the eager
-      per-tensor step everywhere (the reference). On CPU the numbers are the
+      others (other devices, non-contiguous tensors, fp16 params where the
+      CPU has no F16C) in the eager per-tensor step; True: the same kernel,
+      and the per-tensor step compiled by ``torch.compile`` for the others;
+      False: the eager per-tensor step everywhere (the reference). On CPU the numbers are the
       same bits in all three (on CUDA see docs/algorithms.md, "On GPU").
   """
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
