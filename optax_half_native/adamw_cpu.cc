@@ -12,7 +12,7 @@
 using oh::bf16;
 // Names: param, grad, mu, nu types (B = bf16, F = fp32, H = fp16), mode (oh::Mode), SR.
 // Moments of the 16-bit type M16 (code MN) or fp32, each; SR for a 16-bit one.
-#define OH_MOMENTS(P, PN, G, GN, MODE, M16, MN)             \
+#define OH_MOMENTS(P, PN, G, GN, MODE, M16, MN)        \
   OH_ENTRY(PN##GN##MN##MN, P, G, M16, M16, MODE, 0)   \
   OH_ENTRY(PN##GN##MN##MN, P, G, M16, M16, MODE, 1)   \
   OH_ENTRY(PN##GN##MN##F, P, G, M16, float, MODE, 0)  \
@@ -20,28 +20,26 @@ using oh::bf16;
   OH_ENTRY(PN##GN##F##MN, P, G, float, M16, MODE, 0)  \
   OH_ENTRY(PN##GN##F##MN, P, G, float, M16, MODE, 1)  \
   OH_ENTRY(PN##GN##FF, P, G, float, float, MODE, 0)
-#define OH_MODES(G, GN)                     \
-  OH_MOMENTS(bf16, B, G, GN, 1, bf16, B)    \
-  OH_MOMENTS(bf16, B, G, GN, 2, bf16, B)    \
-  OH_MOMENTS(bf16, B, G, GN, 3, bf16, B)    \
-  OH_MOMENTS(bf16, B, G, GN, 4, bf16, B)    \
-  OH_MOMENTS(bf16, B, G, GN, 5, bf16, B)
+// The modes that do not split the param: kMaster, kKahan, kStochastic, kNearest.
+#define OH_UNSPLIT_MODES(P, PN, G, GN)  \
+  OH_MOMENTS(P, PN, G, GN, 1, P, PN)    \
+  OH_MOMENTS(P, PN, G, GN, 3, P, PN)    \
+  OH_MOMENTS(P, PN, G, GN, 4, P, PN)    \
+  OH_MOMENTS(P, PN, G, GN, 5, P, PN)
 
-OH_MODES(bf16, B)
-OH_MODES(float, F)
+// bf16 params: every mode (kSplit too), bf16 or fp32 gradients and moments.
+OH_UNSPLIT_MODES(bf16, B, bf16, B)
+OH_MOMENTS(bf16, B, bf16, B, 2, bf16, B)
+OH_UNSPLIT_MODES(bf16, B, float, F)
+OH_MOMENTS(bf16, B, float, F, 2, bf16, B)
 OH_ENTRY(FFFF, float, float, float, float, 0, 0)
 
 #if defined(OH_F16)
 // fp16 params (H = fp16) with fp16 or fp32 gradients and moments, in the
-// modes that do not split the param (kMaster, kKahan, kStochastic, kNearest).
+// modes that do not split them (kSplit needs a bf16 high half).
 using oh::f16;
-#define OH_F16_MODES(G, GN)                 \
-  OH_MOMENTS(f16, H, G, GN, 1, f16, H)      \
-  OH_MOMENTS(f16, H, G, GN, 3, f16, H)      \
-  OH_MOMENTS(f16, H, G, GN, 4, f16, H)      \
-  OH_MOMENTS(f16, H, G, GN, 5, f16, H)
-OH_F16_MODES(f16, H)
-OH_F16_MODES(float, F)
+OH_UNSPLIT_MODES(f16, H, f16, H)
+OH_UNSPLIT_MODES(f16, H, float, F)
 #endif
 
 extern "C" int oh_lanes() { return oh::kLanes; }
