@@ -60,7 +60,11 @@ bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::Parallel
   } else {
     switch (mode) {
       case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, ts, n, parallel);
-      case oh::kSplit: return run_sr<P, G, M, V, oh::kSplit>(sr, ts, n, parallel);
+      case oh::kSplit:  // a bf16 high half: fp16 params keep a full fp32 master (kMaster)
+        if constexpr (std::is_same_v<P, bf16>) {
+          return run_sr<P, G, M, V, oh::kSplit>(sr, ts, n, parallel);
+        }
+        return false;
       case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, ts, n, parallel);
       case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, ts, n, parallel);
       case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, ts, n, parallel);
@@ -102,36 +106,31 @@ oh::ParallelFor pool_parallel_for(ffi::ThreadPool& pool, int64_t nthreads) {
   };
 }
 
-// Calls f(type tag) for BF16 or F32; false for any other type.
-template <typename F>
+// Calls f(type tag) for the 16-bit type H (bf16, or fp16 where built) or
+// F32; false for any other type.
+template <typename H, typename F>
 bool with_type(ffi::DataType d, F&& f) {
-  if (d == ffi::DataType::BF16) return f(bf16{});
+  constexpr ffi::DataType half = std::is_same_v<H, bf16> ? ffi::DataType::BF16 : ffi::DataType::F16;
+  if (d == half) return f(H{});
   if (d == ffi::DataType::F32) return f(float{});
   return false;
 }
 
-#if defined(OH_F16)
-// Calls f(type tag) for F16 or F32; false for any other type.
-template <typename F>
-bool with_f16_type(ffi::DataType d, F&& f) {
-  if (d == ffi::DataType::F16) return f(oh::f16{});
-  if (d == ffi::DataType::F32) return f(float{});
-  return false;
+// dispatch for params, gradients and moments each of type H or fp32.
+template <typename H>
+bool dispatch_with(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts,
+                   int n, const oh::ParallelFor& parallel) {
+  return with_type<H>(types[0], [&](auto pt) {
+    return with_type<H>(types[1], [&](auto gt) {
+      return with_type<H>(types[2], [&](auto mt) {
+        return with_type<H>(types[3], [&](auto vt) {
+          return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
+              mode, sr, ts, n, parallel);
+        });
+      });
+    });
+  });
 }
-
-// fp16 params in the modes that do not split them (adamw_cpu.cc's fp16 entries).
-template <typename G, typename M, typename V>
-bool run_f16_mode(int mode, bool sr, const oh::Tensor* ts, int n,
-                  const oh::ParallelFor& parallel) {
-  switch (mode) {
-    case oh::kMaster: return run_sr<oh::f16, G, M, V, oh::kMaster>(sr, ts, n, parallel);
-    case oh::kKahan: return run_sr<oh::f16, G, M, V, oh::kKahan>(sr, ts, n, parallel);
-    case oh::kStochastic: return run_sr<oh::f16, G, M, V, oh::kStochastic>(sr, ts, n, parallel);
-    case oh::kNearest: return run_sr<oh::f16, G, M, V, oh::kNearest>(sr, ts, n, parallel);
-    default: return false;
-  }
-}
-#endif
 
 void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
   if (out->untyped_data() != in.untyped_data() && in.size_bytes() > 0) {
@@ -145,26 +144,10 @@ bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tens
               const oh::ParallelFor& parallel) {
 #if defined(OH_F16)
   if (types[0] == ffi::DataType::F16) {  // fp16 params: fp16 or fp32 gradients and moments
-    return with_f16_type(types[1], [&](auto gt) {
-      return with_f16_type(types[2], [&](auto mt) {
-        return with_f16_type(types[3], [&](auto vt) {
-          return run_f16_mode<decltype(gt), decltype(mt), decltype(vt)>(mode, sr, ts, n,
-                                                                        parallel);
-        });
-      });
-    });
+    return dispatch_with<oh::f16>(types, mode, sr, ts, n, parallel);
   }
 #endif
-  return with_type(types[0], [&](auto pt) {
-    return with_type(types[1], [&](auto gt) {
-      return with_type(types[2], [&](auto mt) {
-        return with_type(types[3], [&](auto vt) {
-          return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
-              mode, sr, ts, n, parallel);
-        });
-      });
-    });
-  });
+  return dispatch_with<bf16>(types, mode, sr, ts, n, parallel);
 }
 
 // The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
@@ -309,9 +292,9 @@ ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi
     });
     return true;
   };
-  bool typed = with_type(g.element_type(), check);
+  bool typed = with_type<bf16>(g.element_type(), check);
 #if defined(OH_F16)
-  if (!typed && g.element_type() == ffi::DataType::F16) typed = check(oh::f16{});
+  typed = typed || with_type<oh::f16>(g.element_type(), check);
 #endif
   if (!typed) return ffi::Error::InvalidArgument("oh_all_finite: g must be bf16, fp16 or fp32");
   bool all = true;
