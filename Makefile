@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Two pytest-xdist workers: most of the suite is single-threaded XLA compiles,
-# so on 2 cores two workers take ~18 min where one took ~23 (2026-11-25).
+# so on 2 cores two workers take about 18 min where one takes about 23.
 # TEST_WORKERS=0 runs it in one process; the slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 

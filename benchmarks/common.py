@@ -29,8 +29,8 @@ TREES = {
 }
 BANDWIDTH_BYTES = 256 * 2**20
 # The yardsticks' best of BANDWIDTH_REPS calls after BANDWIDTH_WARMUP: the
-# first calls of a fresh buffer run slower (on this project's Intel VM the
-# best of the first 6 was 45-47 GB/s, of 40 48-52; 2026-11-25).
+# first calls of a fresh buffer run slower, and the best of only a few calls
+# reads several GB/s low.
 BANDWIDTH_WARMUP, BANDWIDTH_REPS = 2, 20
 
 
@@ -51,7 +51,7 @@ def best_gb_per_s(run, moved_bytes: int) -> float:
 # By default an allocation of 32 MiB or more (an XLA executable's temporaries:
 # a 16.8M-param bf16 gradient is 33.6 MB) is a fresh mmap each step, whose
 # pages are all faulted in again (benchmarks/README.md). glibc reads these at
-# process start; mallopt() later did not have the same effect here.
+# process start; calling mallopt() after start does not have the same effect.
 HEAP_MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 36)}
 
 
@@ -98,10 +98,11 @@ def interleaved(runs: dict, reps: int):
 
 
 # Idle time before each timed step (``--settle-ms``; default 0, back to
-# back). Idle changes what it measures on this 2-core VM: XLA's pool threads
-# park, and waking them costs a step with many parallel loops. With 20 ms
-# before each step, optax.adamw fp32 took 13.6 ms against 9.4-10.4 back to
-# back, while the Kahan step in place stayed at 6.8-7.1 (benchmarks/README.md).
+# back). Idle changes what it measures on a machine with few cores: XLA's pool
+# threads park, and waking them costs a step with many parallel loops. With
+# 20 ms before each step on 2 cores, optax.adamw fp32 took 13.6 ms against
+# 9.4-10.4 back to back, while the Kahan step in place stayed at 6.8-7.1
+# (benchmarks/README.md).
 SETTLE_MS = 0.0
 
 

@@ -1,7 +1,8 @@
 """JAX optimizer step time, as ratios to optax.adamw fp32 in the same process.
 
     python -m benchmarks.step [--tree standard|many|quick] [--quick] [--reps N]
-                              [--grads input|in-step] [--heap-malloc] [--json PATH]
+                              [--only A,B] [--grads input|in-step] [--heap-malloc]
+                              [--gc on|freeze|off] [--settle-ms MS] [--json PATH]
 
 Every optimizer runs jitted (``tx.update`` + ``optax.apply_updates``, and
 for the native-kernel optimizers also ``oh.update_and_apply``, which writes
@@ -101,9 +102,8 @@ def all_candidates(lr=1e-3):
 
 # The yardsticks' steps, each writing into a donated buffer. The copy's
 # destination y is unused by its computation: without keep_unused, jit drops
-# it, and the copy went to a fresh 256 MB buffer each call, faulted in page by
-# page (7.1-8.0 GB/s against 27.5 into y's buffer on this project's Intel VM,
-# 2026-11-25; benchmarks/README.md).
+# it, and the copy goes to a fresh 256 MB buffer each call, faulted in page by
+# page at a fraction of the rate into y's buffer (benchmarks/README.md).
 _scale = jax.jit(lambda x: x * 1.0000001, donate_argnums=0)
 _copy = jax.jit(lambda y, x: x + 0.0, donate_argnums=0, keep_unused=True)
 

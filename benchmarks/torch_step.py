@@ -1,7 +1,8 @@
 """torch optimizer step time, as ratios to torch.optim.AdamW(fused=True) fp32 in the same process.
 
-    python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N] [--heap-malloc]
-                                    [--json PATH]
+    python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N]
+                                    [--only A,B] [--heap-malloc] [--gc on|freeze|off]
+                                    [--settle-ms MS] [--json PATH]
 
 The trees of benchmarks/step.py. Runs are interleaved (every run once per
 repetition, in an order shuffled each repetition), the median of the

@@ -9,9 +9,10 @@ Nothing else changes: the counts, seeds and wrapper states stay where they
 were, and the values are the tree layout's, bit for bit.
 
 Why: JAX pays a fixed cost for every array a jitted step takes and returns
-(about 2-3 us each here, benchmarks/README.md), so a tree of 512 small leaves
-costs ~2560 arrays per step in the tree layout and ~1030 in the flat one; on
-CPU the native kernel steps all leaves of a flat state in one call.
+(measured in benchmarks/README.md#what-bounds-each-row), so a tree of 512
+small leaves costs ~2560 arrays per step in the tree layout and ~1030 in the
+flat one; on CPU the native kernel steps all leaves of a flat state in one
+call.
 """
 
 from __future__ import annotations

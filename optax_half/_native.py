@@ -63,11 +63,10 @@ _EMPTY = np.zeros((0,), np.float32)
 
 
 # At most this many leaves per custom call. XLA's compile time grows faster
-# than the number of a call's operands: the in-place Kahan step of 512 leaves
-# compiled in 18.1 s as one call, 5.8 s in calls of 256 leaves, 2.2 s of 128,
-# 1.4 s of 64 and 0.9 s of 32 (10.4 s as a call per leaf), and stepped in the
-# same time from 32 leaves a call up (16-18 ms; in a later sweep of 32 to 512,
-# medians of 14.3-19.0 ms in no order with the size).
+# than the number of a call's operands (and a call per leaf is slow to compile
+# too), while the step time is the same from 32 leaves a call up: 32 keeps
+# compiling short at no cost per step (timings:
+# benchmarks/README.md#what-bounds-each-row).
 _LEAVES_PER_CALL = 32
 
 
@@ -119,8 +118,8 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
   On CPU, for bf16, fp32 and (with F16C) fp16 leaves on one device, one
   pass of the native check over each leaf (``oh::all_finite_range``: the same fp32 products,
   each tested for an all-ones exponent), where XLA:CPU's reduction of
-  ``isfinite``'s bools runs at a fraction of the memory bandwidth (4.2 ms
-  against 0.75-0.90 for 16.8M bf16 values here). Elsewhere XLA's reduction.
+  ``isfinite``'s bools runs at a fraction of the memory bandwidth (timings:
+  benchmarks/README.md#what-bounds-each-row). Elsewhere XLA's reduction.
   """
   def framework():
     return unscaled_all_finite(tree, inv_scale)

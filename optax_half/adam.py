@@ -10,7 +10,7 @@
 
 Both share one Adam core, ``scale_by_adamw``, whose math is fp32 whatever the
 param and state dtypes. The spec, with the order of operations, is
-``docs/algorithms.md`` ("AdamW core").
+``docs/algorithms.md#adamw-core``.
 """
 
 from __future__ import annotations
@@ -102,11 +102,12 @@ def coefficients(learning_rate, b1, b2, eps, weight_decay, count) -> Coefficient
   lr = _f32(learning_rate(count) if callable(learning_rate) else learning_rate)
   t = optax.safe_increment(count)
   # Products that are later added pass through no_fma: XLA would contract
-  # them into FMAs, torch rounds them first (docs/algorithms.md, section 6).
+  # them into FMAs, torch rounds them first
+  # (docs/algorithms.md#determinism-and-jit).
   zero = rounding.opaque_zero(t)
   # Reciprocals of the bias corrections, formed once in fp32: XLA rewrites
   # `array / scalar` as `array * (1 / scalar)` anyway, so this is what runs,
-  # and torch_bridge computes the same products (docs/algorithms.md).
+  # and torch_bridge computes the same products (docs/algorithms.md#adamw-core).
   # 1 - b ** t without pow, the same bits in both frameworks.
   inv_bc1 = 1 / rounding.one_minus_pow(b1_, t, zero)
   inv_bc2 = 1 / rounding.one_minus_pow(b2_, t, zero)
@@ -229,11 +230,11 @@ def adam_fp32_master(
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
       Inf: ``optax.apply_if_finite`` around the whole optimizer, never giving
       up. Without it a non-finite gradient element poisons its own param and
-      moments (docs/algorithms.md, "Non-finite gradients").
+      moments (docs/algorithms.md#non-finite-gradients).
     flat_state: store the master copy and the moments of all leaves as one
       1-D array each per dtype (``Flat``) instead of one array per leaf: the
       same values, for trees of many small leaves, where JAX's cost per array
-      dominates a step (docs/algorithms.md, "Flat state"). ``update`` then
+      dominates a step (docs/algorithms.md#flat-state). ``update`` then
       needs ``params``.
   """
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,

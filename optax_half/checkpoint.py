@@ -19,7 +19,7 @@ Resuming is exact: the restored arrays are the saved bits, so N steps equal
 N/2 steps, ``save``, ``restore`` and N/2 steps, bit for bit (tested for every
 optimizer, sharded too). Orbax is an optional dependency
 (``pip install optax-half[checkpoint]``; Flax brings it too). Spec:
-``docs/algorithms.md``, "Checkpoints".
+``docs/algorithms.md#checkpoints``.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ afresh each step). This one computes the same ops in the same order, so the
 same bits (tests/test_clipping.py compares them with optax's), but on CPU,
 when a leaf is 16-bit, it hands the scaling an ``optimization_barrier`` of
 the gradients: the norm is then the widening's only reader, and XLA fuses
-the widening into the reduction, which reads the 16-bit gradients. Measured
-on this project's CPU machines (docs/algorithms.md section 14): clipping
-16.8M bf16 gradients and then the Kahan step took 17.74 ms with this one and
-31.18 ms with optax's (6.90 ms unclipped). Elsewhere (fp32 gradients, or a
-backend other than the CPU, where nothing was measured) the ops are
+the widening into the reduction, which reads the 16-bit gradients
+(docs/algorithms.md#gradient-clipping; timings of clipping before the Kahan
+step, with this one and with optax's:
+benchmarks/README.md#what-bounds-each-row). Elsewhere (fp32 gradients, or a
+backend other than the CPU, where the barrier was not examined) the ops are
 optax's and nothing more.
 
 Math (optax's, for a tree of gradients ``g``)::
@@ -27,7 +27,7 @@ precision), the sums are added in JAX's promoted dtype, and ``norm`` is cast
 to ``g_i``'s dtype before the division. A NaN or Inf gradient makes ``norm``
 NaN or Inf, and the second branch then makes every gradient NaN (NaN norm)
 or zero or NaN (Inf norm), as optax does; ``skip_nonfinite``
-(docs/algorithms.md, section 8) is where non-finite steps are skipped.
+(docs/algorithms.md#non-finite-gradients) is where non-finite steps are skipped.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ Everything is array arithmetic inside the step (no host sync, jit-safe, works
 with sharded trees: the finiteness check is one global reduction). The state
 is fp32/int32/bool whatever the param dtype, and every hyperparameter
 (``min_scale`` included) is a constant of the transformation, so nothing is
-lost or narrowed by ``jax.jit``. Spec: ``docs/algorithms.md`` section 8.
+lost or narrowed by ``jax.jit``. Spec:
+``docs/algorithms.md#dynamic-loss-scaling``.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def dynamic_loss_scale(
 
     # On CPU a lax.cond: the inner step runs only on a finite step, and the
     # kernel updates its state in place; elsewhere, and with several devices
-    # (where the kernel does not run), a select (docs/algorithms.md, section 8).
+    # (where the kernel does not run), a select
+    # (docs/algorithms.md#dynamic-loss-scaling).
     first, new_inner = if_finite(finite, apply,
                                  lambda: skipped(apply, state.inner_state,
                                                  params if in_place else None),

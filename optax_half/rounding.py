@@ -2,7 +2,7 @@
 
 Everything here is elementwise, jit-compatible and free of host syncs. The same
 functions exist, operation for operation, in ``torch_bridge/rounding.py``; the
-spec they both follow is ``docs/algorithms.md`` ("Rounding primitives").
+spec they both follow is ``docs/algorithms.md#rounding-primitives``.
 
 * ``split_f32`` / ``join_f32``: an fp32 value stored exactly as a bf16 high half
   plus a signed 16-bit remainder (the "split master" layout).

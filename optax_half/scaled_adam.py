@@ -7,8 +7,8 @@ param_max_rms]``), with momentum kept as a parameter change ``delta`` and an
 optional gradient clipping against ``clipping_scale`` times the median of the
 recent gradient norms. Ported from the older icefall version (seed 002); the
 spec with every formula, the order of operations and the dtypes is
-``docs/algorithms.md`` section 11, and ``torch_bridge/scaled_adam.py`` is the
-same algorithm line for line.
+``docs/algorithms.md#scaledadam-and-eden``, and
+``torch_bridge/scaled_adam.py`` is the same algorithm line for line.
 
 Differences from the seed, all documented in the spec:
 

@@ -16,8 +16,8 @@ wrapper                       buffer per 16-bit leaf       ``x`` seen by inner
 
 The returned updates ``u = new_p.astype(f32) - p.astype(f32)`` are fp32, so
 ``optax.apply_updates(params, u)`` computes ``round(p + u)`` in fp32 and lands
-on ``new_p`` bit for bit (argument and its one limit: ``docs/algorithms.md``,
-"Landing exactly").
+on ``new_p`` bit for bit (argument and its one limit:
+``docs/algorithms.md#landing-exactly``).
 
 Leaves that are already 32-bit (or at least as wide as ``master_dtype``) are
 passed to the inner transformation unchanged and get no buffer. Non-float

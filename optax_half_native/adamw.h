@@ -1,9 +1,10 @@
 // The AdamW core of optax_half / torch_bridge as one loop over the elements,
-// for a CPU kernel behind both frameworks. Spec: docs/algorithms.md, "AdamW
-// core" and "Native CPU kernel". Every line mirrors torch_bridge.adam.adamw_step
-// (and optax_half.adam.scale_by_adamw): the same operations in the same order,
-// each rounded to fp32 (built with -ffp-contract=off and without -ffast-math,
-// so no FMA and no reassociation), so the bits equal theirs.
+// for a CPU kernel behind both frameworks. Spec: docs/algorithms.md#adamw-core
+// and docs/algorithms.md#native-cpu-kernel. Every line mirrors
+// torch_bridge.adam.adamw_step (and optax_half.adam.scale_by_adamw): the same
+// operations in the same order, each rounded to fp32 (built with
+// -ffp-contract=off and without -ffast-math, so no FMA and no reassociation),
+// so the bits equal theirs.
 #pragma once
 
 #include <cmath>
@@ -24,7 +25,7 @@ struct bf16 {
 // buffer, kStochastic, kNearest), their gradients and moments. Converted by
 // the F16C instructions (vcvtph2ps exactly; vcvtps2ph rounding to nearest
 // even, subnormals and NaN payloads kept), which is what torch's and XLA's
-// CPU conversions do (docs/algorithms.md section 12); without F16C there is
+// CPU conversions do (docs/algorithms.md#fp16-params); without F16C there is
 // no fp16 kernel (OH_F16 undefined) and fp16 params take the framework code.
 struct f16 {
   uint16_t bits;

@@ -13,7 +13,7 @@ SHAPES = {"a": (8, 16), "b": (16,), "c": ()}
 
 
 def numpy_adamw_reference(params, grads_seq, lr, b1, b2, eps, wd):
-  """docs/algorithms.md "AdamW core", written in NumPy float32, op by op."""
+  """docs/algorithms.md#adamw-core, written in NumPy float32, op by op."""
   f = np.float32
   b1, b2, eps, wd, lr = f(b1), f(b2), f(eps), f(wd), f(lr)
   x = {k: np.asarray(v, np.float32) for k, v in params.items()}
@@ -57,7 +57,7 @@ def test_adam_fp32_master_on_fp32_params_tracks_optax_adamw():
   """Within 1e-6 relative of optax.adamw over 300 jitted steps.
 
   optax is given its hyperparameters as fp32 arrays, so that it forms 1 - b in
-  fp32 like we do (docs/algorithms.md, "Hyperparameters"); what is left is
+  fp32 like we do (docs/algorithms.md#adamw-core); what is left is
   FMA contraction inside XLA fusions.
   """
   f32 = jnp.float32

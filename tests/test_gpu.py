@@ -9,14 +9,13 @@ kernel is not taken), which the native kernel equals bit for bit
 On the GPU JAX runs the composed transformation on XLA:GPU and torch_bridge
 its eager or compiled (Triton) step.
 
-Measured on one H100 (jax 0.11.2, torch 2.11.0+cu130, 2026-11-24), 12 steps:
-the JAX adamw_bf16 steps (every compensation; no implicit host transfer in
-them) and scaled_adam's params, and every eager torch step, equal the CPU
-steps bit for bit. GPU-compiled code does not always: the fp32 master of
-adam_fp32_master (JAX, and torch compiled with Triton) was up to 10 ULP off,
-and a Kahan buffer up to 2 ULP. The cause is not established
-(docs/algorithms.md, "On GPU"). Those cases are marked ``xfail`` (not
-strict), so that they run and report.
+Over 12 steps the JAX adamw_bf16 steps (every compensation; no implicit host
+transfer in them) and scaled_adam's params, and every eager torch step, equal
+the CPU steps bit for bit. GPU-compiled code does not always: the fp32 master
+of adam_fp32_master (JAX, and torch compiled with Triton) may be up to 10 ULP
+off, and a Kahan buffer up to 2 ULP. The cause is not established
+(docs/algorithms.md#on-gpu). Those cases are marked ``xfail`` (not strict),
+so that they run and report.
 """
 
 import warnings
@@ -33,8 +32,9 @@ from tests.conftest import bitwise_equal, ulp_diff
 JAX_GPU = jax.default_backend() == "gpu"
 jax_gpu = pytest.mark.skipif(not JAX_GPU, reason="JAX has no GPU here")
 
-GPU_COMPILED = ("GPU-compiled fp32 arithmetic differs from the CPU's (docs/algorithms.md, "
-                "'On GPU'); measured on an H100: fp32 master up to 10 ULP, Kahan buffer 2 ULP")
+GPU_COMPILED = ("GPU-compiled fp32 arithmetic differs from the CPU's "
+                "(docs/algorithms.md#on-gpu): fp32 master up to 10 ULP, "
+                "Kahan buffer up to 2 ULP")
 # The configurations measured to differ (the others were bitwise equal).
 JAX_DIFFERS = {"adam_fp32_master", "loss_scale(adamw_bf16)"}
 TORCH_COMPILED_DIFFERS = {"adamw_bf16/kahan", "adamw_bf16/split", "adam_fp32_master"}

@@ -460,7 +460,7 @@ def test_jax_kernel_rounds_fp16_params_subnormals_and_nans_as_the_composed_trans
   one step: the kernel's params and state equal the composed
   transformation's bit for bit (both jitted, so both see XLA's treatment of
   fp32 subnormals), in the wide lanes and the tail. In place, one documented
-  exception (docs/algorithms.md section 1): a new param of -0.0 from a
+  exception (docs/algorithms.md#landing-exactly): a new param of -0.0 from a
   positive one (a tiny weight rounding to zero), which the kernel writes as
   it is and ``apply_updates``' ``p + (-p)`` can only give as +0.0."""
   n = 4099

@@ -3,10 +3,11 @@
 * ``skip_nonfinite=True`` (adamw_bf16, adam_fp32_master, scaled_adam): a step
   whose gradients hold a NaN or Inf changes nothing, step counts included, and
   is counted; the run then equals one that never saw that step, bit for bit.
-* Without it (the default) the poison spreads as docs/algorithms.md, section
-  "Non-finite gradients", says: the elementwise AdamW family loses exactly the
-  element whose gradient was bad; ScaledAdam loses that element at once, its
-  whole tensor at the next size update, and every param once clipping starts.
+* Without it (the default) the poison spreads as
+  docs/algorithms.md#non-finite-gradients says: the elementwise AdamW family
+  loses exactly the element whose gradient was bad; ScaledAdam loses that
+  element at once, its whole tensor at the next size update, and every param
+  once clipping starts.
 * With a loss scaler the step is skipped and counted whatever the optimizer.
 """
 

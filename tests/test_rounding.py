@@ -135,7 +135,8 @@ def test_same_key_same_result_different_key_different_result():
   assert not bitwise_equal(a, c)
 
 
-# --- Landing exactly: apply_updates(p, t - p) == t, docs/algorithms.md. -----
+# --- Landing exactly: apply_updates(p, t - p) == t. -------------------------
+# Spec: docs/algorithms.md#landing-exactly.
 
 def _bf16_from_bits(bits):
   return np.array([bits], np.uint16).view(jnp.bfloat16)[0]

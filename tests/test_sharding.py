@@ -56,7 +56,7 @@ def test_sharded_equals_one_device(results, name, axis, mesh, request):
   if axis == "Auto" and _util.shard_alike is None:
     request.applymarker(pytest.mark.xfail(
         reason="this JAX has no shard_alike: under automatic axes a jitted init's state "
-               "is laid out by XLA (docs/algorithms.md, section 13)"))
+               "is laid out by XLA (docs/algorithms.md#jax-sharding)"))
   r = results[(name, axis, mesh)]
   # State follows the params' sharding (a vacuous check would have checked nothing).
   assert r["checked"] >= 5, r

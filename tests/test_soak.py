@@ -17,7 +17,7 @@ patterns, so dispatch and allocation leaks show. At every check point:
 * every param and state leaf is finite, the loss stays bounded (and falls for
   the compensated optimizers);
 * Kahan: ``c = round(x' - p')`` where ``x' - p'`` is the exact rounding error of
-  ``p' = round(x')`` (``docs/algorithms.md`` section 3), so ``|x' - p'| <=
+  ``p' = round(x')`` (``docs/algorithms.md#wrappers``), so ``|x' - p'| <=
   ulp(p')/2`` with ``ulp`` the spacing above ``|p'|`` (below a power of two the
   error is at most half the smaller spacing). ``ulp(p)/2`` is a power of two,
   so rounding ``x' - p'`` to the buffer dtype cannot exceed it; we still allow
