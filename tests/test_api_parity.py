@@ -23,6 +23,13 @@ import torch_bridge  # noqa: E402
 # Keyword-only torch extensions, each with its reason.
 TORCH_ONLY = {
     "fused": "picks the step's implementation (native kernel, eager, torch.compile); XLA compiles",
+    "lr": "torch's spelling of learning_rate (drop-in for torch.optim)",
+    "betas": "torch's spelling of (b1, b2) (drop-in for torch.optim, icefall's ScaledAdam)",
+    "enabled": "torch.amp.GradScaler's switch: a disabled scaler is a no-op",
+}
+# Parameters JAX requires that torch may leave out, each with its reason.
+TORCH_OPTIONAL = {
+    "learning_rate": "torch takes it as lr= instead; leaving out both is an error",
 }
 # Keyword-only JAX extensions, each with its reason.
 JAX_ONLY_KEYWORDS = {
@@ -99,6 +106,9 @@ def test_same_keywords_and_defaults(name):
   jp = [p for p in jp if p.name not in JAX_ONLY_KEYWORDS]
   assert [p.name for p in jp] == [p.name for p in tp_shared], name
   for a, b in zip(jp, tp_shared):
+    if a.name in TORCH_OPTIONAL and a.default is inspect.Parameter.empty and b.default is None:
+      assert "lr" in {q.name for q in tp}, f"{name}: {a.name} optional without lr="
+      continue
     assert _normalize(a.default) == _normalize(b.default), (
         f"{name}({a.name}=...): optax_half default {a.default!r}, torch_bridge {b.default!r}")
 

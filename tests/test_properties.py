@@ -12,9 +12,9 @@ steps. Properties, per example:
   lazily) to the last step;
 * the jitted update equals the op-by-op one (``jax.disable_jit()``): bitwise
   for the AdamW family and for the wrappers around ``scale_by_adamw`` (the
-  repo's claim, docs/algorithms.md section 6); within a few roundings for
-  ScaledAdam and for wrappers around ``optax.adam`` (code that XLA contracts
-  into FMAs);
+  repo's claim, docs/algorithms.md#determinism-and-jit); within a few
+  roundings for ScaledAdam and for wrappers around ``optax.adam`` (code that
+  XLA contracts into FMAs);
 * JAX and torch agree within ``torch_bridge.parity.TOLERANCES`` (and, where
   the repo claims it, bit for bit), in params and in every buffer both have;
   ScaledAdam and wrappers around ``optax.adam`` / ``torch.optim.Adam`` within
@@ -526,7 +526,8 @@ def test_wrappers_around_the_adamw_core(case, config):
   # The core's moments, which the torch wrapper keeps in its inner optimizer.
   jmu = jax.tree.leaves(parity._jax_buffers(js, jax.tree.structure(jp),
                                             list(range(len(case.params))))["mu"])
-  inner_state = [opt.inner.state[w] for w in opt.inner.param_groups[0]["params"]]
+  with opt.stand_ins() as inner:  # the inner optimizer's state is keyed by the stand-ins
+    inner_state = [inner.state[w] for w in inner.param_groups[0]["params"]]
   for k, (a, s) in enumerate(zip(jmu, inner_state)):
     assert _bitwise(np.asarray(a), _to_numpy(s["mu"])), (k, a, s["mu"])
 
@@ -639,7 +640,7 @@ def test_scaled_adam(case, config):
   """ScaledAdam alone, and inside kahan_summation / master_weights: shapes and
   dtypes kept; jit vs op by op and JAX vs torch within a few roundings.
 
-  Not bitwise (docs/algorithms.md section 11: reductions are summed in
+  Not bitwise (docs/algorithms.md#jax-vs-torch: reductions are summed in
   different orders, and there is no ``no_fma``): the bound per tensor is the
   repo's own ``test_jax_and_torch_agree_for_500_steps_with_clipping`` bound,
   max|a - b| / max|b| <= 1e-5, or within 2 ULPs + 1e-5 lr per step of the

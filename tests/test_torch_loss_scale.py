@@ -221,7 +221,7 @@ def test_master_weights_fp16_equals_fp32_adam_on_unscaled_grads():
     for p, g in zip(p32, grads):
       p.grad = g.float() / scale
     opt32.step()
-  masters = opt16.inner.param_groups[0]["params"]
+  masters = [opt16.state[p]["master"] for p in p16]
   for m, p in zip(masters, p32):
     assert torch.equal(_bits(m), _bits(p))
 

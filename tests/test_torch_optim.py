@@ -121,7 +121,9 @@ def test_master_weights_moves_existing_state():
   inner.step()
   buf = [inner.state[p]["momentum_buffer"].float() for p in lowp]
   opt = tb.master_weights(inner)
-  masters = inner.param_groups[0]["params"]
+  assert opt.param_groups is inner.param_groups  # one set of groups, holding the model params
+  assert all(a is b for a, b in zip(inner.param_groups[0]["params"], lowp))
+  masters = [opt.state[p]["master"] for p in lowp]
   assert all(m.dtype == torch.float32 for m in masters)
   assert all(torch.equal(inner.state[m]["momentum_buffer"], b) for m, b in zip(masters, buf))
   assert all(p not in inner.state for p in lowp)
@@ -298,7 +300,9 @@ def test_resume_is_bitwise(name):
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_skipped_params_are_untouched(name):
+def test_params_without_a_grad_are_untouched(name):
+  """A param with no gradient is not stepped; one with a gradient is, even
+  with requires_grad=False (torch.optim steps every param that has a .grad)."""
   params = _params()
   params[1].requires_grad_(False)
   opt = OPTIMIZERS[name](params)
@@ -308,8 +312,8 @@ def test_skipped_params_are_untouched(name):
   params[2].grad = None  # no gradient this step
   opt.step()
   after = _snapshot(opt, params)
-  assert torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
-  assert not torch.equal(before[0], after[0])
+  assert torch.equal(before[2], after[2])
+  assert not torch.equal(before[0], after[0]) and not torch.equal(before[1], after[1])
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -497,7 +501,7 @@ def test_wrappers_keep_no_fp32_copy_and_chunks_do_not_change_results(wrap, monke
     params = _params() + [p32.clone().requires_grad_()]  # and one fp32 param
     opt = wrap(torch.optim.Adam(params, lr=1e-2))
     _run(opt, params, grads)
-    stand_ins = opt.inner.param_groups[0]["params"]
+    stand_ins = [opt._work[p] for p in params]
     assert [w.numel() for w in stand_ins[:3]] == [0, 0, 0]
     assert stand_ins[3] is params[3]
     out.append(_snapshot(opt, params))

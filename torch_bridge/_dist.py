@@ -65,7 +65,7 @@ def like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def index(param: torch.Tensor) -> Union[int, torch.Tensor]:
   """The random-bit counter of the local elements of ``param``: their row-major
-  indices in the whole tensor (``docs/algorithms.md``, "Counter-based random bits").
+  indices in the whole tensor (``docs/algorithms.md#counter-based-random-bits``).
 
   An int (the index of the first local element) when the local shard is a
   contiguous range of the whole tensor (a plain tensor: 0; FSDP2's ``Shard(0)``:

@@ -1,13 +1,19 @@
 """Plumbing shared by the torch_bridge optimizers (the ``_util.py`` of this side).
 
+* ``LowPrecisionOptimizer``: the base class of every torch_bridge optimizer
+  and wrapper. It holds what they share: the fp32 gradients a loss scaler
+  hands over (``step_grad``), ``step(closure)`` with ``skip_nonfinite``,
+  ``state_dict``/``load_state_dict`` (bit for bit, checked before anything is
+  written, with torch's state-dict hooks), pickling and ``deepcopy``, torch's
+  spellings of the hyperparameters (``lr``, ``betas``) and the re-seeding of
+  a param's buffer after the param was written from outside;
 * host-side fp32 scalars: every hyperparameter enters the math as an fp32
   value, like ``optax_half`` (which makes them fp32 arrays);
 * the same argument checks as ``optax_half.adam._check_hyperparams`` and
   ``optax_half.loss_scale.check_loss_scale_args``;
 * ``seed_from_key``: the uint32 seed of an integer key;
-* ``step_grad``: the gradient a step uses (the loss scaler's fp32 one, or ``p.grad``);
-* ``load_state_dict_exact``: ``Optimizer.load_state_dict`` without its casts.
-  torch casts every floating state tensor to its param's dtype on load, which
+* ``prepare_load``: ``Optimizer.load_state_dict`` without its casts. torch
+  casts every floating state tensor to its param's dtype on load, which
   would round an fp32 master or fp32 moments of a bf16 param to bf16. Here each
   saved tensor is copied into the live buffer of the same dtype, bit for bit,
   and a dtype or shape mismatch is an error. Everything is checked before
@@ -18,17 +24,18 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Optional
+from collections import defaultdict
+from typing import Callable, Optional
 
 import numpy as np
 import torch
 
-from torch_bridge import _dist
+from torch_bridge import _dist, rounding
 
-__all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key", "load_state_dict_exact",
+__all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
-           "register_param_group", "stepping_params"]
+           "stepping_params", "torch_spellings", "LowPrecisionOptimizer"]
 
 
 def f32(x) -> float:
@@ -117,7 +124,7 @@ def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor
   ``DynamicLossScaler.unscale_`` fills with the fp32 unscaled gradients of
   16-bit params (``p.grad`` keeps the scaled 16-bit value); otherwise ``p.grad``.
   """
-  g = optimizer._unscaled_grads.get(p)
+  g = getattr(optimizer, "_unscaled_grads", {}).get(p)
   return p.grad if g is None else g
 
 
@@ -140,6 +147,19 @@ def check_kind(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
     raise ValueError(
         f"this state_dict was saved by {saved}; this optimizer is {mine}. Load it into "
         "the same kind of optimizer.")
+
+
+def _as_tensor_like(name: str, value, current):
+  """A Python number saved where the optimizer holds a 0-dim tensor (a
+  ``step`` in older torch formats) as a tensor of the live one's dtype (a
+  ``step`` with no live tensor yet: int64); anything else as it is."""
+  if not isinstance(value, (int, float, np.number)) or isinstance(value, bool):
+    return value
+  if torch.is_tensor(current) and current.dim() == 0:
+    return torch.tensor(value, dtype=current.dtype)
+  if current is None and name == "step":
+    return torch.tensor(int(value), dtype=torch.int64)
+  return value
 
 
 @torch.no_grad()
@@ -170,12 +190,15 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
   id_map = {old: p for g, s in zip(groups, saved_groups)
             for old, p in zip(s["params"], g["params"])}
   group_of = {old: g for g, s in zip(groups, saved_groups) for old in s["params"]}
+  saved_state = {}
   for old, saved in state_dict["state"].items():
     if old not in id_map:
       raise ValueError(f"state_dict has state for param id {old}, which no group lists.")
     state = optimizer.state.get(id_map[old]) or {}  # .get: no empty entries on a failed load
     if not state and template is not None:
       state = template(group_of[old], id_map[old]) or {}
+    saved = saved_state[old] = {name: _as_tensor_like(name, value, state.get(name))
+                                for name, value in saved.items()}
     if state and set(saved) != set(state):
       raise ValueError(
           f"state of param {old}: saved {sorted(saved)}, the optimizer holds {sorted(state)}.")
@@ -196,9 +219,9 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
   @torch.no_grad()
   def load() -> None:
     for old, p in id_map.items():
-      if old not in state_dict["state"]:
+      if old not in saved_state:
         optimizer.state.pop(p, None)
-    for old, saved in state_dict["state"].items():
+    for old, saved in saved_state.items():
       p = id_map[old]
       state = optimizer.state[p]
       for name, value in saved.items():
@@ -210,25 +233,11 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
           state[name] = value.to(device=device, copy=True)
         else:
           state[name] = copy.deepcopy(value)
-    for g, s in zip(groups, saved_groups):
+    # The groups as they are now (a wrapper's inner load may have replaced them).
+    for g, s in zip(optimizer.param_groups, saved_groups):
       g.update({k: copy.deepcopy(v) for k, v in s.items() if k != "params"})
 
   return load
-
-
-def register_param_group(optimizer: torch.optim.Optimizer, param_group: dict, check) -> dict:
-  """``Optimizer.add_param_group``, then ``check(group, first_position)``; a
-  check that raises takes the group back out, so a refused group leaves the
-  optimizer as it was. Returns the registered group."""
-  first = sum(len(g["params"]) for g in optimizer.param_groups)
-  torch.optim.Optimizer.add_param_group(optimizer, param_group)
-  group = optimizer.param_groups[-1]
-  try:
-    check(group, first)
-  except Exception:
-    optimizer.param_groups.pop()
-    raise
-  return group
 
 
 _NONFINITE_START = {"notfinite_count": 0, "last_finite": True, "total_notfinite": 0}
@@ -250,14 +259,14 @@ def load_nonfinite(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
 
 
 def stepping_params(optimizer: torch.optim.Optimizer) -> list:
-  """``(position, param)`` of every param a step updates (a gradient, and
-  ``requires_grad``), position counted over all params; a sparse gradient is
-  refused (``check_grad``)."""
+  """``(position, param)`` of every param a step updates (every one with a
+  gradient, ``requires_grad`` or not, as in ``torch.optim``), position counted
+  over all params; a sparse gradient is refused (``check_grad``)."""
   out = []
   position = 0
   for group in optimizer.param_groups:
     for p in group["params"]:
-      if p.grad is not None and p.requires_grad:
+      if p.grad is not None:
         check_grad(p.grad, position)
         out.append((position, p))
       position += 1
@@ -313,6 +322,307 @@ def run_step(optimizer: torch.optim.Optimizer, closure, step_all) -> Optional[to
   return loss
 
 
-def load_state_dict_exact(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-  """Loads ``state`` and ``param_groups`` into ``optimizer`` bit for bit (see ``prepare_load``)."""
-  prepare_load(optimizer, state_dict)()
+def _betas(betas) -> tuple:
+  try:
+    b1, b2 = betas
+  except (TypeError, ValueError):
+    raise ValueError(f"betas must be a pair (b1, b2); got {betas!r}.") from None
+  return (b1, b2)
+
+
+def torch_spellings(name: str, learning_rate, lr, b1, b2, betas, default_betas) -> tuple:
+  """``(learning_rate, b1, b2)`` from optax_half's keywords or torch's (``lr=``,
+  ``betas=``); giving both spellings of one hyperparameter is an error."""
+  if lr is not None:
+    if learning_rate is not None:
+      raise TypeError(f"{name}: pass learning_rate or torch's lr, not both.")
+    learning_rate = lr
+  if learning_rate is None:
+    raise TypeError(f"{name}() needs a learning rate: pass learning_rate=... (or torch's lr=...).")
+  if betas is not None:
+    pair = _betas(betas)
+    if (b1, b2) != tuple(default_betas) and (b1, b2) != pair:
+      raise TypeError(f"{name}: pass b1/b2 or torch's betas, not both.")
+    b1, b2 = pair
+  return learning_rate, b1, b2
+
+
+def _mark(p: torch.Tensor) -> tuple:
+  """What changes when anything writes ``p``: its version counter (every
+  in-place op, ``copy_`` from ``load_state_dict`` included) and its storage
+  (``p.data = ...``)."""
+  local = _dist.local(p)
+  return (local._version, local.data_ptr())
+
+
+_SIGNED = {1: torch.int8, 2: torch.int16}
+
+
+def kahan_remainder_fits(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+  """Where ``c`` is a Kahan remainder of ``p``: ``|c|`` at most half the gap
+  from ``p`` to its neighbour in ``c``'s direction (the bound every Kahan
+  write leaves, ties included). False where ``p`` is NaN or infinite."""
+  signed = _SIGNED[p.element_size()]
+  bits = p.view(signed).to(torch.int32)
+  magnitude = bits & ((1 << (8 * p.element_size() - 1)) - 1)
+  # Sign-magnitude: +1 moves away from zero, -1 towards it (from +-0: away).
+  towards_zero = (torch.signbit(p) != torch.signbit(c)) & (magnitude > 0)
+  neighbour = torch.where(towards_zero, bits - 1, bits + 1).to(signed).view(p.dtype)
+  gap = (rounding.widen(neighbour) - rounding.widen(p)).abs()
+  return 2 * rounding.widen(c).abs() <= gap
+
+
+@torch.no_grad()
+def follow_param(p: torch.Tensor, mode: str, buffer: Optional[torch.Tensor]) -> None:
+  """Re-seeds ``p``'s buffer from ``p`` wherever ``p`` was written from outside.
+
+  Element by element, a buffer is kept where it still belongs to the param
+  and re-seeded where it does not (the param was loaded, copied into or
+  replaced since the optimizer wrote it):
+
+  * an fp32 master (``master``) belongs where it rounds to the param, else it
+    becomes ``widen(p)``;
+  * a Kahan buffer (``kahan``) belongs where it is a remainder below half a
+    ULP of the param (``kahan_remainder_fits``), else it becomes 0;
+  * the split low half is a valid remainder of every high half (the master
+    stays within half a ULP of the param), so it is kept.
+
+  Elements that belong keep their buffer bit for bit, so loading the model
+  after the optimizer when resuming is as exact as loading it before.
+  """
+  if buffer is None or mode not in ("master", "kahan"):
+    return
+  local, buf = _dist.local(p), _dist.local(buffer)
+  if buf.numel() != local.numel():  # a wrapper's stand-in between steps holds no elements
+    return
+  if mode == "master":
+    keep = buf.to(local.dtype) == local
+    buf.copy_(torch.where(keep, buf, local.to(buf.dtype)))
+  else:
+    buf.copy_(torch.where(kahan_remainder_fits(local, buf), buf, torch.zeros_like(buf)))
+
+
+# Keys torch's LR and momentum schedulers write into param groups themselves.
+_SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",
+                             "swa_lr"})
+# Hooks are not pickled or deep-copied, as in torch.optim.
+_HOOK_DICTS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+               "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+               "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks")
+
+
+class LowPrecisionOptimizer(torch.optim.Optimizer):
+  """The base of every torch_bridge optimizer and wrapper: what they share.
+
+  * ``step(closure=None)``: ``closure`` re-evaluates the loss; then
+    ``_step_all()`` (the subclass's step) runs, unless ``skip_nonfinite`` finds
+    a NaN or Inf gradient (``run_step``);
+  * the fp32 gradients a ``DynamicLossScaler`` hands over for 16-bit
+    gradients (``_unscaled_grads``, read by ``step_grad``), dropped after
+    every step;
+  * param groups with torch's keys (``lr``, ``betas``) where the factory
+    takes optax_half's (``learning_rate``, ``b1``, ``b2``); a group may give
+    either spelling, a callable ``lr`` is that group's schedule
+    (``lr_schedule``), and an unknown key is an error;
+  * ``state_dict()``/``load_state_dict()``: bit for bit, with a ``"kind"``
+    entry, every check made before anything is written, torch's state-dict
+    hooks run around them; an older format (``b1``/``b2`` group keys, a
+    Python number as ``step``) loads;
+  * ``pickle`` and ``copy.deepcopy``: the whole optimizer (hooks aside, as in
+    torch);
+  * params written from outside the optimizer (``model.load_state_dict``
+    after the optimizer was built) re-seed their buffers at the next step
+    (``follow_param``); a step with no such write reads two integers per param.
+  """
+
+  def __init__(self, params, defaults: dict):
+    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
+    self._marks: dict = {}  # param -> _mark(p) after the optimizer's last write
+    super().__init__(params, defaults)
+
+  # -- param groups ------------------------------------------------------------
+
+  def _normalize_group(self, param_group: dict) -> dict:
+    """A copy of ``param_group`` with optax_half's spellings turned into torch's."""
+    if not isinstance(param_group, dict):
+      raise TypeError(f"param_group must be a dict; got {type(param_group).__name__}.")
+    group = dict(param_group)
+    if "learning_rate" in group:
+      if "lr" in group:
+        raise ValueError("param group: pass lr or learning_rate, not both.")
+      group["lr"] = group.pop("learning_rate")
+    if ("b1" in group or "b2" in group) and "betas" in self.defaults:
+      if "betas" in group:
+        raise ValueError("param group: pass betas or b1/b2, not both.")
+      b1, b2 = self.defaults["betas"]
+      group["betas"] = (group.pop("b1", b1), group.pop("b2", b2))
+    if "betas" in group:
+      group["betas"] = _betas(group["betas"])
+    if "lr" in group and "lr_schedule" in self.defaults and "lr_schedule" not in group:
+      # A group's own lr replaces the optimizer's schedule; a callable one is its schedule.
+      lr = group["lr"]
+      group["lr_schedule"] = lr if callable(lr) else None
+      if callable(lr):
+        group["lr"] = float(lr(0))
+    unknown = set(group) - set(self.defaults) - {"params", "param_names"} - _SCHEDULER_KEYS
+    if unknown:
+      known = sorted(k for k in self.defaults if k not in ("lr_schedule", "count"))
+      raise ValueError(
+          f"param group: unknown {sorted(unknown)}; {type(self).__name__} groups take "
+          f"{known} (and optax_half's learning_rate, b1, b2).")
+    return group
+
+  def add_param_group(self, param_group: dict) -> None:
+    """``torch.optim.Optimizer.add_param_group``, with the group's keys and
+    params checked; a refused group leaves the optimizer as it was."""
+    group = self._normalize_group(param_group)
+    first = sum(len(g["params"]) for g in self.param_groups)
+    torch.optim.Optimizer.add_param_group(self, group)
+    group = self.param_groups[-1]
+    try:
+      self._check_group(group, first)
+    except Exception:
+      self.param_groups.pop()
+      raise
+    self._init_group(group)
+
+  def _check_group(self, group: dict, first: int) -> None:
+    """Raises if ``group`` (whose first param is param ``first``) cannot be stepped."""
+
+  def _init_group(self, group: dict) -> None:
+    """Makes what the optimizer keeps for a new group."""
+
+  def _group_lr(self, group: dict, count: int) -> float:
+    """The group's learning rate at ``count``: its schedule's value (written
+    into ``group["lr"]``), or ``group["lr"]`` as schedulers left it."""
+    schedule = group.get("lr_schedule")
+    if schedule is not None:
+      group["lr"] = float(schedule(count))
+    return group["lr"]
+
+  # -- gradients -----------------------------------------------------------------
+
+  def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
+    """Whether the step of ``p`` widens its gradient (so a loss scaler may hand
+    over an fp32 one)."""
+    return True
+
+  # -- params written from outside ---------------------------------------------------
+
+  def _follow(self, p: torch.Tensor, mode: str, buffer) -> None:
+    """``follow_param`` where ``p`` was written since the optimizer last wrote it."""
+    if self._marks.get(p) != _mark(p):
+      follow_param(p, mode, buffer)
+
+  def _remember(self, params) -> None:
+    """``params`` hold what the optimizer wrote (or loaded): no outside write yet."""
+    for p in params:
+      self._marks[p] = _mark(p)
+
+  def _all_params(self) -> list:
+    return [p for g in self.param_groups for p in g["params"]]
+
+  # -- the step ------------------------------------------------------------------------
+
+  @torch.compiler.disable
+  @torch.no_grad()
+  def step(self, closure=None):
+    """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
+    return run_step(self, closure, self._step_all)
+
+  def _step_all(self) -> None:
+    raise NotImplementedError
+
+  # -- checkpoints ---------------------------------------------------------------------
+
+  def _kind(self) -> str:
+    """What ``load_state_dict`` checks a state dict was saved by."""
+    return type(self).__name__
+
+  def _extra_state(self) -> dict:
+    """Entries of ``state_dict()`` besides ``state``, ``param_groups`` and ``kind``."""
+    out = {}
+    if hasattr(self, "nonfinite"):
+      out["nonfinite"] = dict(self.nonfinite)
+    return out
+
+  def _pack(self) -> dict:
+    """torch's ``state`` and ``param_groups`` entries: params as indices, a
+    group's schedule (a function, often not picklable) left out."""
+    index: dict = {}
+    groups = []
+    for g in self.param_groups:
+      packed = {k: v for k, v in g.items() if k not in ("params", "lr_schedule")}
+      for p in g["params"]:
+        index.setdefault(id(p), len(index))
+      packed["params"] = [index[id(p)] for p in g["params"]]
+      groups.append(packed)
+    state = {(index[id(k)] if torch.is_tensor(k) else k): v for k, v in self.state.items()}
+    return {"state": state, "param_groups": groups}
+
+  @torch._disable_dynamo
+  def state_dict(self) -> dict:
+    """torch's ``state`` and ``param_groups``, ``"kind"`` and the optimizer's
+    own entries; torch's state-dict pre- and post-hooks run around it."""
+    for hook in self._optimizer_state_dict_pre_hooks.values():
+      hook(self)
+    out = self._pack()
+    out.update(self._extra_state())
+    out["kind"] = self._kind()
+    for hook in self._optimizer_state_dict_post_hooks.values():
+      result = hook(self, out)
+      if result is not None:
+        out = result
+    return out
+
+  def _upgrade(self, state_dict: dict) -> dict:
+    """An older torch_bridge state dict in today's format: groups that saved
+    ``b1`` and ``b2`` get ``betas``."""
+    groups = []
+    for g in state_dict["param_groups"]:
+      g = dict(g)
+      if "b1" in g and "b2" in g and "betas" in self.defaults and "betas" not in g:
+        g["betas"] = (g.pop("b1"), g.pop("b2"))
+      groups.append(g)
+    return {**state_dict, "param_groups": groups}
+
+  def _load(self, state_dict: dict) -> None:
+    """Checks ``state_dict`` and loads it (nothing is written if a check fails)."""
+    prepare_load(self, state_dict)()
+    if hasattr(self, "nonfinite"):
+      load_nonfinite(self, state_dict)
+
+  @torch._disable_dynamo
+  def load_state_dict(self, state_dict: dict) -> None:
+    """Loads a ``state_dict()`` of the same kind of optimizer, bit for bit.
+
+    torch's load-state-dict pre-hooks (which may return a new dict) run
+    first, its post-hooks last. A mismatch (kind, groups, keys, dtypes,
+    shapes, sharding) is an error that names it, before anything is written.
+    """
+    state_dict = state_dict.copy()
+    for hook in self._optimizer_load_state_dict_pre_hooks.values():
+      result = hook(self, state_dict)
+      if result is not None:
+        state_dict = result
+    check_kind(self, state_dict)
+    self._load(self._upgrade(state_dict))
+    self._remember(self._all_params())
+    for hook in self._optimizer_load_state_dict_post_hooks.values():
+      hook(self)
+
+  # -- pickle and deepcopy -----------------------------------------------------------
+
+  def __getstate__(self) -> dict:
+    state = self.__dict__.copy()
+    for name in _HOOK_DICTS:
+      state.pop(name, None)
+    state["_unscaled_grads"] = {}
+    state.pop("_grads_checked_finite", None)
+    return state
+
+  def __setstate__(self, state: dict) -> None:
+    had_differentiable = "differentiable" in state.get("defaults", {})
+    super().__setstate__(state)  # torch's: fresh hook dicts, the step patched
+    if not had_differentiable:  # torch adds it; these optimizers take no such key
+      self.defaults.pop("differentiable", None)

@@ -9,7 +9,7 @@ All three are ``LowPrecisionAdamW`` optimizers: one native implementation of
 the core and of every compensation, a per-tensor kernel (``adamw_step``) that
 runs eagerly or, with ``fused=True``, compiled into one loop per tensor by
 ``torch.compile``. The order of operations and every dtype follow
-``docs/algorithms.md`` ("AdamW core") and ``optax_half.adam.scale_by_adamw``
+``docs/algorithms.md#adamw-core`` and ``optax_half.adam.scale_by_adamw``
 line for line; random bits come from ``torch_bridge.rounding`` and equal the
 JAX ones for the same integer key.
 """
@@ -24,10 +24,9 @@ import numpy as np
 import torch
 
 from torch_bridge import _dist, _native, rounding
-from torch_bridge._optim import (check_grad, check_hyperparams, check_kind, check_no_float64,
-                                 check_param, init_skip_nonfinite, load_nonfinite,
-                                 load_state_dict_exact, register_param_group, run_step,
-                                 seed_from_key, step_grad)
+from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams, check_no_float64,
+                                 check_param, init_skip_nonfinite, prepare_load, seed_from_key,
+                                 step_grad, torch_spellings)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
@@ -43,6 +42,7 @@ _SPLIT = "split"     # bf16 param + int16 low half = the exact fp32 master
 _KAHAN = "kahan"     # x = p + c; c = round(x' - round(x'))
 _STOCHASTIC = "stochastic"
 _NEAREST = "none"
+_FOLLOWED = (_MASTER, _KAHAN)  # modes whose buffer follow_param re-seeds
 
 
 def _mode(compensation: str, dtype: torch.dtype) -> str:
@@ -66,8 +66,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   ``torch.compile`` turns it into one loop without recompiling when the
   learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor's
   CPU backend compiles with ``-ffp-contract=off``); the JAX side matches with
-  ``no_fma``. Compiled for CUDA (Triton) the step differed from the eager one
-  by a few ULP in one H100 run (docs/algorithms.md, "On GPU").
+  ``no_fma``. Compiled for CUDA (Triton) the step may differ from the eager one
+  by a few ULP (docs/algorithms.md#on-gpu).
   """
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
   key_p, key_m = keys
@@ -130,7 +130,7 @@ def _compiled_step(config: tuple):
   return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
 
-class LowPrecisionAdamW(torch.optim.Optimizer):
+class LowPrecisionAdamW(LowPrecisionOptimizer):
   r"""AdamW on 16-bit (or wider) params with fp32 math; see ``adamw_bf16``.
 
   Per param ``p`` with gradient ``g`` (both upcast exactly to fp32), at 1-based
@@ -147,18 +147,35 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
      p, buffer = write(x')                  # per compensation
      mu, nu = round(m), round(v)            # nearest or stochastic
 
-  Param groups carry ``lr``, ``b1``, ``b2``, ``eps`` and ``weight_decay``
-  (so ``torch.optim.lr_scheduler`` works) and a host-side ``count`` of steps.
-  State per param: ``step`` (CPU int64), ``mu``, ``nu``, and ``master``
-  (fp32 copy, or the int16 low half with ``compensation="split"``) or
-  ``compensation`` (Kahan buffer in the param dtype).
+  Param groups carry torch's keys ``lr``, ``betas``, ``eps`` and
+  ``weight_decay`` (so ``torch.optim.lr_scheduler``, ``OneCycleLR`` with
+  momentum cycling included, works), ``lr_schedule`` (the group's schedule,
+  or None) and a host-side ``count`` of steps. State per param: ``step``
+  (CPU int64), ``mu``, ``nu``, and ``master`` (fp32 copy, or the int16 low
+  half with ``compensation="split"``) or ``compensation`` (Kahan buffer in
+  the param dtype). ``learning_rate``/``lr`` defaults to 1e-3 here, as in
+  ``torch.optim.AdamW``; the factories ask for it.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+    >>> opt = tb.LowPrecisionAdamW([p], lr=1e-3, betas=(0.9, 0.95))
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()
+    >>> opt.param_groups[0]["betas"], p.dtype
+    ((0.9, 0.95), torch.bfloat16)
   """
 
-  def __init__(self, params, learning_rate=1e-3, b1: float = 0.9, b2: float = 0.999,
+  def __init__(self, params, learning_rate=None, b1: float = 0.9, b2: float = 0.999,
                eps: float = 1e-8, weight_decay: float = 0.0, *,
                compensation: str = "kahan", mu_dtype: Optional[torch.dtype] = None,
                nu_dtype: Optional[torch.dtype] = None, state_rounding: str = "nearest",
-               key=None, skip_nonfinite: bool = False, fused: Optional[bool] = None):
+               key=None, skip_nonfinite: bool = False, fused: Optional[bool] = None,
+               lr=None, betas=None, _factory: str = "LowPrecisionAdamW"):
+    if learning_rate is None and lr is None and _factory == "LowPrecisionAdamW":
+      lr = 1e-3  # torch.optim.AdamW's default; the factories ask for it
+    learning_rate, b1, b2 = torch_spellings(_factory, learning_rate, lr, b1, b2, betas,
+                                            (0.9, 0.999))
     if compensation not in _COMPENSATIONS + (_MASTER,):
       raise ValueError(
           f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
@@ -169,8 +186,8 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
       if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
         raise ValueError(f"{name} must be None or a torch float dtype; got {d!r}.")
     check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
-    self._schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
-    lr0 = float(learning_rate(0)) if self._schedule is not None else float(learning_rate)
+    schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
+    lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
     self._compensation = compensation
     self._mu_dtype, self._nu_dtype = mu_dtype, nu_dtype
     self._state_rounding = state_rounding
@@ -179,23 +196,24 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     init_skip_nonfinite(self, skip_nonfinite)
     # The factory that built it, when that matters: the low-precision wrappers
     # accept scale_by_adamw (the bare core) but refuse adamw_bf16.
-    self._factory = "LowPrecisionAdamW"
-    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
-    defaults = dict(lr=lr0, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, count=0)
+    self._factory = _factory
+    defaults = dict(lr=lr0, lr_schedule=schedule, betas=(b1, b2), eps=eps,
+                    weight_decay=weight_decay, count=0)
     super().__init__(params, defaults)
 
   # -- construction ----------------------------------------------------------
 
-  def add_param_group(self, param_group: dict) -> None:
-    def check(group, first):
-      check_hyperparams(group["lr"], group["b1"], group["b2"], group["eps"],
-                        group["weight_decay"])
-      for position, p in enumerate(group["params"], first):
-        check_param(p, position)
-        check_no_float64(p, position, _CORE_NAME)
-    group = register_param_group(self, param_group, check)
+  def _check_group(self, group: dict, first: int) -> None:
+    b1, b2 = group["betas"]
+    check_hyperparams(group["lr"], b1, b2, group["eps"], group["weight_decay"])
+    for position, p in enumerate(group["params"], first):
+      check_param(p, position)
+      check_no_float64(p, position, _CORE_NAME)
+
+  def _init_group(self, group: dict) -> None:
     for p in group["params"]:
       self._init_state(p)
+    self._remember(group["params"])
 
   @torch.no_grad()
   def _init_state(self, p: torch.Tensor) -> None:
@@ -211,29 +229,16 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
     elif mode == _KAHAN:
       state["compensation"] = torch.zeros_like(p)
 
-  def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
-    """Every param's step widens its gradient: fp32 ones from the loss scaler are welcome."""
-    return True
-
   # -- checkpoints -----------------------------------------------------------
+  # The buffers (master, split low half, Kahan buffer or none) are checked by
+  # their keys and dtypes; switching the rounding when resuming is allowed.
 
-  def _kind(self) -> str:
-    # The buffers (master, split low half, Kahan buffer or none) are checked
-    # by their keys and dtypes; switching the rounding when resuming is allowed.
-    return "LowPrecisionAdamW"
+  def _extra_state(self) -> dict:
+    return {**super()._extra_state(), "seed": self._seed}
 
-  def state_dict(self) -> dict:
-    out = super().state_dict()
-    out["seed"] = self._seed
-    out["kind"] = self._kind()
-    out["nonfinite"] = dict(self.nonfinite)
-    return out
-
-  def load_state_dict(self, state_dict: dict) -> None:
-    check_kind(self, state_dict)
-    load_state_dict_exact(self, state_dict)
+  def _load(self, state_dict: dict) -> None:
+    super()._load(state_dict)
     self._seed = int(state_dict.get("seed", self._seed))
-    load_nonfinite(self, state_dict)
 
   # -- the step --------------------------------------------------------------
 
@@ -243,7 +248,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
       # fp32 numpy scalar ops on the host (each rounded once, whatever torch's
       # default dtype); each value goes to the device by a fill (no sync).
       one = np.float32(1)
-      b1, b2 = np.float32(group["b1"]), np.float32(group["b2"])
+      b1, b2 = (np.float32(b) for b in group["betas"])
       bc1 = np.float32(rounding.one_minus_pow(float(b1), t))
       bc2 = np.float32(rounding.one_minus_pow(float(b2), t))
       values = (np.float32(lr), b1, b2, one - b1, one - b2, one / bc1, one / bc2,
@@ -252,32 +257,27 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
                          for v in values)
     return cache[key]
 
-  @torch.compiler.disable
-  @torch.no_grad()
-  def step(self, closure=None):
-    """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
-    return run_step(self, closure, self._step_groups)
-
-  def _step_groups(self) -> None:
+  def _step_all(self) -> None:
     # CPU tensors go to the native kernel, one call per configuration, after the loop.
     native = _native.Batch(self._seed, self._state_rounding) if self._fused is not False else None
+    stepped: list = []
     try:
-      self._step_each(native)
+      self._step_each(native, stepped)
     finally:  # as the eager step would have: what was taken is stepped, even if a later check fails
       if native is not None:
         native.run()
+      self._remember(stepped)
 
-  def _step_each(self, native) -> None:
+  def _step_each(self, native, stepped: list) -> None:
     position = 0
     for group in self.param_groups:
       count = group["count"]
-      lr = float(self._schedule(count)) if self._schedule is not None else group["lr"]
-      group["lr"] = lr
+      lr = self._group_lr(group, count)
       cache: dict = {}
       for p in group["params"]:
         leaf = position
         position += 1
-        if p.grad is None or not p.requires_grad:
+        if p.grad is None:
           continue
         check_grad(p.grad, leaf)
         grad = step_grad(self, p)
@@ -285,6 +285,9 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
         step = int(state["step"])
         buffer = state.get("master", state.get("compensation"))
         mode = _mode(self._compensation, p.dtype)
+        if mode in _FOLLOWED:  # written from outside since the last step: re-seed the buffer
+          self._follow(p, mode, buffer)
+          stepped.append(p)
         tensors = (p, grad, state["mu"], state["nu"], buffer)
         index = 0
         if _dist.is_dtensor(p):
@@ -316,7 +319,7 @@ class LowPrecisionAdamW(torch.optim.Optimizer):
 
 def scale_by_adamw(
     params,
-    learning_rate,
+    learning_rate=None,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -327,23 +330,39 @@ def scale_by_adamw(
     key=None,
     *,
     fused: Optional[bool] = None,
+    lr=None,
+    betas=None,
 ) -> LowPrecisionAdamW:
   """The AdamW core applied directly: ``p = round_nearest(p + u)``.
 
   ``optax.apply_updates(params, optax_half.scale_by_adamw(...))`` as a torch
   optimizer: fp32 math, moments in ``mu_dtype``/``nu_dtype`` (default: the
   param dtype) written by ``state_rounding``; no compensation of the params.
+  This is the optimizer to wrap (``kahan_summation(scale_by_adamw(...))``);
+  ``lr=`` and ``betas=`` are torch's spellings of ``learning_rate``, ``b1``, ``b2``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(4))
+    >>> opt = tb.scale_by_adamw([p], lr=0.1)
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()
+    >>> round(p[0].item(), 4)
+    0.9
+
+  References:
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
   """
-  optimizer = LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
-                                compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
-                                state_rounding=state_rounding, key=key, fused=fused)
-  optimizer._factory = "scale_by_adamw"
-  return optimizer
+  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                           compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                           state_rounding=state_rounding, key=key, fused=fused, lr=lr,
+                           betas=betas, _factory="scale_by_adamw")
 
 
 def adam_fp32_master(
     params,
-    learning_rate,
+    learning_rate=None,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -351,39 +370,60 @@ def adam_fp32_master(
     skip_nonfinite: bool = False,
     *,
     fused: Optional[bool] = None,
+    lr=None,
+    betas=None,
 ) -> LowPrecisionAdamW:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
 
   16 bytes/param for 16-bit params (master 4, mu 4, nu 4, param 2, grad 2);
   the master follows fp32 AdamW exactly and the param is its nearest rounding.
-  fp32 params are updated in place with no copy.
+  fp32 params are updated in place with no copy. Weights loaded into the
+  model after the optimizer was built (``model.load_state_dict``,
+  ``p.copy_``) are taken up by the master at the next step: where a param no
+  longer equals its master's rounding, the master is re-seeded from it.
 
   Args:
     params: an iterable of tensors or of param-group dicts.
-    learning_rate: a float or a schedule ``count -> lr``.
-    b1, b2, eps: Adam coefficients.
+    learning_rate: a float or a schedule ``count -> lr`` (torch's ``lr=`` also works).
+    b1, b2, eps: Adam coefficients (torch's ``betas=(b1, b2)`` also works).
     weight_decay: decoupled weight decay, multiplied by the lr.
     skip_nonfinite: skip (and count in ``optimizer.nonfinite``) every step whose
       gradients hold a NaN or Inf; reads one bool on the host per step, like
       ``torch.amp.GradScaler``. Without it a non-finite gradient element
-      poisons its own param and moments (docs/algorithms.md).
+      poisons its own param and moments (docs/algorithms.md#non-finite-gradients).
     fused: how the step runs (torch only). None: CPU tensors the native
       kernel takes (``optax_half_native``, one call for all of them) there,
       others (other devices, non-contiguous tensors, fp16 params where the
       CPU has no F16C) in the eager per-tensor step; True: the same kernel,
       and the per-tensor step compiled by ``torch.compile`` for the others;
       False: the eager per-tensor step everywhere (the reference). On CPU the numbers are the
-      same bits in all three (on CUDA see docs/algorithms.md, "On GPU").
+      same bits in all three (on CUDA see docs/algorithms.md#on-gpu).
+    lr, betas: torch's spellings of ``learning_rate`` and ``(b1, b2)``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.adam_fp32_master([p], lr=1e-4)
+    >>> for _ in range(10):
+    ...   p.grad = torch.ones_like(p)
+    ...   opt.step()
+    >>> p[0].item(), round(opt.state[p]["master"][0].item(), 6)
+    (1.0, 0.999)
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+    ICLR 2018; NVIDIA NeMo's ``MainParamsOptimizerWrapper``.
   """
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
                            compensation=_MASTER, mu_dtype=torch.float32,
                            nu_dtype=torch.float32, state_rounding="nearest",
-                           skip_nonfinite=skip_nonfinite, fused=fused)
+                           skip_nonfinite=skip_nonfinite, fused=fused, lr=lr, betas=betas,
+                           _factory="adam_fp32_master")
 
 
 def adamw_bf16(
     params,
-    learning_rate,
+    learning_rate=None,
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -396,19 +436,23 @@ def adamw_bf16(
     skip_nonfinite: bool = False,
     *,
     fused: Optional[bool] = None,
+    lr=None,
+    betas=None,
 ) -> LowPrecisionAdamW:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
   The torch twin of ``optax_half.adamw_bf16``: same keywords, defaults and
-  numbers. ``compensation``: "kahan" (a buffer in the param dtype, 10
-  bytes/param in bf16 with bf16 moments), "split" (the exact fp32 master as
-  param + int16 low half), "stochastic" (no buffer), or "none" (nearest).
-  Moments default to the param dtype, written with stochastic rounding.
+  numbers, and torch's ``lr=``/``betas=`` besides, so it replaces
+  ``torch.optim.AdamW(params, lr=..., betas=..., weight_decay=...)`` as is.
+  ``compensation``: "kahan" (a buffer in the param dtype, 10 bytes/param in
+  bf16 with bf16 moments), "split" (the exact fp32 master as param + int16
+  low half), "stochastic" (no buffer), or "none" (nearest). Moments default
+  to the param dtype, written with stochastic rounding.
 
   Args:
     params: an iterable of tensors or of param-group dicts.
-    learning_rate: a float or a schedule ``count -> lr``.
-    b1, b2, eps: Adam coefficients.
+    learning_rate: a float or a schedule ``count -> lr`` (torch's ``lr=`` also works).
+    b1, b2, eps: Adam coefficients (torch's ``betas=(b1, b2)`` also works).
     weight_decay: decoupled weight decay, multiplied by the lr.
     compensation: one of "kahan", "split", "stochastic", "none".
     mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
@@ -418,13 +462,32 @@ def adamw_bf16(
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
       Inf, as in ``adam_fp32_master``.
     fused: how the step runs (torch only), as in ``adam_fp32_master``.
+    lr, betas: torch's spellings of ``learning_rate`` and ``(b1, b2)``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.adamw_bf16([p], lr=1e-4, weight_decay=0.0)
+    >>> for _ in range(100):
+    ...   p.grad = torch.full_like(p, 0.5)
+    ...   opt.step()
+    >>> p[0].item()  # plain bf16 AdamW stays at 1.0: each step is below half a ULP
+    0.98828125
+
+  References:
+    Kahan, `Further remarks on reducing truncation errors
+    <https://doi.org/10.1145/363707.363723>`_, CACM 1965; Loshchilov & Hutter,
+    `Decoupled Weight Decay Regularization <https://arxiv.org/abs/1711.05101>`_,
+    ICLR 2019; Zamirai et al., `Revisiting BFloat16 Training
+    <https://arxiv.org/abs/2010.06192>`_, 2020; Gupta et al., `Deep Learning with
+    Limited Numerical Precision <https://arxiv.org/abs/1502.02551>`_, ICML 2015;
+    arogozhnikov/adamw_bfloat16.
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(
         f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
-  optimizer = LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
-                                compensation=compensation, mu_dtype=mu_dtype,
-                                nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
-                                skip_nonfinite=skip_nonfinite, fused=fused)
-  optimizer._factory = "adamw_bf16"
-  return optimizer
+  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+                           compensation=compensation, mu_dtype=mu_dtype,
+                           nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
+                           skip_nonfinite=skip_nonfinite, fused=fused, lr=lr, betas=betas,
+                           _factory="adamw_bf16")

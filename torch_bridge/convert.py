@@ -15,7 +15,7 @@ ScaledAdam's buffers and clipping statistics, step counts, random seeds, the
 ``skip_nonfinite`` counters and, with ``scaler``, the loss scale. With the
 same params, a step taken after the move is the step the other framework
 would have taken (within the parity tolerances: the elementwise optimizers
-are bit-exact across frameworks, docs/algorithms.md section 10).
+are bit-exact across frameworks, docs/algorithms.md#parity-harness).
 
 What maps to what (the JAX state may sit inside ``optax.chain`` next to
 stateless transformations, and inside ``dynamic_loss_scale`` and
@@ -377,7 +377,8 @@ def _wrapper_dict(state, optimizer: LowPrecisionWrapper, leaves: _Leaves) -> dic
       out["state"][k] = entry
   if isinstance(state, oh.StochasticRoundingState):
     out["seed"] = int(state.seed)
-  out["inner"] = _state_dict(_optimizer_part(state.inner_state)[0], optimizer.inner, leaves)
+  with optimizer.stand_ins() as inner:  # the inner optimizer's state is keyed by them
+    out["inner"] = _state_dict(_optimizer_part(state.inner_state)[0], inner, leaves)
   return out
 
 
@@ -524,8 +525,8 @@ def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
   state = _expect(state, _WRAPPER_STATES[optimizer._mode], f"a {optimizer._mode} wrapper")
   states = _states(optimizer)
   inner, index = _optimizer_part(state.inner_state)
-  new_inner = _replace_part(state.inner_state, index,
-                            _jax_state(inner, optimizer.inner, leaves))
+  with optimizer.stand_ins() as wrapped:  # the inner optimizer's state is keyed by them
+    new_inner = _replace_part(state.inner_state, index, _jax_state(inner, wrapped, leaves))
   new = lambda key, tree: _from_torch(leaves, states, key, tree)  # noqa: E731
   return _fill_wrapper(state, new, new_inner, optimizer._seed, _one_count(states) or 0)
 

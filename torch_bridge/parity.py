@@ -13,7 +13,7 @@ encode), the Kahan ``compensation``, the step ``count`` and, with
 max relative error ``|a - b| / max(|a|, |b|)``, the max distance in ULPs of
 the buffer's own dtype (its bits read as ordered integers: +0 and -0 are 0
 apart) and the number of bitwise-equal elements. ``TOLERANCES`` holds the
-bounds every check uses (docs/algorithms.md, section 10).
+bounds every check uses (docs/algorithms.md#parity-harness).
 
 Arrays cross the boundary through ``torch_bridge.dlpack``: zero-copy, and a
 copy it cannot avoid (a non-contiguous torch leaf, a misaligned buffer) is

@@ -4,7 +4,7 @@
 the bits of a wrapping int32 product, xor and add are those of the uint32 ones,
 and a logical right shift is an arithmetic shift followed by a mask. Scalar
 keys are hashed on the host with Python integers (no device work, no sync).
-Spec: ``docs/algorithms.md`` ("Rounding primitives").
+Spec: ``docs/algorithms.md#rounding-primitives``.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """ScaledAdam (icefall, seed 002): ``optax_half/scaled_adam.py`` in torch.
 
 The same algorithm, names, defaults and order of operations as
-``optax_half.scaled_adam`` (spec: ``docs/algorithms.md`` section 11), as a
+``optax_half.scaled_adam`` (spec: ``docs/algorithms.md#scaledadam-and-eden``), as a
 ``torch.optim.Optimizer``. Params may be given as ``parameters()``, param
 groups, or ``named_parameters()`` (the names label the dominant parameter in
 the statistics; without them a param is named by its position in its group).
@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (check_grad, check_kind, check_no_float64, check_param, f32,
-                                 init_skip_nonfinite, load_nonfinite, prepare_load,
-                                 register_param_group, run_step, step_grad)
+from torch_bridge._optim import (LowPrecisionOptimizer, load_nonfinite, check_grad, check_no_float64, check_param,
+                                 f32, init_skip_nonfinite, prepare_load, step_grad,
+                                 torch_spellings)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
@@ -76,10 +76,11 @@ def _is_scalar(p: torch.Tensor) -> bool:
   return p.numel() <= 1
 
 
-class ScaledAdam(torch.optim.Optimizer):
+class ScaledAdam(LowPrecisionOptimizer):
   r"""ScaledAdam; see ``scaled_adam`` and ``optax_half.scaled_adam`` for the math.
 
-  Param groups carry ``lr`` (so ``torch.optim.lr_scheduler`` works; a
+  Param groups carry torch's keys ``lr`` and ``betas`` (as icefall's
+  ScaledAdam; ``torch.optim.lr_scheduler`` works), ``lr_schedule`` (a
   callable ``learning_rate`` is evaluated at the group's step instead) and
   every other hyperparameter of the factory. ``group_state[i]`` holds group
   ``i``'s step and clipping statistics; ``state_dict()`` saves it.
@@ -90,17 +91,20 @@ class ScaledAdam(torch.optim.Optimizer):
                param_min_rms: float = 1e-5, param_max_rms: float = 3.0,
                scalar_max: float = 10.0, size_update_period: int = 4,
                clipping_update_period: int = 100, show_dominant_parameters: bool = False,
-               skip_nonfinite: bool = False):
+               skip_nonfinite: bool = False, *, lr=None, betas=None):
+    if lr is not None and learning_rate == 3e-2:  # the default, not a second spelling
+      learning_rate = None
+    learning_rate, b1, b2 = torch_spellings("scaled_adam", learning_rate, lr, b1, b2, betas,
+                                            (0.9, 0.98))
     check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                            param_min_rms, param_max_rms, scalar_max, size_update_period,
                            clipping_update_period)
-    self._schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
-    lr0 = float(learning_rate(0)) if self._schedule is not None else float(learning_rate)
+    schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
+    lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
     self.show_dominant_parameters = bool(show_dominant_parameters)
     init_skip_nonfinite(self, skip_nonfinite)
-    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
     self.group_state: list = []
-    defaults = dict(lr=lr0, clipping_scale=clipping_scale, b1=b1, b2=b2,
+    defaults = dict(lr=lr0, lr_schedule=schedule, clipping_scale=clipping_scale, betas=(b1, b2),
                     scalar_lr_scale=scalar_lr_scale, eps=eps, param_min_rms=param_min_rms,
                     param_max_rms=param_max_rms, scalar_max=scalar_max,
                     size_update_period=size_update_period,
@@ -111,20 +115,18 @@ class ScaledAdam(torch.optim.Optimizer):
   # must step this optimizer with every param at once, not in chunks.
   steps_all_params_together = True
 
-  def add_param_group(self, param_group: dict) -> None:
-    def check(group, first):
-      check_scaled_adam_args(group["lr"], group["clipping_scale"], group["b1"], group["b2"],
-                             group["scalar_lr_scale"], group["eps"], group["param_min_rms"],
-                             group["param_max_rms"], group["scalar_max"],
-                             group["size_update_period"], group["clipping_update_period"])
-      for position, p in enumerate(group["params"], first):
-        check_param(p, position)
-        check_no_float64(p, position, "scaled_adam")
-    register_param_group(self, param_group, check)
-    self.group_state.append({"step": 0})
+  def _check_group(self, group: dict, first: int) -> None:
+    b1, b2 = group["betas"]
+    check_scaled_adam_args(group["lr"], group["clipping_scale"], b1, b2,
+                           group["scalar_lr_scale"], group["eps"], group["param_min_rms"],
+                           group["param_max_rms"], group["scalar_max"],
+                           group["size_update_period"], group["clipping_update_period"])
+    for position, p in enumerate(group["params"], first):
+      check_param(p, position)
+      check_no_float64(p, position, "scaled_adam")
 
-  def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
-    return True
+  def _init_group(self, group: dict) -> None:
+    self.group_state.append({"step": 0})
 
   @torch.no_grad()
   def _new_state(self, group: dict, p: torch.Tensor, rms=None) -> dict:
@@ -177,20 +179,12 @@ class ScaledAdam(torch.optim.Optimizer):
 
   # -- checkpoints -----------------------------------------------------------
 
-  def _kind(self) -> str:
-    return "ScaledAdam"
-
-  def state_dict(self) -> dict:
-    out = super().state_dict()
-    out["kind"] = self._kind()
+  def _extra_state(self) -> dict:
     # A dict per group, so that later steps do not rewrite a saved state_dict's
     # counters (tensors are shared, as torch's own state_dict shares them).
-    out["group_state"] = [dict(g) for g in self.group_state]
-    out["nonfinite"] = dict(self.nonfinite)
-    return out
+    return {**super()._extra_state(), "group_state": [dict(g) for g in self.group_state]}
 
-  def load_state_dict(self, state_dict: dict) -> None:
-    check_kind(self, state_dict)
+  def _load(self, state_dict: dict) -> None:
     saved = state_dict.get("group_state")
     if saved is None or len(saved) != len(self.param_groups):
       raise ValueError("state_dict is not from a ScaledAdam with the same param groups "
@@ -207,17 +201,12 @@ class ScaledAdam(torch.optim.Optimizer):
     self.group_state = [
         {k: (v.to(device(i) or v.device, copy=True) if torch.is_tensor(v) else v)
          for k, v in g.items()} for i, g in enumerate(saved)]
-    load_nonfinite(self, state_dict)
+    if hasattr(self, "nonfinite"):
+      load_nonfinite(self, state_dict)
 
   # -- the step --------------------------------------------------------------
 
-  @torch.compiler.disable
-  @torch.no_grad()
-  def step(self, closure=None):
-    """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
-    return run_step(self, closure, self._step_groups)
-
-  def _step_groups(self) -> None:
+  def _step_all(self) -> None:
     position = 0
     for group, gstate in zip(self.param_groups, self.group_state):
       self._step_group(group, gstate, position)
@@ -225,11 +214,10 @@ class ScaledAdam(torch.optim.Optimizer):
 
   def _step_group(self, group: dict, gstate: dict, position: int) -> None:
     t = gstate["step"]
-    lr = float(self._schedule(t)) if self._schedule is not None else group["lr"]
-    group["lr"] = lr
+    lr = self._group_lr(group, t)
     stepping = []
     for i, p in enumerate(group["params"]):
-      if p.grad is None or not p.requires_grad:
+      if p.grad is None:
         continue
       check_grad(p.grad, position + i)
       stepping.append((i, p))
@@ -343,12 +331,13 @@ class ScaledAdam(torch.optim.Optimizer):
     key = (t, lr)
     if key not in cache:
       S = group["size_update_period"]
-      k = {"b1": np.float32(group["b1"]), "b2": np.float32(group["b2"]),
+      b1, b2 = group["betas"]
+      k = {"b1": np.float32(b1), "b2": np.float32(b2),
            "eps": np.float32(group["eps"]),
-           "one_minus_b1": np.float32(1 - group["b1"]),
-           "one_minus_b2": np.float32(1 - group["b2"]),
-           "b2_corr": np.float32(group["b2"] ** S),
-           "one_minus_b2_corr": np.float32(1 - group["b2"] ** S),
+           "one_minus_b1": np.float32(1 - b1),
+           "one_minus_b2": np.float32(1 - b2),
+           "b2_corr": np.float32(b2 ** S),
+           "one_minus_b2_corr": np.float32(1 - b2 ** S),
            "lr": np.float32(lr)}
       k["size_lr"] = k["lr"] * np.float32(group["scalar_lr_scale"])
       k["bc2"] = np.float32(rounding.one_minus_pow(k["b2"], t + 1, one_minus_b=k["one_minus_b2"]))
@@ -502,6 +491,9 @@ def scaled_adam(
     clipping_update_period: int = 100,
     show_dominant_parameters: bool = False,
     skip_nonfinite: bool = False,
+    *,
+    lr=None,
+    betas=None,
 ) -> ScaledAdam:
   """ScaledAdam for torch: ``optax_half.scaled_adam`` as a ``torch.optim.Optimizer``.
 
@@ -509,8 +501,24 @@ def scaled_adam(
     params: ``model.parameters()``, ``model.named_parameters()`` (names show
       up in the statistics) or a list of param-group dicts.
     learning_rate: a float or a schedule ``count -> lr`` (e.g. ``eden(...)``).
+    lr, betas: torch's (and icefall's) spellings of ``learning_rate`` and ``(b1, b2)``.
     The rest: as ``optax_half.scaled_adam``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> w = torch.nn.Parameter(torch.ones(4, 4))
+    >>> opt = tb.scaled_adam([w], lr=0.03, clipping_scale=2.0)
+    >>> w.grad = torch.ones_like(w)
+    >>> opt.step()
+    >>> w[0, 0].item() < 1.0
+    True
+
+  References:
+    Yao et al., `Zipformer: A faster and better encoder for automatic speech
+    recognition <https://arxiv.org/abs/2310.11230>`_, ICLR 2024 (ScaledAdam,
+    Eden); k2-fsa/icefall's ``optim.py``.
   """
   return ScaledAdam(params, learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                     param_min_rms, param_max_rms, scalar_max, size_update_period,
-                    clipping_update_period, show_dominant_parameters, skip_nonfinite)
+                    clipping_update_period, show_dominant_parameters, skip_nonfinite,
+                    lr=lr, betas=betas)

@@ -2,9 +2,11 @@
 
 The torch twins of ``optax_half/wrappers.py``. A wrapper takes a constructed
 optimizer over 16-bit params and returns a ``torch.optim.Optimizer`` whose
-``param_groups`` hold the model params (so ``zero_grad`` and LR schedulers
-work on it). Inside, the wrapped optimizer runs on fp32 tensors ``x`` that
-stand in for the 16-bit params, with fp32 gradients:
+``param_groups`` are the wrapped optimizer's own group dicts, holding the
+model params: ``zero_grad``, ``add_param_group`` and LR schedulers work on
+either object, and a scheduler attached to the wrapped optimizer before
+wrapping keeps working. Inside ``step``, the wrapped optimizer runs on fp32
+tensors ``x`` that stand in for the 16-bit params, with fp32 gradients:
 
 ==============================  =========================  ====================
 wrapper                         persistent buffer / param   ``x`` the inner sees
@@ -16,12 +18,16 @@ wrapper                         persistent buffer / param   ``x`` the inner sees
 ``round_to_nearest``            none                        ``p``
 ==============================  =========================  ====================
 
-Except for ``master_weights``, ``x`` exists only during ``step``: its storage
+The wrapped optimizer's ``state`` is keyed by the stand-ins; its groups
+list them in place of the model params only while the wrapper calls it
+(``step``, ``state_dict``, ``load_state_dict``, see ``stand_ins``), so save
+and load through the wrapper. Except for ``master_weights``, ``x`` exists
+only during ``step``: its storage
 is filled before the wrapped optimizer steps and released after, chunk by
 chunk (at most ``CHUNK_NUMEL`` elements of fp32 ``x`` and gradient at a time),
 so no fp32 copy of the model is kept between steps. Params of 32 bits or more
 (or as wide as ``master_dtype``) are handed to the wrapped optimizer as they
-are. Spec: ``docs/algorithms.md`` ("Wrappers").
+are. Spec: ``docs/algorithms.md#wrappers``.
 
 The wrapped optimizer is stepped once per chunk, so it must treat params
 independently (Adam, AdamW, SGD, RMSprop, ... do; LBFGS does not), or say
@@ -34,13 +40,14 @@ too, so that one bad gradient skips the whole step.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (check_kind, check_param, optimizer_kind, prepare_load,
-                                 run_step, seed_from_key, step_grad, stepping_params)
+from torch_bridge._optim import (LowPrecisionOptimizer, check_param, optimizer_kind,
+                                 prepare_load, seed_from_key, step_grad, stepping_params)
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
@@ -52,14 +59,21 @@ _NAMES = {_MASTER: "master_weights", _SPLIT: "master_weights", _KAHAN: "kahan_su
           _STOCHASTIC: "stochastic_rounding", _NEAREST: "round_to_nearest"}
 
 
-class LowPrecisionWrapper(torch.optim.Optimizer):
+class LowPrecisionWrapper(LowPrecisionOptimizer):
   """A ``torch.optim.Optimizer`` that runs ``inner`` on fp32 views of 16-bit params.
 
   Built by ``master_weights``, ``kahan_summation``, ``stochastic_rounding``
-  and ``round_to_nearest``; ``inner`` is the wrapped optimizer (its param
-  lists now hold the fp32 stand-ins). ``state_dict()`` holds this wrapper's
-  buffers, its param groups and ``"inner"``: the wrapped optimizer's
+  and ``round_to_nearest``; ``inner`` is the wrapped optimizer, which shares
+  its param groups with the wrapper. ``state_dict()`` holds this wrapper's
+  buffers, the param groups and ``"inner"``: the wrapped optimizer's
   ``state_dict()``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.master_weights(torch.optim.SGD([p], lr=1e-3))
+    >>> opt.param_groups is opt.inner.param_groups
+    True
   """
 
   def __init__(self, inner: torch.optim.Optimizer, mode: str,
@@ -82,26 +96,43 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     self._mode = mode
     self._master_dtype = master_dtype
     self._seed = seed
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(g["params"])}
-              for g in inner.param_groups]
-    super().__init__(groups, dict(inner.defaults))
-    self._work: dict = {}  # model param -> the tensor the inner optimizer holds
-    self._unscaled_grads: dict = {}  # filled by DynamicLossScaler.unscale_
-    position = 0
-    for group, inner_group in zip(self.param_groups, inner.param_groups):
-      stand_ins = []
-      for p in group["params"]:
-        check_param(p, position)
-        position += 1
-        stand_ins.append(self._make_work(p))
-      inner_group["params"] = stand_ins
+    self._work: dict = {}  # model param -> the tensor the inner optimizer steps
+    # The inner optimizer's groups (and defaults) are the wrapper's: add_param_group
+    # below adopts each of them instead of copying it.
+    super().__init__(inner.param_groups, inner.defaults)
 
   # -- construction ----------------------------------------------------------
+
+  def add_param_group(self, param_group: dict) -> None:
+    """Adds a group to the wrapped optimizer (which checks it) and keeps its params.
+
+    Progressive unfreezing works as with any torch optimizer; a group added to
+    the wrapped optimizer directly is taken up at the next step.
+    """
+    if not any(param_group is g for g in self.inner.param_groups):  # a new group
+      self.inner.add_param_group(param_group)
+      try:
+        self._adopt_all()
+      except Exception:  # a refused param: the group goes back out
+        self.inner.param_groups.pop()
+        raise
+    self.param_groups = self.inner.param_groups
+    self._adopt_all()
+
+  def _adopt_all(self) -> None:
+    """Makes the buffers and the stand-in of every param that has none yet."""
+    position = 0
+    for group in self.param_groups:
+      for p in group["params"]:
+        if p not in self._work:
+          check_param(p, position)
+          self._adopt(p)
+        position += 1
 
   def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
     """Params it widens get their gradient in fp32 (``step_grad``); the others
     go to the inner optimizer with ``p.grad`` as it is."""
-    return self._work[p] is not p
+    return self._is_low(p)
 
   def _is_low(self, p: torch.Tensor) -> bool:
     return p.dtype.itemsize < self._master_dtype.itemsize
@@ -112,26 +143,23 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     return self._mode
 
   @torch.no_grad()
-  def _make_work(self, p: torch.Tensor) -> torch.Tensor:
-    state = self.state[p]
+  def _adopt(self, p: torch.Tensor) -> None:
+    """The buffers of ``p``, its stand-in, and the inner state moved to the stand-in."""
     if self._mode == _STOCHASTIC:
-      state["step"] = torch.tensor(0, dtype=torch.int64)
+      self.state[p]["step"] = torch.tensor(0, dtype=torch.int64)
     if not self._is_low(p):
       self._work[p] = p
-      return p
+      return
     mode = self._param_mode(p)
     if mode == _MASTER:
       work = p.detach().to(self._master_dtype, copy=True)
-      state["master"] = work
+      self.state[p]["master"] = work
     else:
       if mode == _SPLIT:
-        state["master"] = torch.zeros_like(p, dtype=torch.int16)
+        self.state[p]["master"] = torch.zeros_like(p, dtype=torch.int16)
       elif mode == _KAHAN:
-        state["compensation"] = torch.zeros_like(p)
+        self.state[p]["compensation"] = torch.zeros_like(p)
       work = self._empty(p)
-    # A stand-in for a trainable param is one too: optimizers that skip
-    # params with requires_grad=False (torch_bridge's) must step it.
-    work.requires_grad_(p.requires_grad)
     # State the inner optimizer already holds for p moves to the stand-in.
     moved = self.inner.state.pop(p, None)
     if moved:
@@ -142,8 +170,9 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     if isinstance(self.inner, LowPrecisionWrapper):  # bf16 masters of fp8 params
       inner_work = self.inner._work.pop(p)
       self.inner._work[work] = work if inner_work is p else inner_work
+      self.inner._marks.pop(p, None)
     self._work[p] = work
-    return work
+    self._remember([p])
 
   @staticmethod
   def _empty(p: torch.Tensor) -> torch.Tensor:
@@ -161,6 +190,25 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     # grad is off, as in step) takes the storage.
     _dist.local(work).data = x
 
+  @contextlib.contextmanager
+  def stand_ins(self):
+    """The wrapped optimizer's groups list the stand-ins (which its state is
+    keyed by) in place of the model params, for as long as this lasts: call
+    ``inner`` inside it (``convert`` does). Groups the call replaces (torch's
+    ``load_state_dict`` does) are mapped back too."""
+    self._adopt_all()
+    back = {}
+    for group in self.inner.param_groups:
+      works = [self._work.get(p, p) for p in group["params"]]
+      back.update({id(w): p for w, p in zip(works, group["params"])})
+      group["params"] = works
+    try:
+      yield self.inner
+    finally:
+      for group in self.inner.param_groups:
+        group["params"] = [back.get(id(w), w) for w in group["params"]]
+      self.param_groups = self.inner.param_groups
+
   # -- checkpoints -----------------------------------------------------------
 
   def _kind(self) -> str:
@@ -168,19 +216,16 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     # the wrapped optimizer, whose own load_state_dict may check little.
     return f"LowPrecisionWrapper({optimizer_kind(self.inner)})"
 
-  def state_dict(self) -> dict:
-    out = super().state_dict()
-    out["inner"] = self.inner.state_dict()
-    out["seed"] = self._seed
-    out["kind"] = self._kind()
-    return out
+  def _extra_state(self) -> dict:
+    with self.stand_ins() as inner:
+      return {"inner": inner.state_dict(), "seed": self._seed}
 
-  def load_state_dict(self, state_dict: dict) -> None:
-    check_kind(self, state_dict)
+  def _load(self, state_dict: dict) -> None:
     # Check ours, load the inner optimizer's (it checks its own first), then ours:
     # a mismatch anywhere leaves both untouched.
     load = prepare_load(self, {k: state_dict[k] for k in ("state", "param_groups")})
-    self.inner.load_state_dict(state_dict["inner"])
+    with self.stand_ins() as inner:
+      inner.load_state_dict(state_dict["inner"])
     load()
     self._seed = int(state_dict.get("seed", self._seed))
 
@@ -188,7 +233,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
 
   # Both on local tensors: a sharded param (DTensor) reads and writes its shard.
   def _read(self, p: torch.Tensor, mode: str) -> torch.Tensor:
-    state = self.state[p]
+    state = self.state.get(p, {})
     local = _dist.local(p)
     if mode == _SPLIT:
       return rounding.join_f32(local, _dist.local(state["master"]))
@@ -197,7 +242,7 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     return rounding.widen(local)
 
   def _write(self, p: torch.Tensor, x_new: torch.Tensor, mode: str, leaf: int) -> None:
-    state = self.state[p]
+    state = self.state.get(p, {})
     local = _dist.local(p)
     x_new = _dist.local(x_new)
     if mode == _MASTER:
@@ -217,23 +262,8 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
     else:
       local.copy_(x_new)
 
-  # Group entries the inner optimizer keeps itself (a step count), not hyperparameters.
-  _NOT_SYNCED = frozenset({"params", "count"})
-
-  def _sync_hyperparams(self) -> None:
-    for group, inner_group in zip(self.param_groups, self.inner.param_groups):
-      for k, v in group.items():
-        if k not in self._NOT_SYNCED:
-          inner_group[k] = v
-
-  @torch.compiler.disable
-  @torch.no_grad()
-  def step(self, closure=None):
-    """Steps the wrapped optimizer on the fp32 stand-ins, chunk by chunk."""
-    return run_step(self, closure, self._step_all)
-
   def _step_all(self) -> None:
-    self._sync_hyperparams()
+    self._adopt_all()  # groups added to the inner optimizer directly
     todo = stepping_params(self)  # (leaf position, param)
     # Wide params carry their own grads: hide them outside their chunk.
     hidden = {p: p.grad for _, p in todo if self._work[p] is p}
@@ -266,10 +296,14 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
         p.grad = hidden[p]
         continue
       mode = self._param_mode(p)
+      state = self.state.get(p, {})
+      if mode in (_MASTER, _KAHAN):  # written from outside since the last step: re-seed
+        self._follow(p, mode, state.get("master", state.get("compensation")))
       if mode != _MASTER:
         self._fill(work, self._read(p, mode))
       work.grad = _dist.like(rounding.widen(_dist.local(step_grad(self, p))).to(work.dtype), p)
-    self.inner.step()
+    with self.stand_ins() as inner:
+      inner.step()
     for leaf, p in chunk:
       work = self._work[p]
       if work is p:
@@ -280,7 +314,8 @@ class LowPrecisionWrapper(torch.optim.Optimizer):
         self._write(p, work.detach(), mode, leaf)
         if mode != _MASTER:
           self._fill(work, None)
-      if "step" in self.state[p]:
+        self._remember([p])
+      if "step" in self.state.get(p, ()):
         self.state[p]["step"] += 1
 
 
@@ -309,7 +344,22 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
   master grads, steps it, and writes ``master.to(param.dtype)`` back into the
   model params. With ``split=True`` (fp32 master, bf16 params) the master is
   stored as the bf16 param plus an int16 low half (``rounding.split_f32``),
-  exact at 2 bytes/param; it is rebuilt during ``step`` only.
+  exact at 2 bytes/param; it is rebuilt during ``step`` only. Weights
+  loaded into the model after wrapping are taken up at the next step
+  (``docs/algorithms.md#pytorch-mirror``, "Params written from outside").
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.master_weights(torch.optim.SGD([p], lr=1e-4))
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()  # the update is below half a ULP of p: only the master moves
+    >>> p[0].item(), opt.state[p]["master"][0].item()
+    (1.0, 0.9998999834060669)
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+    ICLR 2018; NVIDIA NeMo's ``MainParamsOptimizerWrapper``.
   """
   if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
     raise ValueError(f"master_dtype must be a torch float dtype; got {master_dtype!r}.")
@@ -322,7 +372,23 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
 
 def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
   """Kahan-compensated 16-bit params: ``x = p + c``, ``p' = round(x')``,
-  ``c' = round(x' - p')``, with one buffer ``c`` in the param dtype."""
+  ``c' = round(x' - p')``, with one buffer ``c`` in the param dtype.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.kahan_summation(torch.optim.SGD([p], lr=1e-3))
+    >>> for _ in range(10):
+    ...   p.grad = torch.ones_like(p)
+    ...   opt.step()
+    >>> p[0].item()  # 10 steps of 1e-3, each below half a ULP of 1.0
+    0.98828125
+
+  References:
+    Kahan, `Further remarks on reducing truncation errors
+    <https://doi.org/10.1145/363707.363723>`_, CACM 1965; Zamirai et al.,
+    `Revisiting BFloat16 Training <https://arxiv.org/abs/2010.06192>`_, 2020.
+  """
   return LowPrecisionWrapper(optimizer, _KAHAN)
 
 
@@ -330,7 +396,21 @@ def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWr
   """Stochastically rounded 16-bit params, with the random bits of
   ``optax_half.stochastic_rounding`` for the same integer ``key`` (required):
   bits ``random_bits(seed, step, STREAM_PARAMS, position, shape)`` with
-  ``step`` the param's step count and ``position`` its place in the param groups."""
+  ``step`` the param's step count and ``position`` its place in the param groups.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(1000, dtype=torch.bfloat16))
+    >>> opt = tb.stochastic_rounding(torch.optim.SGD([p], lr=1e-3), key=0)
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()
+    >>> sorted(set(p.tolist()))  # 0.999 rounds down to 0.99609375 about a quarter of the time
+    [0.99609375, 1.0]
+
+  References:
+    Gupta et al., `Deep Learning with Limited Numerical Precision
+    <https://arxiv.org/abs/1502.02551>`_, ICML 2015.
+  """
   if key is None:
     raise ValueError(
         "stochastic_rounding needs a key: pass key=<int seed> (an int gives the same "
@@ -340,5 +420,15 @@ def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWr
 
 def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
   """No compensation: the wrapped optimizer steps an fp32 view of each 16-bit
-  param and the result is rounded to nearest (the naive baseline)."""
+  param and the result is rounded to nearest (the naive baseline).
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.round_to_nearest(torch.optim.SGD([p], lr=1e-3))
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()
+    >>> p[0].item()  # 0.999 rounds back to 1.0: a stale weight
+    1.0
+  """
   return LowPrecisionWrapper(optimizer, _NEAREST)
