@@ -458,11 +458,23 @@ def test_min_scale_floor_and_replaced_grads():
     scaler.step(opt)
     scaler.update()
   assert scaler.get_scale() == 2.0 and scaler.state_dict()["skipped_steps"] == 3
+  # bf16 gradients are unscaled in place: a gradient replaced after unscale_
+  # is the one stepped, as with GradScaler.
   p[0].grad = torch.ones(3, dtype=torch.bfloat16)
   scaler.unscale_(opt)
-  p[0].grad = p[0].grad.clamp(max=0.5)  # a new tensor: not what was unscaled
+  assert p[0].grad.tolist() == [0.5, 0.5, 0.5]
+  p[0].grad = torch.zeros(3, dtype=torch.bfloat16)
+  scaler.step(opt)
+  scaler.update()
+  assert p[0].tolist() == [0.0, 0.0, 0.0]
+  # fp16 gradients stay scaled and their fp32 copy is stepped: replacing one is an error.
+  h = [torch.zeros(3, dtype=torch.float16, requires_grad=True)]
+  opt16 = tb.adamw_bf16(h, 1e-2)
+  h[0].grad = torch.ones(3, dtype=torch.float16)
+  scaler.unscale_(opt16)
+  h[0].grad = h[0].grad.clamp(max=0.5)  # a new tensor: not what was unscaled
   with pytest.raises(RuntimeError, match="changed after scaler.unscale_"):
-    scaler.step(opt)
+    scaler.step(opt16)
 
 
 def test_unscale_checks_everything_before_changing_anything():

@@ -1,31 +1,34 @@
 """Dynamic loss scaling for PyTorch: the twin of ``optax_half/loss_scale.py``.
 
-``dynamic_loss_scale(...)`` returns a ``DynamicLossScaler``, used like
-``torch.amp.GradScaler``::
+``dynamic_loss_scale(...)`` returns a ``DynamicLossScaler``, a drop-in for
+``torch.amp.GradScaler`` (the same methods, state-dict keys and recipes)::
 
     scaler = torch_bridge.dynamic_loss_scale()
     for x, y in data:
       optimizer.zero_grad()
       scaler.scale(loss_fn(model(x), y)).backward()
       scaler.unscale_(optimizer)                    # optional: to clip or log
-      scaler.clip_grad_norm_(optimizer, 1.0)        # optional
+      torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # optional
       scaler.step(optimizer)                        # skipped on inf/NaN
       scaler.update()
 
-Differences from ``torch.amp.GradScaler`` (the scale and growth-tracker
-arithmetic is the same, see ``docs/algorithms.md`` section 8):
+The scale and growth-tracker arithmetic is GradScaler's
+(``docs/algorithms.md#dynamic-loss-scaling``). Where it differs:
 
-* 16-bit gradients are upcast to fp32 **before** unscaling (labml's
-  GradScalerFP16). For ``torch_bridge`` optimizers (``adamw_bf16``,
-  ``master_weights(...)``, ...) the unscaled fp32 gradient is handed to the
-  step directly, so fp16 gradients work (GradScaler refuses them) and the
-  step sees exactly what ``optax_half.dynamic_loss_scale`` gives its inner
-  transformation. ``p.grad`` itself keeps the scaled 16-bit value: clip with
-  ``scaler.clip_grad_norm_``, which clips the gradients the step will use
-  (modifying ``p.grad`` after ``unscale_`` is detected and raises).
-  Other optimizers get their fp32/bf16 gradients unscaled in place; fp16
-  gradients of a plain ``torch.optim`` optimizer are refused with the fix.
-* The finiteness check is made on the unscaled fp32 values.
+* fp16 gradients work. They are upcast to fp32 **before** unscaling
+  (labml's GradScalerFP16) and, for ``torch_bridge`` optimizers
+  (``adamw_bf16``, ``master_weights(...)``, ...), the unscaled fp32
+  gradient is handed to the step directly, so it sees exactly what
+  ``optax_half.dynamic_loss_scale`` gives its inner transformation.
+  ``p.grad`` of an fp16 param keeps the scaled value (unscaled in fp16 it
+  would underflow): clip those with ``scaler.clip_grad_norm_``, which clips
+  what the step will use; a change to such a ``p.grad`` after ``unscale_``
+  is an error. fp16 gradients of a plain ``torch.optim`` optimizer are
+  refused with the fix, as GradScaler refuses them.
+* fp32 and bf16 gradients are unscaled in place, as GradScaler does (a
+  power-of-two scale is exact there), so ``clip_grad_norm_`` after
+  ``unscale_`` works on them unchanged.
+* The finiteness check is made on the unscaled values.
 * ``min_scale`` floors the scale on backoff; counters ``skipped_steps`` and
   ``last_finite`` are kept and saved.
 """
@@ -63,13 +66,24 @@ class DynamicLossScaler:
   Any number of optimizers can share one scaler: ``step`` skips each
   optimizer whose own gradients are non-finite, and ``update`` backs off if
   any optimizer stepped since the last ``update`` saw a non-finite gradient.
+  With ``enabled=False`` every method is a no-op, as GradScaler's:
+  ``scale`` returns its input, ``step`` calls ``optimizer.step``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> scaler = tb.dynamic_loss_scale(init_scale=1024.0)
+    >>> scaler.scale(torch.tensor(2.0)).item(), scaler.get_growth_interval()
+    (2048.0, 2000)
   """
 
   def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
                backoff_factor: float = 0.5, growth_interval: int = 2000,
-               min_scale: float = 1.0):
+               min_scale: float = 1.0, *, enabled: bool = True):
+    if not isinstance(enabled, bool):
+      raise TypeError(f"enabled must be True or False; got {enabled!r}.")
     check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
                           min_scale)
+    self._enabled = enabled
     self._growth_factor = float(growth_factor)
     self._backoff_factor = float(backoff_factor)
     self._growth_interval = int(growth_interval)
@@ -97,7 +111,10 @@ class DynamicLossScaler:
   # -- the GradScaler API -------------------------------------------------------
 
   def scale(self, outputs):
-    """``outputs * scale`` in (at least) fp32; tensors, or lists/tuples of them."""
+    """``outputs * scale`` in (at least) fp32: a tensor, or (nested) lists and
+    tuples of them (other iterables give an iterator), as GradScaler's."""
+    if not self._enabled:
+      return outputs
     if isinstance(outputs, torch.Tensor):
       if not outputs.is_floating_point():
         raise TypeError(f"scale() needs a float loss; got {outputs.dtype}.")
@@ -106,18 +123,24 @@ class DynamicLossScaler:
       return outputs.to(wide) * self._scale.to(wide)
     if isinstance(outputs, (list, tuple)):
       return type(outputs)(self.scale(o) for o in outputs)
-    raise TypeError(f"scale() takes a tensor or a list/tuple of tensors; got {type(outputs).__name__}.")
+    if isinstance(outputs, (str, bytes)) or not hasattr(outputs, "__iter__"):
+      raise TypeError("scale() takes a tensor or an iterable of tensors; got "
+                      f"{type(outputs).__name__}.")
+    return map(self.scale, outputs)
 
   @torch.no_grad()
   def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-    """Unscales ``optimizer``'s gradients (fp32) and records whether all are finite.
+    """Unscales ``optimizer``'s gradients (fp32 math) and records whether all are finite.
 
-    16-bit gradients of a ``torch_bridge`` optimizer: ``widen(g) * inv_scale``
-    is handed to its next step (``p.grad`` is left as it is). fp32 gradients,
-    and bf16 gradients of other optimizers: unscaled in place (the bf16 ones
-    computed in fp32 and rounded back). fp16 gradients of other optimizers: an
-    error (unscaling in fp16 would underflow).
+    fp32 and bf16 gradients: unscaled in place (bf16 computed in fp32 and
+    rounded back, exact for a power-of-two scale), so ``p.grad`` holds the
+    unscaled gradient, as after ``GradScaler.unscale_``. fp16 gradients of a
+    ``torch_bridge`` optimizer: ``widen(g) * inv_scale`` is handed to its
+    next step and ``p.grad`` keeps the scaled value (in fp16 it would
+    underflow); of other optimizers: an error that names the fix.
     """
+    if not self._enabled:
+      return
     state = self._opt_state(optimizer)
     if state["stage"] == _UNSCALED:
       raise RuntimeError("unscale_() has already been called on this optimizer since the "
@@ -138,7 +161,7 @@ class DynamicLossScaler:
           raise RuntimeError(
               f"param {position - 1} has a sparse gradient; dynamic_loss_scale needs dense "
               "gradients.")
-        hand_over = g.dtype.itemsize < 4 and takes_fp32_grads(optimizer, p)
+        hand_over = g.dtype == torch.float16 and takes_fp32_grads(optimizer, p)
         if g.dtype == torch.float16 and not hand_over:
           raise TypeError(
               f"param {position - 1} has an fp16 gradient and {type(optimizer).__name__} "
@@ -155,15 +178,15 @@ class DynamicLossScaler:
       inv = inv_scale.to(g_local.device)
       if g.dtype.itemsize >= 4:
         g_local.mul_(inv)  # fp32 math, like GradScaler
-        g32 = g_local
+        unscaled = g_local
       elif hand_over:
-        g32 = rounding.widen(g_local) * inv
-        optimizer._unscaled_grads[p] = _dist.like(g32, g)
+        unscaled = rounding.widen(g_local) * inv
+        optimizer._unscaled_grads[p] = _dist.like(unscaled, g)
         state["versions"][p] = (g, g._version)
-      else:  # bf16, stepped in bf16 by a plain optimizer
-        g32 = rounding.widen(g_local) * inv
-        g_local.copy_(g32)
-      found_inf |= ~torch.isfinite(g32).all().to(found_inf.device)
+      else:  # bf16: computed in fp32, rounded back
+        g_local.copy_(rounding.widen(g_local) * inv)
+        unscaled = g_local
+      found_inf |= ~torch.isfinite(unscaled).all().to(found_inf.device)
     # Sharded gradients: an inf in any rank's shard skips the step on every rank.
     state["found_inf"] = _dist.any_rank(found_inf, [g for _, g, _ in todo])
     state["stage"] = _UNSCALED
@@ -185,6 +208,9 @@ class DynamicLossScaler:
     (an fp32 tensor, no host sync). Same formula as torch:
     ``g *= min(1, max_norm / (norm + 1e-6))``.
     """
+    if not self._enabled:
+      return torch.nn.utils.clip_grad_norm_(
+          [p for g in optimizer.param_groups for p in g["params"]], max_norm, norm_type)
     state = self._opt_state(optimizer)
     if state["stage"] == _READY:
       self.unscale_(optimizer)
@@ -218,6 +244,8 @@ class DynamicLossScaler:
     The decision reads one bool from the device (a host sync, as in
     ``torch.amp.GradScaler`` for optimizers without in-kernel skipping).
     """
+    if not self._enabled:
+      return optimizer.step(*args, **kwargs)
     if "closure" in kwargs or args:
       raise RuntimeError("closures are not supported with dynamic_loss_scale: compute the "
                          "loss, scale it and call backward() before step().")
@@ -229,9 +257,10 @@ class DynamicLossScaler:
     for p, (grad, version) in state["versions"].items():
       if p.grad is not grad or grad._version != version:
         raise RuntimeError(
-            "a 16-bit gradient (p.grad) was changed after scaler.unscale_(); the step "
-            "uses the fp32 unscaled copy. Clip with scaler.clip_grad_norm_(optimizer, "
-            "max_norm) instead of torch.nn.utils.clip_grad_norm_.")
+            "an fp16 gradient (p.grad) was changed after scaler.unscale_(); the step "
+            "uses the fp32 unscaled copy (fp16 gradients stay scaled, unscaled they would "
+            "underflow). Clip with scaler.clip_grad_norm_(optimizer, max_norm) instead of "
+            "torch.nn.utils.clip_grad_norm_.")
     try:
       retval = None
       if not bool(state["found_inf"]):
@@ -256,6 +285,8 @@ class DynamicLossScaler:
     the scale grows by ``growth_factor`` if the product is finite, tracker 0.
     ``new_scale`` (a number or a 0-dim tensor) sets the scale instead.
     """
+    if not self._enabled:
+      return
     try:
       if new_scale is not None:
         value = torch.as_tensor(new_scale, dtype=torch.float32).to(self._scale.device)
@@ -292,14 +323,49 @@ class DynamicLossScaler:
           opt._unscaled_grads.clear()
       self._per_optimizer = {}
 
-  # -- reading and saving ---------------------------------------------------------
+  # -- reading, setting and saving ---------------------------------------------------
+
+  def is_enabled(self) -> bool:
+    return self._enabled
 
   def get_scale(self) -> float:
-    """The current scale as a Python float (reads the device: for logging)."""
-    return float(self._scale)
+    """The current scale as a Python float (reads the device: for logging);
+    1.0 when disabled."""
+    return float(self._scale) if self._enabled else 1.0
 
   def get_growth_tracker(self) -> int:
-    return int(self._growth_tracker)
+    return int(self._growth_tracker) if self._enabled else 0
+
+  _get_growth_tracker = get_growth_tracker  # GradScaler's (private) name
+
+  def get_growth_factor(self) -> float:
+    return self._growth_factor
+
+  def set_growth_factor(self, new_factor: float) -> None:
+    check_loss_scale_args(1.0, new_factor, self._backoff_factor, self._growth_interval, 1.0)
+    self._growth_factor = float(new_factor)
+
+  def get_backoff_factor(self) -> float:
+    return self._backoff_factor
+
+  def set_backoff_factor(self, new_factor: float) -> None:
+    check_loss_scale_args(1.0, self._growth_factor, new_factor, self._growth_interval, 1.0)
+    self._backoff_factor = float(new_factor)
+
+  def get_growth_interval(self) -> int:
+    return self._growth_interval
+
+  def set_growth_interval(self, new_interval: int) -> None:
+    check_loss_scale_args(1.0, self._growth_factor, self._backoff_factor, new_interval, 1.0)
+    self._growth_interval = int(new_interval)
+
+  def get_min_scale(self) -> float:
+    return self._min_scale
+
+  def set_min_scale(self, new_min_scale: float) -> None:
+    check_loss_scale_args(max(self.get_scale(), f32(new_min_scale)), self._growth_factor,
+                          self._backoff_factor, self._growth_interval, new_min_scale)
+    self._min_scale = float(new_min_scale)
 
   def counters(self) -> dict:
     """``scale``, ``growth_tracker``, ``skipped_steps``, ``last_finite`` as 0-dim
@@ -310,7 +376,10 @@ class DynamicLossScaler:
 
   def state_dict(self) -> dict:
     """``torch.amp.GradScaler``'s keys plus ``min_scale``, ``skipped_steps``,
-    ``last_finite``; the scale is a Python float holding the fp32 value exactly."""
+    ``last_finite``; the scale is a Python float holding the fp32 value exactly.
+    Empty when disabled, as GradScaler's."""
+    if not self._enabled:
+      return {}
     return {"scale": self.get_scale(), "growth_factor": self._growth_factor,
             "backoff_factor": self._backoff_factor, "growth_interval": self._growth_interval,
             "_growth_tracker": self.get_growth_tracker(), "min_scale": self._min_scale,
@@ -318,7 +387,10 @@ class DynamicLossScaler:
 
   def load_state_dict(self, state_dict: dict) -> None:
     """Loads ours or a ``torch.amp.GradScaler`` state dict (our extra counters
-    then restart at 0 / True and ``min_scale`` keeps its current value)."""
+    then restart at 0 / True and ``min_scale`` keeps its current value).
+    A disabled scaler loads nothing, as GradScaler's."""
+    if not self._enabled:
+      return
     if not state_dict:
       raise RuntimeError("The state dict is empty (saved from a disabled GradScaler?).")
     missing = [k for k in ("scale", "growth_factor", "backoff_factor", "growth_interval",
@@ -346,6 +418,13 @@ class DynamicLossScaler:
     self._last_finite = torch.tensor(bool(state_dict.get("last_finite", True)), device=device)
     self._per_optimizer = {}
 
+  def __getstate__(self) -> dict:
+    """Pickles between iterations only (after ``update()``), as GradScaler."""
+    if self._enabled and self._per_optimizer:
+      raise RuntimeError("A dynamic loss scaler may only be pickled at the beginning of an "
+                         "iteration, or at the end after scaler.update().")
+    return self.__dict__.copy()
+
 
 def dynamic_loss_scale(
     init_scale: float = 2.0**16,
@@ -353,11 +432,35 @@ def dynamic_loss_scale(
     backoff_factor: float = 0.5,
     growth_interval: int = 2000,
     min_scale: float = 1.0,
+    *,
+    enabled: bool = True,
 ) -> DynamicLossScaler:
   """A ``DynamicLossScaler``: ``optax_half.dynamic_loss_scale`` for torch.
 
   Same defaults and the same scale arithmetic as ``torch.amp.GradScaler``
-  (plus ``min_scale``); see the module docstring for the differences.
+  (plus ``min_scale``), and its methods, so it replaces a GradScaler as is;
+  see the module docstring for what differs (fp16 gradients).
+
+  Args:
+    init_scale, growth_factor, backoff_factor, growth_interval: as GradScaler's.
+    min_scale: the floor of the scale on backoff.
+    enabled: False makes every method a no-op (``scale`` returns its input,
+      ``step`` calls ``optimizer.step``), as ``GradScaler(enabled=False)``.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+    >>> opt = tb.adam_fp32_master([p], lr=1e-3)
+    >>> scaler = tb.dynamic_loss_scale()
+    >>> scaler.scale((p.float() * 1e-6).sum()).backward()  # 1e-6 underflows fp16 unscaled
+    >>> scaler.step(opt)
+    >>> scaler.update()
+    >>> p.grad[0].item(), p[0].item()   # scaled 16-bit grad, stepped param
+    (0.0655517578125, 0.9990234375)
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+    ICLR 2018; ``torch.amp.GradScaler``.
   """
   return DynamicLossScaler(init_scale, growth_factor, backoff_factor, growth_interval,
-                           min_scale)
+                           min_scale, enabled=enabled)
