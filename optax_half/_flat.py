@@ -183,6 +183,19 @@ def relayout_state(state, tx, params):
   params tree, whose shapes give the per-param layout. Nothing else of the
   state changes; a state of another optimizer or params tree is refused
   with a ``ValueError``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> params = {"a": jnp.ones(3, jnp.bfloat16), "b": jnp.ones((2, 2), jnp.bfloat16)}
+    >>> state = oh.adamw_bf16(1e-3).init(params)
+    >>> flat = oh.relayout_state(state, oh.adamw_bf16(1e-3, flat_state=True), params)
+    >>> mu = flat.inner_state.mu  # both leaves' moments in one bf16 array
+    >>> print(type(mu).__name__, [(a.dtype.name, a.shape) for a in mu.arrays.values()])
+    Flat [('bfloat16', (7,))]
+    >>> back = oh.relayout_state(flat, oh.adamw_bf16(1e-3), params)
+    >>> jax.tree.structure(back) == jax.tree.structure(state)
+    True
   """
   like = template(tx.init, params)
   out = _relayout(state, like, "state")

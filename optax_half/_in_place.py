@@ -76,6 +76,24 @@ def update_and_apply(tx, updates, opt_state, params, **extra_args):
     opt_state: ``tx``'s state.
     params: the params; the update of every optimizer here needs them.
     **extra_args: passed on to ``tx.update``.
+
+  Returns:
+    ``(new_params, new_opt_state)``.
+
+  Example:
+    The same bits as ``tx.update`` and ``optax.apply_updates``:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.adamw_bf16(1e-3)
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> grads = {"w": jnp.full(3, 0.5, jnp.bfloat16)}
+    >>> new_params, new_state = oh.update_and_apply(tx, grads, tx.init(params), params)
+    >>> updates, state = tx.update(grads, tx.init(params), params)
+    >>> bool((new_params["w"] == optax.apply_updates(params, updates)["w"]).all())
+    True
+    >>> bool((new_state.compensation["w"] == state.compensation["w"]).all())
+    True
   """
   step = step_of(tx)
   if step is not None:
@@ -97,6 +115,26 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   kernel writes the params in place, where ``optax.chain`` would run the
   optimizer's ``update`` and a separate ``optax.apply_updates`` pass. The
   same bits either way.
+
+  Args:
+    *transforms: the transformations, applied in order (at least one).
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``optax.chain``'s state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> grads = {"w": jnp.full(3, 10.0, jnp.bfloat16)}
+    >>> new_params, state = oh.update_and_apply(tx, grads, tx.init(params), params)
+    >>> ref = optax.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))
+    >>> updates, _ = ref.update(grads, ref.init(params), params)
+    >>> bool((new_params["w"] == optax.apply_updates(params, updates)["w"]).all())
+    True
+    >>> len(state)  # optax.chain's state: one per transformation
+    2
   """
   if not transforms:
     raise ValueError("chain needs at least one transformation.")

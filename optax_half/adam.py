@@ -40,6 +40,14 @@ class ScaleByAdamWState(NamedTuple):
     mu: first moments (``mu_dtype`` or the param dtype).
     nu: second moments (``nu_dtype`` or the param dtype).
     seed: uint32 seed of the stochastic moment writes.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.zeros(3, jnp.bfloat16)}
+    >>> state = oh.scale_by_adamw(1e-3, nu_dtype=jnp.float32).init(params)
+    >>> print(state.count.dtype, state.mu["w"].dtype, state.nu["w"].dtype, state.seed.dtype)
+    int32 bfloat16 float32 uint32
   """
   count: jax.Array
   mu: Any
@@ -150,6 +158,45 @@ def scale_by_adamw(
   XLA would fuse it into an FMA) and ``1 - b^t`` comes from
   ``rounding.one_minus_pow`` (no ``pow``), so jitted results equal
   ``torch_bridge`` bit for bit.
+
+  Args:
+    learning_rate: a float or an optax schedule (``count -> lr``).
+    b1, b2, eps: Adam coefficients.
+    weight_decay: decoupled weight decay, multiplied by the lr (``update``
+      then needs ``params``).
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    state_rounding: "nearest" or "stochastic", for 16-bit moment writes.
+    key: ``None`` (seed 0), a Python int or a JAX PRNG key: the seed of the
+      stochastic moment writes.
+
+  Returns:
+    An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; its
+    updates are fp32 whatever the param dtype.
+
+  Example:
+    The first step of Adam is ``-lr * sign(g)``, computed in fp32 for bf16
+    params:
+
+    >>> import jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> tx = oh.scale_by_adamw(learning_rate=0.1)
+    >>> params = {"w": jnp.array([1.0, -2.0], jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.array([0.5, -4.0], jnp.bfloat16)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> print(updates["w"].dtype, [round(u, 6) for u in updates["w"].tolist()])
+    float32 [-0.1, 0.1]
+
+  References:
+    Kingma & Ba, `Adam: A Method for Stochastic Optimization
+    <https://arxiv.org/abs/1412.6980>`_, ICLR 2015
+
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, ICLR 2019
+
+    Gupta et al., `Deep Learning with Limited Numerical Precision
+    <https://arxiv.org/abs/1502.02551>`_, ICML 2015 (stochastic rounding, used
+    for 16-bit moment writes)
   """
   _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
   seed_from_key(key)  # a bad key fails here, not at init
@@ -236,6 +283,42 @@ def adam_fp32_master(
       same values, for trees of many small leaves, where JAX's cost per array
       dominates a step (docs/algorithms.md#flat-state). ``update`` then
       needs ``params``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is a
+    ``MasterWeightsState`` around a ``ScaleByAdamWState``. ``update`` needs
+    ``params``.
+
+  Example:
+    Steps of ``-1e-3`` are below half a bf16 ULP at 1.0; the fp32 master
+    adds them up until the bf16 param moves:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.adam_fp32_master(1e-3)
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> print(state.master["w"].dtype, state.inner_state.mu["w"].dtype)
+    float32 float32
+    >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> for _ in range(3):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> round(float(state.master["w"][0]), 4), float(params["w"][0])
+    (0.997, 0.99609375)
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (fp32 master weights)
+
+    Kingma & Ba, `Adam: A Method for Stochastic Optimization
+    <https://arxiv.org/abs/1412.6980>`_, ICLR 2015
+
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, ICLR 2019
+
+    NVIDIA NeMo, ``MainParamsOptimizerWrapper``, `github.com/NVIDIA/NeMo
+    <https://github.com/NVIDIA/NeMo>`_ (fp32 main params behind a 16-bit model)
   """
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
@@ -293,6 +376,52 @@ def adamw_bf16(
       Inf, as in ``adam_fp32_master``.
     flat_state: the buffer and the moments of all leaves as one 1-D array
       each per dtype, as in ``adam_fp32_master``.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` whose state is the
+    compensation wrapper's (``KahanSummationState``, ``MasterWeightsState``,
+    ``StochasticRoundingState`` or ``RoundToNearestState``) around a
+    ``ScaleByAdamWState``. ``update`` needs ``params``.
+
+  Example:
+    Steps of ``-1e-3`` are below half a bf16 ULP at 1.0: plain AdamW on bf16
+    params loses every one of them, Kahan summation keeps them:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> def train(tx, steps=3):
+    ...   params = {"w": jnp.ones(2, jnp.bfloat16)}
+    ...   state = tx.init(params)
+    ...   for _ in range(steps):
+    ...     updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...     params = optax.apply_updates(params, updates)
+    ...   return params["w"].dtype.name, float(params["w"][0])
+    >>> train(optax.adamw(1e-3))
+    ('bfloat16', 1.0)
+    >>> train(oh.adamw_bf16(1e-3))
+    ('bfloat16', 0.99609375)
+    >>> train(oh.adamw_bf16(1e-3, compensation="none"))
+    ('bfloat16', 1.0)
+
+  References:
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, ICLR 2019
+
+    Kingma & Ba, `Adam: A Method for Stochastic Optimization
+    <https://arxiv.org/abs/1412.6980>`_, ICLR 2015
+
+    Kahan, `Further remarks on reducing truncation errors
+    <https://doi.org/10.1145/363707.363723>`_, Communications of the ACM, 1965
+
+    Zamirai et al., `Revisiting BFloat16 Training
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation and stochastic
+    rounding for bf16 weights)
+
+    Gupta et al., `Deep Learning with Limited Numerical Precision
+    <https://arxiv.org/abs/1502.02551>`_, ICML 2015 (stochastic rounding)
+
+    arogozhnikov, `adamw_bfloat16 <https://github.com/arogozhnikov/adamw_bfloat16>`_
+    (AdamW with bf16 params and moments, and its schedule)
   """
   if compensation not in _COMPENSATIONS:
     raise ValueError(

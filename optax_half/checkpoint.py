@@ -72,6 +72,16 @@ def check(saved_tree, like, name: str = "restore") -> None:
   ``saved_tree``: the tree of a checkpoint's array metadata
   (``StandardCheckpointer().metadata(path).item_metadata.tree``), or any tree
   whose leaves have ``shape`` and ``dtype``; ``like``: the state to restore into.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_half import checkpoint
+    >>> saved = {"mu": jax.ShapeDtypeStruct((3,), jnp.float32)}
+    >>> checkpoint.check(saved, {"mu": jnp.zeros(3, jnp.float32)})  # they fit: no error
+    >>> checkpoint.check(saved, {"mu": jnp.zeros(3, jnp.bfloat16)})
+    Traceback (most recent call last):
+    ...
+    ValueError: restore: state['mu'] was saved as float32[3]; the state to restore into ...
   """
   def is_array_leaf(x):
     return hasattr(x, "shape") and hasattr(x, "dtype")
@@ -101,7 +111,18 @@ def check(saved_tree, like, name: str = "restore") -> None:
 
 def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> None:
   """Writes ``state`` (any pytree of arrays, sharded or not) to ``directory`` with
-  Orbax and returns when it is on disk. ``force``: overwrite an existing checkpoint."""
+  Orbax and returns when it is on disk. ``force``: overwrite an existing checkpoint.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.adamw_bf16(1e-3).init(params)
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...   oh.checkpoint.save(os.path.join(tmp, "step_0"), state)
+    ...   print(os.listdir(tmp))
+    ['step_0']
+  """
   ocp = _orbax()
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.abspath(directory), state, force=force)
@@ -120,7 +141,30 @@ def restore(directory: str | os.PathLike, like: Any) -> Any:
   """The state saved in ``directory``, in the structure, dtypes, shapes and
   shardings of ``like`` (a state of the same optimizer, or its ``jax.eval_shape``
   with shardings). Checks everything first (``check``): a mismatch raises
-  before any array is read."""
+  before any array is read.
+
+  Example:
+    >>> import os, tempfile, jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> tx = oh.adamw_bf16(1e-3)
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> _, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, tx.init(params), params)
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...   oh.checkpoint.save(os.path.join(tmp, "step_1"), state)
+    ...   restored = oh.checkpoint.restore(os.path.join(tmp, "step_1"), tx.init(params))
+    >>> print(int(restored.inner_state.count), restored.compensation["w"].dtype)
+    1 bfloat16
+
+    A state of another optimizer (here fp32 moments) is refused, naming the leaf:
+
+    >>> with tempfile.TemporaryDirectory() as tmp:
+    ...   oh.checkpoint.save(os.path.join(tmp, "step_1"), state)
+    ...   other = oh.adamw_bf16(1e-3, mu_dtype=jnp.float32).init(params)
+    ...   oh.checkpoint.restore(os.path.join(tmp, "step_1"), other)
+    Traceback (most recent call last):
+    ...
+    ValueError: restore: state.inner_state.mu['w'] was saved as bfloat16[3]; ...
+  """
   ocp = _orbax()
   directory = os.path.abspath(directory)
   checkpointer = ocp.StandardCheckpointer()

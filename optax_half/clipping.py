@@ -66,6 +66,23 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
 
   Returns:
     An ``optax.GradientTransformation`` with ``optax.EmptyState``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> tx = oh.clip_by_global_norm(1.0)
+    >>> grads = {"g": jnp.array([3.0, 4.0], jnp.bfloat16)}  # global norm 5
+    >>> clipped, _ = tx.update(grads, tx.init(grads))
+    >>> print(clipped["g"].dtype, clipped["g"].tolist())  # 0.6 and 0.8 in bf16
+    bfloat16 [0.6015625, 0.80078125]
+
+  References:
+    Pascanu et al., `On the difficulty of training recurrent neural networks
+    <https://arxiv.org/abs/1211.5063>`_, ICML 2013
+
+    optax, `optax.clip_by_global_norm
+    <https://optax.readthedocs.io/en/latest/api/transformations.html#optax.clip_by_global_norm>`_
+    (the transformation this reproduces bit for bit)
   """
 
   def update_fn(updates, state, params=None):

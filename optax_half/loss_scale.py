@@ -62,6 +62,15 @@ class DynamicLossScaleState(NamedTuple):
     skipped_steps: int32 scalar, total steps skipped for non-finite gradients.
     last_finite: bool scalar, whether the last step's gradients were finite.
     inner_state: the inner transformation's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(2, jnp.float16)}
+    >>> state = oh.dynamic_loss_scale(optax.sgd(0.1)).init(params)
+    >>> print(float(state.scale), state.scale.dtype, int(state.skipped_steps),
+    ...       bool(state.last_finite))
+    65536.0 float32 0 True
   """
   scale: jax.Array
   growth_tracker: jax.Array
@@ -139,6 +148,35 @@ def dynamic_loss_scale(
 
   Returns:
     A ``GradientTransformationExtraArgs`` with ``DynamicLossScaleState``.
+
+  Example:
+    A step whose scaled gradients overflowed is skipped and the scale backs
+    off; a finite step is unscaled and applied, and ``growth_interval``
+    finite steps double the scale:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0, growth_interval=2)
+    >>> params = {"w": jnp.ones(2, jnp.float16)}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.array([512.0, jnp.inf], jnp.float16)}  # overflowed
+    >>> updates, state = tx.update(grads, state, params)
+    >>> optax.apply_updates(params, updates)["w"].tolist(), float(state.scale)
+    ([1.0, 1.0], 512.0)
+    >>> grads = {"w": jnp.array([256.0, 512.0], jnp.float16)}  # 0.5 and 1.0, unscaled
+    >>> updates, state = tx.update(grads, state, params)
+    >>> optax.apply_updates(params, updates)["w"].tolist()
+    [0.9501953125, 0.89990234375]
+    >>> updates, state = tx.update(grads, state, params)
+    >>> float(state.scale), int(state.skipped_steps)
+    (1024.0, 1)
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (loss scaling)
+
+    PyTorch, `torch.amp.GradScaler <https://pytorch.org/docs/stable/amp.html>`_
+    (the dynamic scale update followed here)
   """
   check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval, min_scale)
   inner = optax.with_extra_args_support(inner)
@@ -226,7 +264,18 @@ def _value(x):
 
 
 def find_loss_scale_state(opt_state) -> DynamicLossScaleState:
-  """The one ``DynamicLossScaleState`` inside ``opt_state`` (any nesting)."""
+  """The one ``DynamicLossScaleState`` inside ``opt_state`` (any nesting).
+
+  Raises a ``ValueError`` if there is none, or more than one.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = optax.chain(optax.identity(), oh.dynamic_loss_scale(optax.sgd(0.1)))
+    >>> state = tx.init({"w": jnp.ones(2, jnp.float16)})
+    >>> int(oh.find_loss_scale_state(state).growth_tracker)
+    0
+  """
   def is_ours(x):
     return isinstance(x, DynamicLossScaleState)
   found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_ours) if is_ours(s)]
@@ -242,7 +291,16 @@ def find_loss_scale_state(opt_state) -> DynamicLossScaleState:
 
 
 def loss_scale(opt_state) -> jax.Array:
-  """The current loss scale (fp32 scalar) found anywhere in ``opt_state``."""
+  """The current loss scale (fp32 scalar) found anywhere in ``opt_state``.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> scale = oh.loss_scale(tx.init({"w": jnp.ones(2, jnp.float16)}))
+    >>> print(float(scale), scale.dtype)
+    1024.0 float32
+  """
   return jnp.asarray(_value(find_loss_scale_state(opt_state).scale), jnp.float32)
 
 
@@ -251,6 +309,15 @@ def scale_loss(loss, opt_state) -> jax.Array:
 
   The gradient of the result with respect to fp16 params is the scaled fp16
   gradient that ``dynamic_loss_scale``'s ``update`` expects.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> state = tx.init({"w": jnp.ones(2, jnp.float16)})
+    >>> scaled = oh.scale_loss(jnp.float16(3.0), state)
+    >>> print(float(scaled), scaled.dtype)
+    3072.0 float32
   """
   loss = jnp.asarray(loss)
   if not jnp.issubdtype(loss.dtype, jnp.floating):
@@ -266,6 +333,22 @@ def value_and_scaled_grad(fun: Callable, argnums=0, has_aux: bool = False) -> Ca
   what ``fun(*args, **kwargs)`` returns (the unscaled loss, or ``(loss, aux)``
   with ``has_aux``), ``grads`` are the gradients of ``scale * loss`` with
   respect to ``args[argnums]``, ready for ``tx.update``, which unscales them.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.dynamic_loss_scale(optax.sgd(0.1), init_scale=1024.0)
+    >>> params = {"w": jnp.ones(2, jnp.float16)}
+    >>> state = tx.init(params)
+    >>> def loss_fn(params, x):
+    ...   return jnp.sum(params["w"] * x)
+    >>> x = jnp.array([1.0, 2.0], jnp.float16)
+    >>> loss, grads = oh.value_and_scaled_grad(loss_fn)(state, params, x)
+    >>> float(loss), grads["w"].tolist()  # the loss unscaled, the grads scaled
+    (3.0, [1024.0, 2048.0])
+    >>> updates, state = tx.update(grads, state, params)  # unscaled: -0.1 * x
+    >>> optax.apply_updates(params, updates)["w"].tolist()
+    [0.89990234375, 0.7998046875]
   """
   def scaled(opt_state, *args, **kwargs):
     out = fun(*args, **kwargs)

@@ -60,6 +60,13 @@ def mix32(x: jax.Array) -> jax.Array:
 
   ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 15`` on uint32
   with wrap-around multiplication.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> h = rounding.mix32(jnp.arange(4, dtype=jnp.uint32))
+    >>> print(h.dtype, [hex(v) for v in h.tolist()])
+    uint32 ['0x0', '0x86d2fa73', '0xda7f4e7', '0xed6e1efa']
   """
   x = _u32(x)
   x = x ^ (x >> 16)
@@ -85,6 +92,19 @@ def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
   ``bits[i] = mix32(i ^ key)`` where ``i`` is the row-major element index and
   ``key`` hashes ``seed``, ``step``, ``stream`` and ``leaf`` in turn
   (``mix32`` between each xor). ``seed`` and ``step`` may be traced scalars.
+
+  Example:
+    The same arguments give the same bits; another step gives others:
+
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> bits = rounding.random_bits(0, 0, rounding.STREAM_PARAMS, 0, (2, 3))
+    >>> print(bits.dtype, bits.shape)
+    uint32 (2, 3)
+    >>> bool((bits == rounding.random_bits(0, 0, rounding.STREAM_PARAMS, 0, (2, 3))).all())
+    True
+    >>> bool((bits == rounding.random_bits(0, 1, rounding.STREAM_PARAMS, 0, (2, 3))).any())
+    False
   """
   key = _leaf_key(seed, step, stream, leaf)
   size = 1
@@ -99,6 +119,12 @@ def swap_halves(bits: jax.Array) -> jax.Array:
 
   The second moment's word: rounding to bf16 draws a word's high half, so
   ``w`` and ``swap_halves(w)`` round the two moments with disjoint bits.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> hex(int(rounding.swap_halves(jnp.uint32(0x12345678))))
+    '0x56781234'
   """
   bits = _u32(bits)
   return (bits << 16) | (bits >> 16)
@@ -112,6 +138,18 @@ def widen(p: jax.Array) -> jax.Array:
   by default), which silently turns ``x - f32(bf16(x))`` into 0. bf16 is
   widened through its bits (``bits << 16``), which no float rewrite can fold;
   other narrow types go through an optimization barrier.
+
+  Example:
+    What rounding ``x`` to bf16 lost, kept exactly even under ``jax.jit``:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> lost = jax.jit(lambda x: x - rounding.widen(x.astype(jnp.bfloat16)))
+    >>> x = jnp.float32(1.001)  # 1.0 in bf16
+    >>> float(lost(x)) == float(x) - 1.0
+    True
+    >>> print(rounding.widen(jnp.float16(1.5)).dtype)
+    float32
   """
   p = jnp.asarray(p)
   if p.dtype == jnp.bfloat16:
@@ -135,6 +173,13 @@ def opaque_zero(count: jax.Array) -> jax.Array:
   that also happens when the state is created inside the same jitted
   function (``init`` inside ``jit`` followed by unrolled steps, or a
   ``lax.scan`` of length 1 or with ``unroll=True``). Pass the state in.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> zero = rounding.opaque_zero(jnp.int32(5))
+    >>> print(zero.dtype, int(zero))
+    uint32 0
   """
   return lax.shift_right_logical(jnp.asarray(count).astype(jnp.uint32), jnp.uint32(31))
 
@@ -150,6 +195,18 @@ def no_fma(x: jax.Array, zero: jax.Array) -> jax.Array:
   ``xor`` with a zero the compiler cannot see (``opaque_zero``), so the
   product is rounded to fp32 before the addition, as in PyTorch. The cost is
   one integer op per element and no memory traffic.
+
+  Example:
+    With ``a = 1 + 2**-12``, ``a * a - 1`` is ``2**-11`` when the product is
+    rounded first and ``2**-11 + 2**-24`` when it is fused:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> @jax.jit
+    ... def f(a, count):
+    ...   return rounding.no_fma(a * a, rounding.opaque_zero(count)) - 1
+    >>> float(f(jnp.float32(1 + 2**-12), jnp.int32(1))) == 2**-11
+    True
   """
   bits = lax.bitcast_convert_type(x, jnp.uint32) ^ zero
   return lax.bitcast_convert_type(bits, jnp.float32)
@@ -182,6 +239,15 @@ def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Arr
   ``f32(1 - b)`` computed in float64 when ``b`` is a Python float close to 1,
   since ``1 - f32(b)`` carries ``b``'s rounding (for ``b = 0.98``, 1e-6 of
   ``1 - b``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> zero = rounding.opaque_zero(jnp.int32(0))
+    >>> float(rounding.one_minus_pow(0.5, jnp.int32(3), zero))  # 1 - 1/8
+    0.875
+    >>> round(float(rounding.one_minus_pow(0.999, jnp.int32(1000), zero)), 4)
+    0.6323
   """
   n = jnp.asarray(n).astype(jnp.uint32)
   if one_minus_b is None:
@@ -211,6 +277,16 @@ def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   ``lo = x_bits - (hi_bits << 16)`` then lies in ``[-32768, 32767]``.
   ``hi`` equals round-to-nearest-even except on exact ties (it rounds those
   away from zero). NaN becomes a quiet bf16 NaN with ``lo = 0``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> x = jnp.float32(1.00001)
+    >>> hi, lo = rounding.split_f32(x)
+    >>> print(hi.dtype, float(hi), lo.dtype, int(lo))
+    bfloat16 1.0 int16 84
+    >>> bool(rounding.join_f32(hi, lo) == x)
+    True
   """
   x = jnp.asarray(x, jnp.float32)
   bits = lax.bitcast_convert_type(x, jnp.uint32)
@@ -225,7 +301,16 @@ def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def join_f32(hi: jax.Array, lo: jax.Array) -> jax.Array:
-  """Inverse of ``split_f32``: ``bits = (hi_bits << 16) + lo`` (mod 2^32)."""
+  """Inverse of ``split_f32``: ``bits = (hi_bits << 16) + lo`` (mod 2^32).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> x = jnp.array([3.14159265, -2e-5, 1e30], jnp.float32)
+    >>> y = rounding.join_f32(*rounding.split_f32(x))
+    >>> print(y.dtype, bool((y == x).all()))
+    float32 True
+  """
   hi_bits = lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32)
   lo_bits = lax.bitcast_convert_type(lo.astype(jnp.int32), jnp.uint32)
   return lax.bitcast_convert_type((hi_bits << 16) + lo_bits, jnp.float32)
@@ -275,6 +360,20 @@ def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
   ``x``'s shape (see ``random_bits``). Non-finite values round to nearest.
   For fp32 targets this is the identity; other dtypes (fp8) raise a
   ``ValueError``.
+
+  Example:
+    ``1 + 2**-9`` is a quarter of a bf16 ULP above 1: to nearest it is 1.0,
+    stochastically it is 1.0078125 a quarter of the time, 1.0 otherwise,
+    and 1 + 2**-9 on average:
+
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> x = jnp.full(10000, 1 + 2**-9, jnp.float32)
+    >>> y = rounding.stochastic_round(x, jnp.bfloat16, rounding.random_bits(0, 0, 0, 0, x.shape))
+    >>> print(y.dtype, sorted(set(y.tolist())))
+    bfloat16 [1.0, 1.0078125]
+    >>> round(float(y.astype(jnp.float32).mean()), 3), round(1 + 2**-9, 3)
+    (1.002, 1.002)
   """
   x = jnp.asarray(x, jnp.float32)
   dtype = jnp.dtype(dtype)
@@ -293,6 +392,16 @@ def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
 
   Stochastic rounding draws ``random_bits(seed, step, stream, leaf, x.shape)``;
   it only applies to 16-bit targets (wider dtypes round to nearest).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> x = jnp.full(10000, 1 + 2**-9, jnp.float32)
+    >>> nearest = rounding.round_to(x, jnp.bfloat16, "nearest")
+    >>> random = rounding.round_to(x, jnp.bfloat16, "stochastic", seed=0, step=0)
+    >>> mean = lambda y: round(float(y.astype(jnp.float32).mean()), 3)
+    >>> mean(nearest), mean(random)
+    (1.0, 1.002)
   """
   dtype = jnp.dtype(dtype)
   if rounding == "stochastic" and dtype.itemsize < 4:
@@ -309,6 +418,15 @@ def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: st
   rounds with ``w`` and ``v32`` with ``swap_halves(w)`` (one hash for both,
   and for bf16 moments disjoint halves of it). 32-bit targets, and
   ``rounding="nearest"``, round to nearest.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> m32 = jnp.full(10000, 1 + 2**-9, jnp.float32)
+    >>> m, v = rounding.round_moments(m32, m32 * m32, jnp.bfloat16, jnp.float32,
+    ...                               "stochastic", seed=0, step=0)
+    >>> print(m.dtype, v.dtype, round(float(m.astype(jnp.float32).mean()), 3))
+    bfloat16 float32 1.002
   """
   m_dtype, v_dtype = jnp.dtype(m_dtype), jnp.dtype(v_dtype)
   if rounding != "stochastic" or (m_dtype.itemsize >= 4 and v_dtype.itemsize >= 4):

@@ -66,6 +66,15 @@ class ScaledAdamClippingState(NamedTuple):
     dominant_index: int32, position (among the float leaves, in flatten order)
       of the leaf with the largest share of the squared norm, last step.
     dominant_share: fp32, that share (in [0, 1]).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> tx = oh.scaled_adam(clipping_scale=2.0, clipping_update_period=10)
+    >>> clipping = tx.init({"w": jnp.ones((2, 3))}).clipping
+    >>> print(clipping.model_norms.shape, clipping.quartiles.shape,
+    ...       float(clipping.clipping_factor))
+    (10,) (5,) 1.0
   """
   model_norms: jax.Array
   model_norm_threshold: jax.Array
@@ -92,6 +101,16 @@ class ScaledAdamState(NamedTuple):
     scale_grads: per non-scalar leaf, ``(size_update_period,)`` scale gradients
       ``sum(p * g)`` of the current period.
     clipping: the ``ScaledAdamClippingState``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.full((2, 3), 0.5, jnp.float16), "s": jnp.float16(1.0)}
+    >>> state = oh.scaled_adam().init(params)
+    >>> print(state.delta["w"].dtype, state.exp_avg_sq["w"].dtype)  # fp32 for fp16 params
+    float16 float32
+    >>> float(state.param_rms["w"]), state.scale_grads["w"].shape, state.param_rms["s"]
+    (0.5, (4,), MaskedNode())
   """
   count: jax.Array
   delta: Any
@@ -238,6 +257,29 @@ def scaled_adam(
     An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
     Its updates are ``delta`` in the param dtype, and fp32 for one-element
     leaves (the clamp to ``scalar_max``).
+
+  Example:
+    The same gradient moves each tensor in proportion to its RMS (``0.1``
+    and ``1.0`` here); a one-element param takes the scalar path, with the
+    learning rate times ``scalar_lr_scale``:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> tx = oh.scaled_adam(learning_rate=0.1)
+    >>> params = {"a": jnp.full((2, 2), 0.1), "b": jnp.full((2, 2), 1.0),
+    ...           "s": jnp.array(0.5)}
+    >>> state = tx.init(params)
+    >>> grads = jax.tree.map(jnp.ones_like, params)
+    >>> updates, state = tx.update(grads, state, params)
+    >>> {k: round(float(u.ravel()[0]), 6) for k, u in updates.items()}
+    {'a': -0.001, 'b': -0.01, 's': -0.001}
+
+  References:
+    Yao et al., `Zipformer: A faster and better encoder for automatic speech
+    recognition <https://arxiv.org/abs/2310.11230>`_, ICLR 2024 (ScaledAdam)
+
+    k2-fsa, `icefall <https://github.com/k2-fsa/icefall>`_ (the ScaledAdam
+    implementation this ports)
   """
   check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                          param_min_rms, param_max_rms, scalar_max, size_update_period,
@@ -496,6 +538,17 @@ def scaled_adam_stats(opt_state) -> dict:
     the last multiple of ``clipping_update_period``), ``model_norm_threshold``,
     ``percent_clipped``, ``num_clipped``, ``clipping_factor`` and ``grad_norm``
     of the last step, ``dominant_parameter`` (name) and ``dominant_share``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import optax_half as oh
+    >>> tx = oh.scaled_adam(0.1, clipping_scale=2.0)
+    >>> params = {"a": jnp.full((2, 2), 0.1), "b": jnp.full((2, 2), 1.0)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+    >>> stats = oh.scaled_adam_stats(state)
+    >>> round(stats["grad_norm"], 4), stats["dominant_parameter"], stats["clipping_factor"]
+    (2.01, 'b', 1.0)
   """
   state = _find_state(opt_state)
   if state is None:

@@ -30,6 +30,16 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
 
   Returns:
     An optax schedule ``count -> lr`` (fp32 scalar).
+
+  Example:
+    >>> import optax_half as oh
+    >>> schedule = oh.preheat_decay_schedule(1e-3, preheat_steps=10)
+    >>> [round(float(schedule(count)), 6) for count in (0, 8, 38)]  # rise, peak, decay
+    [0.0002, 0.001, 0.0005]
+
+  References:
+    arogozhnikov, `adamw_bfloat16 <https://github.com/arogozhnikov/adamw_bfloat16>`_
+    (the ``LR`` schedule shipped with its bf16 AdamW)
   """
   if preheat_steps <= 0:
     raise ValueError(f"preheat_steps must be > 0; got {preheat_steps}.")
@@ -93,6 +103,24 @@ def eden(learning_rate, lr_batches: float = 7500, lr_epochs: float = 3.5,
 
   Returns:
     An optax schedule.
+
+  Example:
+    Half the rate at step 0, the whole rate at the end of the warm-up, then a
+    slow decay in the step and the epoch:
+
+    >>> import optax_half as oh
+    >>> schedule = oh.eden(0.045, lr_batches=100, lr_epochs=2, warmup_batches=10,
+    ...                    steps_per_epoch=50)
+    >>> [round(float(schedule(count)), 4) for count in (0, 5, 10, 100)]
+    [0.0225, 0.0337, 0.0449, 0.0318]
+
+  References:
+    Yao et al., `Zipformer: A faster and better encoder for automatic speech
+    recognition <https://arxiv.org/abs/2310.11230>`_, ICLR 2024 (the Eden
+    schedule)
+
+    k2-fsa, `icefall <https://github.com/k2-fsa/icefall>`_ (the ``Eden``
+    scheduler this ports)
   """
   check_eden_args(learning_rate, lr_batches, lr_epochs, warmup_batches, warmup_start,
                   steps_per_epoch)

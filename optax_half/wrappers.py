@@ -57,19 +57,53 @@ class MasterWeightsState(NamedTuple):
     master: per leaf, the ``master_dtype`` copy; with ``split=True`` the int16
       low half for bf16 leaves; ``MaskedNode()`` for leaves without a buffer.
     inner_state: the inner transformation's state, built on the master params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(3, jnp.float32)}
+    >>> state = oh.master_weights(optax.sgd(0.1)).init(params)
+    >>> print(state.master["w"].dtype, state.master["b"])  # fp32 leaves: no copy
+    float32 MaskedNode()
+    >>> split = oh.master_weights(optax.sgd(0.1), split=True).init(params)
+    >>> print(split.master["w"].dtype)  # the low half of the fp32 master
+    int16
   """
   master: Any
   inner_state: Any
 
 
 class KahanSummationState(NamedTuple):
-  """State of ``kahan_summation``: compensation ``c`` in the param dtype."""
+  """State of ``kahan_summation``: compensation ``c`` in the param dtype.
+
+  Attributes:
+    compensation: per 16-bit leaf, what rounding the param lost (``x' - p'``),
+      in the param dtype; ``MaskedNode()`` for leaves without a buffer.
+    inner_state: the inner transformation's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.kahan_summation(optax.sgd(0.1)).init(params)
+    >>> print(state.compensation["w"].dtype, state.compensation["w"].tolist())
+    bfloat16 [0.0, 0.0, 0.0]
+  """
   compensation: Any
   inner_state: Any
 
 
 class RoundToNearestState(NamedTuple):
-  """State of ``round_to_nearest``: only the inner state."""
+  """State of ``round_to_nearest``: only the inner state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.round_to_nearest(optax.adam(1e-3)).init(params)
+    >>> print(state.inner_state[0].mu["w"].dtype)  # the inner state, on fp32
+    float32
+  """
   inner_state: Any
 
 
@@ -81,6 +115,14 @@ class StochasticRoundingState(NamedTuple):
     count: int32 number of updates taken (the per-step key is derived from
       ``(seed, count)`` by hashing: a counter-based split of the key).
     inner_state: the inner transformation's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.stochastic_rounding(optax.sgd(0.1), key=7).init(params)
+    >>> print(state.seed.dtype, int(state.count))
+    uint32 0
   """
   seed: jax.Array
   count: jax.Array
@@ -269,12 +311,28 @@ def master_weights(
     ``MasterWeightsState``. ``update`` requires ``params``.
 
   Example:
-    >>> tx = master_weights(optax.adam(1e-3))
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    SGD steps of ``-1e-3`` are below half a bf16 ULP at 1.0: on the bf16
+    param they are lost, the fp32 master adds them up until the param moves:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.master_weights(optax.sgd(1e-3))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
-    >>> updates, state = tx.update({"w": jnp.ones(3, jnp.bfloat16)}, state, params)
-    >>> optax.apply_updates(params, updates)["w"].dtype
-    dtype(bfloat16)
+    >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> for _ in range(3):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> print(params["w"].dtype, float(params["w"][0]), round(float(state.master["w"][0]), 4))
+    bfloat16 0.99609375 0.997
+
+  References:
+    Micikevicius et al., `Mixed Precision Training
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (an fp32 master copy of
+    fp16 weights)
+
+    NVIDIA NeMo, ``MainParamsOptimizerWrapper``, `github.com/NVIDIA/NeMo
+    <https://github.com/NVIDIA/NeMo>`_ (fp32 main params for any optimizer)
   """
   _validate_inner("master_weights", inner)
   master_dtype = jnp.dtype(master_dtype)
@@ -339,6 +397,35 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with ``KahanSummationState``.
+    ``update`` requires ``params``.
+
+  Example:
+    SGD steps of ``-1e-3`` are below half a bf16 ULP at 1.0; the
+    compensation keeps what rounding loses until the param moves:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.kahan_summation(optax.sgd(1e-3))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> grads = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> updates, state = tx.update(grads, state, params)
+    >>> params = optax.apply_updates(params, updates)
+    >>> float(params["w"][0]), round(float(state.compensation["w"][0]), 5)
+    (1.0, -0.001)
+    >>> for _ in range(2):
+    ...   updates, state = tx.update(grads, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> float(params["w"][0])
+    0.99609375
+
+  References:
+    Kahan, `Further remarks on reducing truncation errors
+    <https://doi.org/10.1145/363707.363723>`_, Communications of the ACM, 1965
+
+    Zamirai et al., `Revisiting BFloat16 Training
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation for bf16
+    weight updates)
   """
   _validate_inner("kahan_summation", inner)
 
@@ -385,6 +472,29 @@ def stochastic_rounding(inner: optax.GradientTransformation,
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with ``StochasticRoundingState``.
+    ``update`` requires ``params``.
+
+  Example:
+    An SGD step of ``-1e-3`` is a quarter of a bf16 ULP below 1.0: about a
+    quarter of the elements move down one ULP, the mean follows the update:
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.stochastic_rounding(optax.sgd(1e-3), key=0)
+    >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> updates, state = tx.update({"w": jnp.ones(1000, jnp.bfloat16)}, state, params)
+    >>> w = optax.apply_updates(params, updates)["w"]
+    >>> sorted(set(w.tolist())), round(float(w.astype(jnp.float32).mean()), 3)
+    ([0.99609375, 1.0], 0.999)
+
+  References:
+    Gupta et al., `Deep Learning with Limited Numerical Precision
+    <https://arxiv.org/abs/1502.02551>`_, ICML 2015
+
+    Zamirai et al., `Revisiting BFloat16 Training
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (stochastic rounding of bf16
+    weight updates)
   """
   _validate_inner("stochastic_rounding", inner)
   if key is None:
@@ -427,6 +537,33 @@ def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTrans
   ``p`` is lost. The inner transformation still sees fp32 grads and params,
   and non-float leaves are masked like in the other wrappers. Used by
   ``adamw_bf16(compensation="none")``.
+
+  Args:
+    inner: the transformation to run on the fp32 view of the params.
+
+  Returns:
+    An ``optax.GradientTransformationExtraArgs`` with ``RoundToNearestState``.
+    ``update`` requires ``params``.
+
+  Example:
+    SGD steps of ``-1e-3`` are below half a bf16 ULP at 1.0: every one of
+    them is lost (the stale weights the other wrappers cure):
+
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> tx = oh.round_to_nearest(optax.sgd(1e-3))
+    >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> state = tx.init(params)
+    >>> for _ in range(3):
+    ...   updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+    ...   params = optax.apply_updates(params, updates)
+    >>> float(params["w"][0])
+    1.0
+
+  References:
+    Zamirai et al., `Revisiting BFloat16 Training
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (why nearest rounding of bf16
+    weight updates stalls)
   """
   _validate_inner("round_to_nearest", inner)
 

@@ -309,7 +309,7 @@ def test_jax_and_torch_agree_for_500_steps_with_clipping(parity_runs):
   The two are not bitwise equal: XLA and torch sum the reductions (``sum(p *
   g)``, the clipping norm, the RMS) in different orders, so every step
   perturbs the clipping factor and the size updates by an ULP or so.
-  Measured here: 5e-7 per tensor after 500 steps, not growing after step
+  Measured: 5e-7 per tensor after 500 steps, not growing after step
   ~250. Per element, a param that crosses zero can show a large relative
   error with an absolute error of 1e-7 of its tensor (2e-3 measured), so an
   elementwise bound on params would only measure how close to zero the

@@ -1,4 +1,4 @@
-"""Long-run soak (issue 10): every optimizer, both frameworks, 100k steps.
+"""Long-run soak: every optimizer, both frameworks, 100k steps.
 
 Not part of the default run (marked ``soak``; ``pyproject.toml`` deselects the
 marker). Run it with ``make soak``, or

@@ -210,6 +210,24 @@ def optax_state_to_torch(opt_state, params, optimizer: torch.optim.Optimizer,
 
   Raises:
     ValueError: the state does not fit the optimizer (nothing is loaded).
+
+  Example:
+    >>> import jax.numpy as jnp, optax, torch, optax_half as oh, torch_bridge as tb
+    >>> from torch_bridge import convert, dlpack
+    >>> params, grads = {"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.ones(2, jnp.bfloat16)}
+    >>> tx = oh.adamw_bf16(1e-3)
+    >>> updates, state = tx.update(grads, tx.init(params), params)  # a step in JAX
+    >>> params = optax.apply_updates(params, updates)
+    >>> p = torch.nn.Parameter(dlpack.to_torch(params["w"]).clone())
+    >>> opt = tb.adamw_bf16([p], lr=1e-3)
+    >>> convert.optax_state_to_torch(state, params, opt)
+    >>> opt.state[p]["step"].item(), opt.state[p]["mu"].tolist()
+    (1, [0.10009765625, 0.10009765625])
+    >>> p.grad = torch.ones_like(p)  # the next step, in torch and in JAX
+    >>> opt.step()
+    >>> updates, state = tx.update(grads, state, params)
+    >>> torch.equal(p.detach(), dlpack.to_torch(optax.apply_updates(params, updates)["w"]))
+    True
   """
   _check_not_flat(opt_state)
   loss_scale, state = _find_loss_scale(opt_state)
@@ -427,6 +445,21 @@ def torch_state_to_optax(optimizer: torch.optim.Optimizer, params, opt_state,
 
   Returns:
     A new state: ``opt_state`` with every value of the torch optimizer.
+
+  Example:
+    >>> import torch, optax_half as oh, torch_bridge as tb
+    >>> from torch_bridge import convert, dlpack
+    >>> p = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    >>> opt = tb.adamw_bf16([p], lr=1e-3)
+    >>> p.grad = torch.ones_like(p)
+    >>> opt.step()  # a step in torch
+    >>> params = {"w": dlpack.to_jax(p.detach().clone())}
+    >>> tx = oh.adamw_bf16(1e-3)
+    >>> state = convert.torch_state_to_optax(opt, params, tx.init(params))
+    >>> type(state).__name__, int(state.inner_state.count)
+    ('KahanSummationState', 1)
+    >>> state.inner_state.mu["w"].tolist() == opt.state[p]["mu"].tolist()
+    True
   """
   _check_not_flat(opt_state)
   loss_scale, inner = _find_loss_scale(opt_state)

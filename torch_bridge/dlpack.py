@@ -27,11 +27,38 @@ __all__ = ["CopyRequired", "DLPackCopyWarning", "to_jax", "to_torch", "shares_me
 
 
 class CopyRequired(ValueError):
-  """The array cannot cross the framework boundary without a copy."""
+  """The array cannot cross the framework boundary without a copy.
+
+  A ``ValueError`` raised by ``to_jax`` and ``to_torch`` when sharing the
+  buffer is impossible; its message says why and names ``allow_copy=True``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import dlpack
+    >>> try:
+    ...   dlpack.to_jax(torch.arange(6.0)[::2])  # strided: JAX takes compact buffers
+    ... except dlpack.CopyRequired as e:
+    ...   print(type(e).__name__, isinstance(e, ValueError))
+    CopyRequired True
+  """
 
 
 class DLPackCopyWarning(UserWarning):
-  """An array was copied instead of shared (``allow_copy=True``)."""
+  """An array was copied instead of shared (``allow_copy=True``).
+
+  A ``UserWarning``, so the usual filters apply: turned into an error, it
+  makes any copy fail loudly.
+
+  Example:
+    >>> import warnings, torch
+    >>> from torch_bridge import dlpack
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter("error", dlpack.DLPackCopyWarning)
+    ...   dlpack.to_jax(torch.arange(6.0)[::2], allow_copy=True)
+    Traceback (most recent call last):
+      ...
+    torch_bridge.dlpack.DLPackCopyWarning: copied a torch.float32(3,) tensor to JAX: ...
+  """
 
 
 def _jax_pointer(x: jax.Array) -> int:
@@ -39,7 +66,18 @@ def _jax_pointer(x: jax.Array) -> int:
 
 
 def shares_memory(x: jax.Array, t: torch.Tensor) -> bool:
-  """Whether the JAX array and the torch tensor start at the same address."""
+  """Whether the JAX array and the torch tensor start at the same address.
+
+  Compares the data pointers only (not the extents): the check that
+  ``to_jax`` and ``to_torch`` use to tell a shared buffer from a copy.
+
+  Example:
+    >>> import jax.numpy as jnp, torch
+    >>> from torch_bridge import dlpack
+    >>> x = jnp.arange(4.0)
+    >>> dlpack.shares_memory(x, dlpack.to_torch(x)), dlpack.shares_memory(x, torch.arange(4.0))
+    (True, False)
+  """
   return _jax_pointer(x) == t.data_ptr()
 
 
@@ -48,6 +86,25 @@ def to_jax(t: torch.Tensor, allow_copy: bool = False) -> jax.Array:
 
   Raises ``CopyRequired`` when sharing is impossible, unless ``allow_copy``,
   which copies (a contiguous clone) and warns.
+
+  Args:
+    t: a torch tensor (detached first).
+    allow_copy: copy (and warn with ``DLPackCopyWarning``) instead of raising.
+
+  Returns:
+    A ``jax.Array`` over ``t``'s buffer, or over a copy with ``allow_copy``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import dlpack
+    >>> t = torch.arange(4.0)
+    >>> x = dlpack.to_jax(t)
+    >>> x.tolist(), dlpack.shares_memory(x, t)  # no copy
+    ([0.0, 1.0, 2.0, 3.0], True)
+    >>> dlpack.to_jax(t[::2])  # a strided view cannot be shared
+    Traceback (most recent call last):
+      ...
+    torch_bridge.dlpack.CopyRequired: a torch.float32(2,) tensor with strides (2,) ...
   """
   t = t.detach()
   try:
@@ -76,7 +133,21 @@ def to_jax(t: torch.Tensor, allow_copy: bool = False) -> jax.Array:
 
 
 def to_torch(x: jax.Array, allow_copy: bool = False) -> torch.Tensor:
-  """The torch tensor sharing ``x``'s buffer (read-only by contract)."""
+  """The torch tensor sharing ``x``'s buffer (read-only by contract).
+
+  JAX memory is immutable: clone the tensor before writing to it. Raises
+  ``CopyRequired`` if torch would copy, unless ``allow_copy`` (then it warns
+  with ``DLPackCopyWarning``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from torch_bridge import dlpack
+    >>> x = jnp.arange(4.0)
+    >>> t = dlpack.to_torch(x)
+    >>> t, dlpack.shares_memory(x, t)  # the same buffer, no copy
+    (tensor([0., 1., 2., 3.]), True)
+    >>> t = t.clone().add_(1)  # a copy of its own to write to
+  """
   x = jax.numpy.asarray(x)
   t = torch.from_dlpack(x)
   if x.size and not shares_memory(x, t):

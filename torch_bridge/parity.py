@@ -67,6 +67,16 @@ class Tolerance:
   ``max_rel``: max relative error; ``max_ulp``: max distance in ULPs of the
   buffer's dtype; ``min_equal``: min fraction of bitwise-equal elements (over
   the whole buffer, all leaves, at each step). ``None``: not checked.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from torch_bridge import parity
+    >>> parity.TOLERANCES["16bit"]
+    Tolerance(max_rel=None, max_ulp=1, min_equal=0.999)
+    >>> bitwise = {"16bit": parity.Tolerance(max_ulp=0, min_equal=1.0)}  # equal bits only
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> parity.compare("scale_by_adamw", params, steps=2, tolerances=bitwise).ok
+    True
   """
   max_rel: Optional[float] = None
   max_ulp: Optional[float] = None
@@ -231,6 +241,23 @@ class ParityReport:
     counters: the JAX side's scalar state at the last step (``count``,
       ``loss_scale``, ``growth_tracker``, ``skipped_steps``), for context.
     seconds: wall time of the run.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from torch_bridge import parity
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> report = parity.compare("scale_by_adamw", params, steps=3)
+    >>> report.recorded, report.buffers["params"]
+    ([1, 2, 3], ('16bit', 'bfloat16'))
+    >>> report.errors["params"].shape  # (recorded steps, leaves, 4 measures)
+    (3, 1, 4)
+    >>> print(report.table())
+    scale_by_adamw [bfloat16], 3 steps: ok
+      buffer          dtype     kind         max abs    max rel  max ULP    bitwise
+      params          bfloat16  16bit              0          0        0  100.0000%
+      mu              bfloat16  16bit              0          0        0  100.0000%
+      nu              bfloat16  16bit              0          0        0  100.0000%
+      count           int64     exact              0          0        0  100.0000%
   """
   name: str
   dtype: str
@@ -388,7 +415,16 @@ def _numpy(x, name: str, copies: list) -> np.ndarray:
 
 def default_params(seed: int = 0, dtype: str = "bfloat16") -> dict:
   """The CLI's random tree: a matrix, a vector, a 3-d block, a 1-element vector
-  and a scalar (16,791 elements), N(0, 1) rounded to ``dtype``."""
+  and a scalar (16,555 elements), N(0, 1) rounded to ``dtype``.
+
+  Example:
+    >>> from torch_bridge import parity
+    >>> params = parity.default_params(seed=0, dtype="bfloat16")
+    >>> {k: v.shape for k, v in params.items()}
+    {'w': (256, 64), 'b': (64,), 'block': (7, 5, 3), 'one': (1,), 'scalar': ()}
+    >>> sum(v.size for v in params.values()), params["w"].dtype
+    (16555, dtype(bfloat16))
+  """
   rng = np.random.default_rng(seed)
   shapes = {"w": (256, 64), "b": (64,), "block": (7, 5, 3), "one": (1,), "scalar": ()}
   return {k: jnp.asarray(rng.standard_normal(s).astype(np.float32)).astype(dtype)
@@ -505,6 +541,14 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
 
   Returns:
     A ``ParityReport``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from torch_bridge import parity
+    >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
+    >>> report = parity.compare("adamw_bf16", params, steps=5, weight_decay=0.1)
+    >>> report.ok, report.worst("params")["max_ulp"]  # the same bits in both frameworks
+    (True, 0.0)
   """
   if name not in _NAMES:
     raise ValueError(f"compare() knows {_NAMES}; got {name!r}.")
@@ -669,6 +713,25 @@ def _format_row(s: dict) -> str:
 
 
 def main(argv=None) -> int:
+  """The command line (``python -m torch_bridge.parity``): the ``CONFIGS`` on
+  ``default_params``, one row per optimizer and dtype.
+
+  Args:
+    argv: the arguments (``--optimizer``, ``--steps``, ``--dtype``, ``--seed``,
+      ``--json``, ``--verbose``); ``None`` reads ``sys.argv``.
+
+  Returns:
+    The exit status: 0 if every run is within ``TOLERANCES``, 1 otherwise.
+
+  Example:
+    >>> from torch_bridge import parity
+    >>> parity.main(["--optimizer", "scale_by_adamw", "--dtype", "bf16", "--steps", "1"])
+    optimizer                     dtype      steps worst ULP     bitwise    fp32 rel  verdict
+    scale_by_adamw                bfloat16       1         0   100.0000%           -  ok
+    <BLANKLINE>
+    1/1 within tolerance (params: worst ULP over all steps, ...
+    0
+  """
   parser = argparse.ArgumentParser(
       prog="python -m torch_bridge.parity",
       description="Run optax_half (jitted) and torch_bridge side by side and compare "

@@ -70,7 +70,19 @@ def _times(x: torch.Tensor, m: int) -> torch.Tensor:
 
 
 def mix32(x: torch.Tensor) -> torch.Tensor:
-  """``optax_half.rounding.mix32`` on int32 tensors (uint32 bits, wrapping)."""
+  """``optax_half.rounding.mix32`` on int32 tensors (uint32 bits, wrapping).
+
+  A bijective 32-bit hash: ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2;
+  x ^= x >> 15`` with logical shifts and products mod 2^32. The int32 result
+  holds the uint32 word's bits; ``& 0xFFFFFFFF`` (in int64) reads it as JAX does.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> words = rounding.mix32(torch.tensor([0, 1, 2], dtype=torch.int32))
+    >>> [w & 0xFFFFFFFF for w in words.tolist()]  # the uint32 words
+    [0, 2261973619, 229111015]
+  """
   x = x ^ ((x >> 16) & 0xFFFF)
   x = _times(x, _M1)
   x = x ^ ((x >> 15) & 0x1FFFF)
@@ -80,7 +92,18 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def leaf_key(seed: int, step: int, stream: int, leaf: int) -> int:
-  """The uint32 key of one (seed, step, stream, leaf), as a Python int."""
+  """The uint32 key of one (seed, step, stream, leaf), as a Python int.
+
+  ``k = mix(seed); k = mix(k ^ step); k = mix(k ^ stream * 0x9E3779B9); k =
+  mix(k ^ leaf)``, computed on the host with Python integers (no device work).
+
+  Example:
+    >>> from torch_bridge import rounding
+    >>> rounding.leaf_key(seed=0, step=1, stream=rounding.STREAM_PARAMS, leaf=0)
+    1317927411
+    >>> rounding.leaf_key(0, 1, rounding.STREAM_PARAMS, leaf=1) != 1317927411
+    True
+  """
   k = _mix32_int(seed)
   k = _mix32_int(k ^ (step & _MASK))
   k = _mix32_int(k ^ ((stream * _GOLDEN) & _MASK))
@@ -95,12 +118,26 @@ def device_scalar(value, dtype: torch.dtype, device=None) -> torch.Tensor:
   host memory, and on CUDA that copy makes the host wait for the stream (a
   sync, which ``torch.cuda.set_sync_debug_mode`` reports); a fill is a kernel
   launch that takes the value as an argument.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> s = rounding.device_scalar(0.5, torch.float32)
+    >>> s.shape, s.dtype, s.item()
+    (torch.Size([]), torch.float32, 0.5)
   """
   return torch.full((), value, dtype=dtype, device=device)
 
 
 def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> torch.Tensor:
-  """``leaf_key`` as a 0-dim int32 tensor (its uint32 bits), for ``bits_from_key``."""
+  """``leaf_key`` as a 0-dim int32 tensor (its uint32 bits), for ``bits_from_key``.
+
+  Example:
+    >>> from torch_bridge import rounding
+    >>> k = rounding.key_tensor(seed=0, step=1, stream=rounding.STREAM_PARAMS, leaf=0)
+    >>> k.dtype, k.item() & 0xFFFFFFFF == rounding.leaf_key(0, 1, rounding.STREAM_PARAMS, 0)
+    (torch.int32, True)
+  """
   key = leaf_key(int(seed), int(step), int(stream), int(leaf))
   return device_scalar(_signed32(key), torch.int32, device)
 
@@ -128,6 +165,15 @@ def bits_from_key(key, shape, device=None, index=0) -> torch.Tensor:
   counter of element 0 (a shard's offset in the whole tensor, from
   ``_dist.index``), or an integer tensor of ``shape`` holding every
   element's counter; counters are taken mod 2^32.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> key = rounding.key_tensor(seed=0, step=1, stream=rounding.STREAM_PARAMS, leaf=0)
+    >>> whole = rounding.bits_from_key(key, (6,))
+    >>> shard = rounding.bits_from_key(key, (3,), index=3)  # elements 3..5 of the whole
+    >>> torch.equal(shard, whole[3:])
+    True
   """
   return mix32(_counter(shape, device, index) ^ key)
 
@@ -140,6 +186,17 @@ def random_bits(seed: int, step: int, stream: int, leaf: int, shape,
   in int64) to compare with JAX. ``seed``, ``step`` and ``leaf`` are Python
   integers (host-side counters): the key costs no device work. ``index``: as
   in ``bits_from_key`` (a shard draws the bits of its elements in the whole tensor).
+
+  Example:
+    >>> import numpy as np, optax_half as oh
+    >>> from torch_bridge import rounding
+    >>> bits = rounding.random_bits(seed=0, step=1, stream=rounding.STREAM_PARAMS,
+    ...                             leaf=0, shape=(3,))
+    >>> bits.dtype
+    torch.int32
+    >>> jax_bits = oh.rounding.random_bits(0, 1, rounding.STREAM_PARAMS, 0, (3,))
+    >>> [b & 0xFFFFFFFF for b in bits.tolist()] == np.asarray(jax_bits).tolist()
+    True
   """
   key = _signed32(leaf_key(int(seed), int(step), int(stream), int(leaf)))
   return bits_from_key(key, shape, device, index)
@@ -155,6 +212,12 @@ def widen(t: torch.Tensor) -> torch.Tensor:
   steps run eagerly (``torch.compiler.disable``) or in their own kernel
   compiled with that option; a bit-level widen would be exact everywhere but
   stops Inductor from vectorising the loop (measured: 10x slower).
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> rounding.widen(torch.tensor([0.1, 3.0], dtype=torch.bfloat16)).tolist()
+    [0.10009765625, 3.0]
   """
   return t.float()
 
@@ -167,6 +230,15 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
   The square root of an fp32 value taken in float64 and rounded once to fp32
   is correctly rounded, so that is what runs on CPU eagerly; compiled code
   (Inductor emits IEEE ``sqrt``) and other devices use ``torch.sqrt``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> x = torch.linspace(0.5, 2.0, 10_000)
+    >>> torch.equal(rounding.sqrt(x), torch.sqrt(x.double()).float())  # rounded once
+    True
+    >>> rounding.sqrt(torch.tensor([4.0, 2.0])).tolist()
+    [2.0, 1.4142135381698608]
   """
   if x.device.type == "cpu" and not torch.compiler.is_compiling():
     return torch.sqrt(x.double()).float()
@@ -182,6 +254,13 @@ def one_minus_pow(b: float, n: int, one_minus_b=None) -> float:
   scalar op (rounded once, never fused), so the result has the same bits as
   the jitted JAX one. Returns a Python float holding the fp32 value.
   ``one_minus_b``: ``d(1)`` given directly, as in JAX.
+
+  Example:
+    >>> from torch_bridge import rounding
+    >>> rounding.one_minus_pow(0.999, 10)  # Adam's bias correction at step 10
+    0.00995499175041914
+    >>> rounding.one_minus_pow(0.9, 0)
+    0.0
   """
   n = int(n)
   if not 0 <= n < 2 ** 32:
@@ -198,7 +277,23 @@ def one_minus_pow(b: float, n: int, one_minus_b=None) -> float:
 
 
 def split_f32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-  """fp32 -> (bf16 high half rounded half-up in bit space, int16 remainder)."""
+  """fp32 -> (bf16 high half rounded half-up in bit space, int16 remainder).
+
+  ``hi = (bits + 0x8000) >> 16`` and ``lo = bits - (hi << 16)``, so that
+  ``join_f32(hi, lo)`` gives back every bit of ``x``: an fp32 master weight
+  stored as its bf16 param plus 2 bytes (``master_weights(split=True)``).
+  NaN splits into a quiet bf16 NaN and 0.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> x = torch.tensor([1.0 + 2**-20, -3.14159, 1e-30])
+    >>> hi, lo = rounding.split_f32(x)
+    >>> hi.dtype, lo.dtype, hi[0].item(), lo[0].item()
+    (torch.bfloat16, torch.int16, 1.0, 8)
+    >>> torch.equal(rounding.join_f32(hi, lo), x)  # exact round trip
+    True
+  """
   x = x.float()
   bits = x.view(torch.int32)
   hi = (bits + 0x8000) >> 16           # arithmetic shift: the low 16 bits are right
@@ -210,7 +305,18 @@ def split_f32(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def join_f32(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
-  """Inverse of ``split_f32``: ``bits = (hi_bits << 16) + lo``."""
+  """Inverse of ``split_f32``: ``bits = (hi_bits << 16) + lo``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> hi = torch.tensor([1.0], dtype=torch.bfloat16)
+    >>> rounding.join_f32(hi, torch.tensor([8], dtype=torch.int16)).item() == 1.0 + 2**-20
+    True
+    >>> x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    >>> torch.equal(rounding.join_f32(*rounding.split_f32(x)), x)
+    True
+  """
   bits = (hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)
   return bits.view(torch.float32)
 
@@ -218,8 +324,27 @@ def join_f32(hi: torch.Tensor, lo: torch.Tensor) -> torch.Tensor:
 def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) -> torch.Tensor:
   """``optax_half.rounding.stochastic_round``: unbiased rounding of fp32 ``x``.
 
-  ``bits``: int32 words (``random_bits``); int64 words in [0, 2^32) are
-  accepted too.
+  Rounds up (away from zero) with probability ``(|x| - |down|) / (|up| -
+  |down|)``, so ``E[result] = x`` up to the 2^-16 (bf16) or 2^-24 (fp16)
+  resolution of the random draw. ``bits``: int32 words (``random_bits``);
+  int64 words in [0, 2^32) are accepted too. ``dtype=torch.float32``
+  returns ``x``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> x = torch.full((1000,), 0.999)
+    >>> bits = rounding.random_bits(seed=0, step=1, stream=rounding.STREAM_PARAMS,
+    ...                             leaf=0, shape=x.shape)
+    >>> y = rounding.stochastic_round(x, torch.bfloat16, bits)
+    >>> sorted(set(y.tolist()))  # the two bf16 neighbours of 0.999
+    [0.99609375, 1.0]
+    >>> round(y.float().mean().item(), 3)  # unbiased: round-to-nearest gives 1.0
+    0.999
+
+  References:
+    Gupta et al., `Deep Learning with Limited Numerical Precision
+    <https://arxiv.org/abs/1502.02551>`_, ICML 2015.
   """
   x = x.float()
   if dtype == torch.float32:
@@ -255,7 +380,21 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor) ->
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: str, seed: int = 0,
              step: int = 0, stream: int = 0, leaf: int = 0, index=0) -> torch.Tensor:
-  """Round fp32 ``x`` to ``dtype``: "nearest" or "stochastic" (16-bit only)."""
+  """Round fp32 ``x`` to ``dtype``: "nearest" or "stochastic" (16-bit only).
+
+  With "stochastic" the bits are ``random_bits(seed, step, stream, leaf,
+  x.shape, index=index)``; to fp32 (or with "nearest") it is ``x.to(dtype)``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> x = torch.full((1000,), 0.999)
+    >>> rounding.round_to(x, torch.bfloat16, "nearest").unique().tolist()
+    [1.0]
+    >>> y = rounding.round_to(x, torch.bfloat16, "stochastic", seed=0, step=1)
+    >>> y.unique().tolist()
+    [0.99609375, 1.0]
+  """
   if rounding == "stochastic" and dtype.itemsize < 4:
     bits = random_bits(seed, step, stream, leaf, x.shape, device=x.device, index=index)
     return stochastic_round(x, dtype, bits)
@@ -269,6 +408,13 @@ def swap_halves(bits: torch.Tensor) -> torch.Tensor:
   overflow is undefined) rounded fp16 moments with other bits than the eager
   step when the low half was shifted up by ``(bits & 0xFFFF) * 65536``; its
   top bit is set separately.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> w = rounding.swap_halves(torch.tensor([0x12345678, 0x0000ABCD], dtype=torch.int32))
+    >>> [hex(b & 0xFFFFFFFF) for b in w.tolist()]
+    ['0x56781234', '0xabcd0000']
   """
   top = torch.where((bits & 0x8000) != 0, -2**31, 0).to(torch.int32)
   return ((bits & 0x7FFF) * 65536) | top | ((bits >> 16) & 0xFFFF)
@@ -282,6 +428,16 @@ def round_moments(m32: torch.Tensor, v32: torch.Tensor, m_dtype: torch.dtype,
   (``key_tensor``, or a Python int in int32 range);
   ``m32`` rounds with ``w = bits_from_key(key, shape, index=index)`` and
   ``v32`` with ``swap_halves(w)``.
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> m32 = v32 = torch.full((1000,), 0.999)
+    >>> key = rounding.key_tensor(seed=0, step=1, stream=rounding.STREAM_MOMENTS, leaf=0)
+    >>> m, v = rounding.round_moments(m32, v32, torch.bfloat16, torch.bfloat16,
+    ...                               "stochastic", key)
+    >>> m.unique().tolist(), torch.equal(m, v)  # one word, two independent halves
+    ([0.99609375, 1.0], False)
   """
   if rounding != "stochastic" or (m_dtype.itemsize >= 4 and v_dtype.itemsize >= 4):
     return m32.to(m_dtype), v32.to(v_dtype)

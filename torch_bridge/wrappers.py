@@ -74,6 +74,11 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     >>> opt = tb.master_weights(torch.optim.SGD([p], lr=1e-3))
     >>> opt.param_groups is opt.inner.param_groups
     True
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+    ICLR 2018 (master weights); Kahan, `Further remarks on reducing truncation
+    errors <https://doi.org/10.1145/363707.363723>`_, CACM 1965 (compensated sums).
   """
 
   def __init__(self, inner: torch.optim.Optimizer, mode: str,
@@ -430,5 +435,9 @@ def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
     >>> opt.step()
     >>> p[0].item()  # 0.999 rounds back to 1.0: a stale weight
     1.0
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+    ICLR 2018, on updates lost to rounding when weights are kept in 16 bits.
   """
   return LowPrecisionWrapper(optimizer, _NEAREST)
