@@ -18,6 +18,8 @@ A state from one layout to the other (flat_state=False <-> True):
   relayout_state
 Checkpoints (Orbax, checked leaf by leaf):
   checkpoint.save, checkpoint.restore
+Mixed-precision policies (jmp's API) and their Flax NNX helper:
+  Policy, get_policy, cast_to_full, cast_to_half, half_dtype; nnx.apply_policy
 """
 
 from optax_half import checkpoint, rounding
@@ -33,6 +35,7 @@ from optax_half.loss_scale import (
     scale_loss,
     value_and_scaled_grad,
 )
+from optax_half.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
 from optax_half.scaled_adam import (
     ScaledAdamClippingState,
     ScaledAdamState,
@@ -53,15 +56,28 @@ from optax_half.wrappers import (
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name):
+  # optax_half.nnx needs Flax: imported on first use, not with the package.
+  if name == "nnx":
+    import importlib  # noqa: PLC0415
+    return importlib.import_module("optax_half.nnx")
+  raise AttributeError(f"module 'optax_half' has no attribute {name!r}")
+
+
 __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
+    "cast_to_full",
+    "cast_to_half",
     "chain",
     "checkpoint",
     "clip_by_global_norm",
     "dynamic_loss_scale",
     "eden",
     "find_loss_scale_state",
+    "get_policy",
+    "half_dtype",
     "kahan_summation",
     "loss_scale",
     "master_weights",
@@ -79,6 +95,7 @@ __all__ = [
     "DynamicLossScaleState",
     "KahanSummationState",
     "MasterWeightsState",
+    "Policy",
     "RoundToNearestState",
     "ScaleByAdamWState",
     "ScaledAdamClippingState",

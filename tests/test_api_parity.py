@@ -47,6 +47,15 @@ JAX_ONLY = {
     "chain": "torch: transform the grads (e.g. clip_grad_norm_) before optimizer.step()",
     "clip_by_global_norm": "optax's clipping compiled without an fp32 copy of 16-bit grads "
                            "(XLA:CPU); torch: torch.nn.utils.clip_grad_norm_ on the grads",
+    "get_policy": "mixed-precision policies (jmp's API); torch: torch.autocast, module.to(dtype)",
+    "cast_to_full": "a policy helper; torch: module.float()",
+    "cast_to_half": "a policy helper; torch: module.half()",
+    "half_dtype": "a policy helper; torch: the dtype of torch.autocast",
+}
+# torch helpers with no JAX counterpart, each with its reason.
+TORCH_ONLY_FUNCTIONS = {
+    "accumulate_in_fp32": "fp32 main_grad accumulation behind backward's 16-bit p.grad; JAX "
+                          "accumulates in any dtype it is given (optax.MultiSteps' accumulator_dtype)",
 }
 # Readers of an optimizer's statistics: JAX finds them in a state pytree and
 # names leaves by the params tree; torch reads them from the optimizer object.
@@ -60,7 +69,7 @@ TORCH_FIRST = {"params", "optimizer"}
 def _factories(module):
   return {name: getattr(module, name) for name in module.__all__
           if inspect.isfunction(getattr(module, name))
-          and name not in JAX_ONLY and name not in READERS}
+          and name not in JAX_ONLY and name not in READERS and name not in TORCH_ONLY_FUNCTIONS}
 
 
 def _normalize(default):

@@ -17,6 +17,7 @@ Bit-level primitives shared with JAX: ``torch_bridge.rounding``.
 """
 
 from torch_bridge import rounding
+from torch_bridge.accumulation import FP32Accumulation, accumulate_in_fp32
 from torch_bridge.adam import LowPrecisionAdamW, adam_fp32_master, adamw_bf16, scale_by_adamw
 from torch_bridge.loss_scale import DynamicLossScaler, dynamic_loss_scale
 from torch_bridge.scaled_adam import ScaledAdam, scaled_adam, scaled_adam_stats
@@ -30,6 +31,7 @@ from torch_bridge.wrappers import (
 )
 
 __all__ = [
+    "accumulate_in_fp32",
     "adam_fp32_master",
     "adamw_bf16",
     "dynamic_loss_scale",
@@ -46,6 +48,7 @@ __all__ = [
     "DynamicLossScaler",
     "Eden",
     "EdenLR",
+    "FP32Accumulation",
     "LowPrecisionAdamW",
     "LowPrecisionWrapper",
     "PreheatDecaySchedule",

@@ -125,7 +125,14 @@ def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor
   16-bit params (``p.grad`` keeps the scaled 16-bit value); otherwise ``p.grad``.
   """
   g = getattr(optimizer, "_unscaled_grads", {}).get(p)
-  return p.grad if g is None else g
+  return grad_of(p) if g is None else g
+
+
+def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
+  """``p``'s gradient: its fp32 ``main_grad`` where ``accumulate_in_fp32``
+  keeps one, else ``p.grad`` (None: no gradient, the param is not stepped)."""
+  main = getattr(p, "main_grad", None)
+  return p.grad if main is None else main
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
@@ -266,8 +273,9 @@ def stepping_params(optimizer: torch.optim.Optimizer) -> list:
   position = 0
   for group in optimizer.param_groups:
     for p in group["params"]:
-      if p.grad is not None:
-        check_grad(p.grad, position)
+      grad = grad_of(p)
+      if grad is not None:
+        check_grad(grad, position)
         out.append((position, p))
       position += 1
   return out
@@ -506,6 +514,18 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     """Whether the step of ``p`` widens its gradient (so a loss scaler may hand
     over an fp32 one)."""
     return True
+
+  @torch._disable_dynamo
+  def zero_grad(self, set_to_none: bool = True) -> None:
+    """``torch.optim.Optimizer.zero_grad``, and the same for ``p.main_grad``
+    (``accumulate_in_fp32``): freed, or zeroed with ``set_to_none=False``."""
+    super().zero_grad(set_to_none)
+    for p in self._all_params():
+      if getattr(p, "main_grad", None) is not None:
+        if set_to_none:
+          p.main_grad = None
+        else:
+          p.main_grad.zero_()
 
   # -- params written from outside ---------------------------------------------------
 

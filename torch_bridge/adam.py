@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from torch_bridge import _dist, _native, rounding
-from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams, check_no_float64,
-                                 check_param, init_skip_nonfinite, prepare_load, seed_from_key,
-                                 step_grad, torch_spellings)
+from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams,
+                                 check_no_float64, check_param, grad_of, init_skip_nonfinite,
+                                 prepare_load, seed_from_key, step_grad, torch_spellings)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
@@ -164,6 +164,12 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     >>> opt.step()
     >>> opt.param_groups[0]["betas"], p.dtype
     ((0.9, 0.95), torch.bfloat16)
+
+  References:
+    Loshchilov & Hutter, `Decoupled Weight Decay Regularization
+    <https://arxiv.org/abs/1711.05101>`_, ICLR 2019 (AdamW); Kahan, `Further
+    remarks on reducing truncation errors <https://doi.org/10.1145/363707.363723>`_,
+    CACM 1965 (the compensation buffer).
   """
 
   def __init__(self, params, learning_rate=None, b1: float = 0.9, b2: float = 0.999,
@@ -277,9 +283,9 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
       for p in group["params"]:
         leaf = position
         position += 1
-        if p.grad is None:
+        if grad_of(p) is None:
           continue
-        check_grad(p.grad, leaf)
+        check_grad(grad_of(p), leaf)
         grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])

@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import check_loss_scale_args, f32, step_grad
+from torch_bridge._optim import check_loss_scale_args, f32, grad_of, step_grad
 
 __all__ = ["DynamicLossScaler", "dynamic_loss_scale", "check_loss_scale_args"]
 
@@ -74,6 +74,11 @@ class DynamicLossScaler:
     >>> scaler = tb.dynamic_loss_scale(init_scale=1024.0)
     >>> scaler.scale(torch.tensor(2.0)).item(), scaler.get_growth_interval()
     (2048.0, 2000)
+
+  References:
+    Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
+    ICLR 2018 (loss scaling); ``torch.amp.GradScaler``, whose interface and
+    scale arithmetic it follows.
   """
 
   def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0,
@@ -154,9 +159,14 @@ class DynamicLossScaler:
     for group in optimizer.param_groups:
       for p in group["params"]:
         position += 1
-        g = p.grad
+        g = grad_of(p)  # an fp32 main_grad (accumulate_in_fp32), or p.grad
         if g is None:
           continue
+        if g is not p.grad and not takes_fp32_grads(optimizer):
+          raise TypeError(
+              f"param {position - 1} accumulates its gradient in p.main_grad "
+              f"(accumulate_in_fp32), which {type(optimizer).__name__} does not read. Use a "
+              "torch_bridge optimizer, or wrap this one: torch_bridge.master_weights(optimizer).")
         if g.is_sparse:
           raise RuntimeError(
               f"param {position - 1} has a sparse gradient; dynamic_loss_scale needs dense "
@@ -197,7 +207,7 @@ class DynamicLossScaler:
     ours = takes_fp32_grads(optimizer)
     return [step_grad(optimizer, p) if ours else p.grad
             for group in optimizer.param_groups for p in group["params"]
-            if p.grad is not None]
+            if (grad_of(p) if ours else p.grad) is not None]
 
   @torch.no_grad()
   def clip_grad_norm_(self, optimizer: torch.optim.Optimizer, max_norm: float,
@@ -208,14 +218,12 @@ class DynamicLossScaler:
     (an fp32 tensor, no host sync). Same formula as torch:
     ``g *= min(1, max_norm / (norm + 1e-6))``.
     """
-    if not self._enabled:
-      return torch.nn.utils.clip_grad_norm_(
-          [p for g in optimizer.param_groups for p in g["params"]], max_norm, norm_type)
-    state = self._opt_state(optimizer)
-    if state["stage"] == _READY:
-      self.unscale_(optimizer)
-    elif state["stage"] == _STEPPED:
-      raise RuntimeError("clip_grad_norm_() is being called after step().")
+    if self._enabled:
+      state = self._opt_state(optimizer)
+      if state["stage"] == _READY:
+        self.unscale_(optimizer)
+      elif state["stage"] == _STEPPED:
+        raise RuntimeError("clip_grad_norm_() is being called after step().")
     grads = self._step_grads(optimizer)
     if not grads:
       return torch.zeros((), dtype=torch.float32)

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (LowPrecisionOptimizer, load_nonfinite, check_grad, check_no_float64, check_param,
-                                 f32, init_skip_nonfinite, prepare_load, step_grad,
-                                 torch_spellings)
+from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_no_float64, check_param,
+                                 f32, grad_of, init_skip_nonfinite, load_nonfinite, prepare_load,
+                                 step_grad, torch_spellings)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
@@ -84,6 +84,23 @@ class ScaledAdam(LowPrecisionOptimizer):
   callable ``learning_rate`` is evaluated at the group's step instead) and
   every other hyperparameter of the factory. ``group_state[i]`` holds group
   ``i``'s step and clipping statistics; ``state_dict()`` saves it.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> w = torch.nn.Parameter(torch.ones(4, 4))
+    >>> opt = tb.ScaledAdam([w], lr=0.03, betas=(0.9, 0.98))
+    >>> scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    >>> w.grad = torch.ones_like(w)
+    >>> opt.step()
+    >>> scheduler.step()  # torch's schedulers edit the group's lr
+    >>> opt.param_groups[0]["lr"], opt.group_state[0]["step"]
+    (0.015, 1)
+
+  References:
+    Yao et al., `Zipformer: A faster and better encoder for automatic speech
+    recognition <https://arxiv.org/abs/2310.11230>`_, ICLR 2024 (ScaledAdam);
+    `k2-fsa/icefall <https://github.com/k2-fsa/icefall>`_'s ``ScaledAdam``
+    (``optim.py``).
   """
 
   def __init__(self, params, learning_rate=3e-2, clipping_scale=None, b1: float = 0.9,
@@ -217,9 +234,9 @@ class ScaledAdam(LowPrecisionOptimizer):
     lr = self._group_lr(group, t)
     stepping = []
     for i, p in enumerate(group["params"]):
-      if p.grad is None:
+      if grad_of(p) is None:
         continue
-      check_grad(p.grad, position + i)
+      check_grad(grad_of(p), position + i)
       stepping.append((i, p))
     if not stepping:
       return
@@ -467,6 +484,16 @@ def scaled_adam_stats(optimizer, group: int = 0) -> dict:
 
   The same dict as ``optax_half.scaled_adam_stats``; ``optimizer`` may be a
   ``ScaledAdam`` or a torch_bridge wrapper around one.
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> w, b = torch.nn.Parameter(torch.ones(4, 4)), torch.nn.Parameter(torch.zeros(4))
+    >>> opt = tb.scaled_adam([("w", w), ("b", b)], lr=0.03, clipping_scale=2.0)
+    >>> w.grad, b.grad = torch.ones_like(w), torch.full_like(b, 0.1)
+    >>> opt.step()
+    >>> stats = tb.scaled_adam_stats(opt)
+    >>> stats["grad_norm"], stats["clipping_factor"], stats["dominant_parameter"]
+    (4.0, 1.0, 'w')
   """
   opt = _find(optimizer)
   c = opt.group_state[group]

@@ -1,0 +1,194 @@
+"""fp32 gradient accumulation for 16-bit params (``tb.accumulate_in_fp32``, NeMo's ``main_grad``)."""
+
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import torch_bridge as tb  # noqa: E402
+
+MICRO = 8
+
+
+def _backward_micro_batches(p, value, n=MICRO):
+  """``n`` backward passes whose gradient of every element of ``p`` is ``value``."""
+  for _ in range(n):
+    (p.float() * value).sum().backward()
+
+
+def test_eight_scaled_fp16_gradients_sum_exactly_in_fp32():
+  p = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+  _backward_micro_batches(p, 8192.0)
+  assert torch.isinf(p.grad).all()  # 65536 overflows fp16
+  q = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
+  handle = tb.accumulate_in_fp32([q])
+  _backward_micro_batches(q, 8192.0)
+  assert q.grad is None and q.main_grad.dtype == torch.float32
+  assert q.main_grad.tolist() == [65536.0] * 3
+  # bf16 sums lose low bits at every add; fp32 keeps them.
+  b = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+  tb.accumulate_in_fp32([b])
+  c = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
+  for value in [256.0] + [1.0] * 7:
+    (b.float() * value).sum().backward()
+    (c.float() * value).sum().backward()
+  assert b.main_grad.item() == 263.0 and c.grad.item() == 256.0
+  handle.remove()
+  _backward_micro_batches(q, 1.0, n=1)  # after remove(): back to p.grad
+  assert q.grad.tolist() == [1.0] * 3 and q.main_grad.tolist() == [65536.0] * 3
+
+
+def test_only_16_bit_trainable_params_get_hooks_and_dtensors_are_refused():
+  params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)),
+            torch.zeros(2, dtype=torch.float16)]  # fp32, bf16, not requiring grad
+  handle = tb.accumulate_in_fp32(params)
+  assert handle.params == [params[1]]
+  with pytest.raises(TypeError, match="not a tensor"):
+    tb.accumulate_in_fp32([3.0])
+
+
+def _run(make_opt, fp32_accumulation, steps=3, init_scale=2.0**13):
+  """A loss-scaled fp16 param, MICRO micro-batches a step, gradient 1 each:
+  the scaled sum is 8 * 8192 = 65536 (inf in fp16)."""
+  p = torch.nn.Parameter(torch.full((4,), 0.5, dtype=torch.float16))
+  opt = make_opt([p])
+  scaler = tb.dynamic_loss_scale(init_scale=init_scale, growth_interval=1000)
+  if fp32_accumulation:
+    tb.accumulate_in_fp32([p])
+  for _ in range(steps):
+    for _ in range(MICRO):
+      scaler.scale((p.float() * 1.0).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+  return p, opt, scaler
+
+
+OPTIMIZERS = {
+    "adam_fp32_master": lambda ps: tb.adam_fp32_master(ps, lr=1e-3),
+    "adamw_bf16": lambda ps: tb.adamw_bf16(ps, lr=1e-3),
+    "master_weights(Adam)": lambda ps: tb.master_weights(torch.optim.Adam(ps, lr=1e-3)),
+    "scaled_adam": lambda ps: tb.scaled_adam(ps, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_loss_scaled_accumulation_skips_in_fp16_and_steps_in_fp32(name):
+  """Without fp32 accumulation the 16-bit sum overflows and every step at that
+  scale is skipped; with it the step sees the exact fp32 sum, unscaled."""
+  _, _, scaler = _run(OPTIMIZERS[name], fp32_accumulation=False, steps=1)
+  assert scaler.state_dict()["skipped_steps"] == 1
+  p, opt, scaler = _run(OPTIMIZERS[name], fp32_accumulation=True)
+  assert scaler.state_dict()["skipped_steps"] == 0
+  assert not torch.equal(p, torch.full((4,), 0.5, dtype=torch.float16))
+  assert getattr(p, "main_grad", None) is None  # zero_grad() freed it
+
+
+def test_the_step_equals_fp32_adam_on_the_fp32_sum():
+  """adam_fp32_master on the accumulated, unscaled main_grad is fp32 Adam on the true sum."""
+  p, opt, _ = _run(OPTIMIZERS["adam_fp32_master"], fp32_accumulation=True)
+  ref = torch.nn.Parameter(torch.full((4,), 0.5))
+  ref_opt = torch.optim.Adam([ref], lr=1e-3)
+  for _ in range(3):
+    ref.grad = torch.full((4,), float(MICRO))
+    ref_opt.step()
+  assert torch.equal(opt.state[p]["master"], ref.detach())
+
+
+def test_zero_grad_frees_or_zeroes_main_grad_and_clipping_reads_it():
+  p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+  opt = tb.adamw_bf16([p], lr=1e-3)
+  tb.accumulate_in_fp32([p])
+  _backward_micro_batches(p, 3.0, n=2)
+  scaler = tb.dynamic_loss_scale(enabled=False)
+  norm = scaler.clip_grad_norm_(opt, 1.0)  # clips main_grad: norm 2 * 3 * sqrt(4) = 12
+  assert float(norm) == 12.0
+  assert torch.allclose(p.main_grad, torch.full((4,), 0.5), atol=1e-6)
+  opt.zero_grad(set_to_none=False)
+  assert p.main_grad.tolist() == [0.0] * 4
+  opt.zero_grad()
+  assert getattr(p, "main_grad", None) is None
+
+
+def test_a_plain_optimizer_under_the_scaler_is_told_to_wrap():
+  p = torch.nn.Parameter(torch.ones(2, dtype=torch.float16))
+  opt = torch.optim.SGD([p], lr=0.1)
+  tb.accumulate_in_fp32([p])
+  scaler = tb.dynamic_loss_scale()
+  scaler.scale(p.float().sum()).backward()
+  with pytest.raises(TypeError, match="main_grad.*master_weights"):
+    scaler.step(opt)
+
+
+def test_resume_with_accumulation_is_exact():
+  """main_grad is not optimizer state: a checkpoint taken between steps resumes bit for bit."""
+  def make():
+    p = torch.nn.Parameter(torch.linspace(-1, 1, 6).to(torch.bfloat16))
+    return p, tb.adamw_bf16([p], lr=1e-2)
+
+  def steps(p, opt, start, n):
+    tb_handle = tb.accumulate_in_fp32([p])
+    for t in range(start, start + n):
+      for k in range(4):
+        (p.float() * (0.1 * (t + 1) + 0.01 * k)).sum().backward()
+      opt.step()
+      opt.zero_grad()
+    tb_handle.remove()
+
+  p, opt = make()
+  steps(p, opt, 0, 3)
+  ckpt = copy.deepcopy({"p": p.detach().clone(), "opt": opt.state_dict()})
+  steps(p, opt, 3, 3)
+  q, opt2 = make()
+  with torch.no_grad():
+    q.copy_(ckpt["p"])
+  opt2.load_state_dict(ckpt["opt"])
+  steps(q, opt2, 3, 3)
+  assert torch.equal(p, q)
+
+
+def test_a_compiled_model_accumulates_in_fp32():
+  model = torch.nn.Linear(4, 1).to(torch.float16)
+  handle = tb.accumulate_in_fp32(model.parameters())
+  compiled = torch.compile(model, backend="eager")
+  for _ in range(MICRO):
+    compiled(torch.ones(2, 4, dtype=torch.float16)).float().sum().mul(4096.0).backward()
+  assert model.weight.grad is None
+  assert model.weight.main_grad.tolist() == [[MICRO * 2 * 4096.0] * 4]
+  handle.remove()
+
+
+def _ddp_worker(rank, port, out):
+  import os  # noqa: PLC0415
+  import torch.distributed as dist  # noqa: PLC0415
+  os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+  dist.init_process_group("gloo", rank=rank, world_size=2)
+  torch.manual_seed(0)
+  model = torch.nn.Linear(4, 1).to(torch.bfloat16)
+  ddp = torch.nn.parallel.DistributedDataParallel(model)
+  handle = tb.accumulate_in_fp32(model.parameters())
+  opt = tb.adamw_bf16(model.parameters(), lr=1e-2)
+  x = torch.arange(16, dtype=torch.float32).reshape(4, 4).to(torch.bfloat16) / 16
+  with ddp.no_sync():  # nothing is reduced per micro-batch: the fp32 sums are, once
+    for k in range(2):
+      ddp(x[rank * 2 + k:rank * 2 + k + 1]).float().sum().backward()
+  handle.all_reduce()
+  out[rank] = model.weight.main_grad.clone()
+  opt.step()
+  dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes (gloo)
+def test_ddp_no_sync_then_all_reduce_averages_the_fp32_sums():
+  import socket  # noqa: PLC0415
+  import torch.multiprocessing as mp  # noqa: PLC0415
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  out = mp.Manager().dict()
+  mp.spawn(_ddp_worker, args=(port, out), nprocs=2, join=True)
+  x = (torch.arange(16, dtype=torch.float32).reshape(4, 4).to(torch.bfloat16) / 16).float()
+  expected = x.sum(0) / 2  # each rank's two rows summed, averaged over the ranks
+  assert torch.equal(out[0], out[1])
+  assert torch.allclose(out[0][0], expected)

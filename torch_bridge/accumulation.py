@@ -1,0 +1,128 @@
+"""Gradient accumulation in fp32 for 16-bit params (NeMo's ``main_grad``).
+
+Backward into a 16-bit ``p.grad`` adds micro-batch gradients in 16 bits:
+8 scaled fp16 gradients of 8192 sum to 65536, which is inf in fp16 (the
+whole step is then skipped), and bf16 sums lose low bits at every add.
+``accumulate_in_fp32(params)`` registers a post-accumulate-grad hook on each
+16-bit param that adds the fresh ``p.grad`` into an fp32 ``p.main_grad`` and
+frees ``p.grad``, so every micro-batch's gradient is rounded once, into fp32.
+
+torch_bridge's optimizers and wrappers step ``p.main_grad`` where a param
+has one (``_optim.grad_of``); the loss scaler unscales it in place, checks it
+for infs and clips it (``scaler.clip_grad_norm_``); ``optimizer.zero_grad()``
+frees it (or zeroes it, with ``set_to_none=False``), as it does ``p.grad``.
+A plain ``torch.optim`` optimizer does not read ``main_grad``: wrap it
+(``master_weights(optimizer)``).
+
+Under DDP, run every micro-batch in ``model.no_sync()`` and call
+``handle.all_reduce()`` before the step: the fp32 sums are averaged over the
+ranks once per step (without ``no_sync`` DDP would reduce each 16-bit
+micro-batch gradient after this hook has moved it). FSDP2 (DTensor params)
+reduces gradients itself and assigns them to the sharded params without the
+hooks firing: DTensor params are refused (fp32 accumulation under FSDP2 is
+not provided here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_bridge import _dist
+
+__all__ = ["accumulate_in_fp32", "FP32Accumulation"]
+
+
+def _accumulate(p: torch.Tensor) -> None:
+  """The hook: ``p.main_grad += widen(p.grad)`` (fp32 adds), then ``p.grad = None``."""
+  grad = p.grad
+  if grad is None:
+    return
+  with torch.no_grad():
+    main = getattr(p, "main_grad", None)
+    if main is None:
+      p.main_grad = grad.to(torch.float32, copy=True)
+    else:
+      main.add_(grad)  # fp32 += fp16/bf16: the 16-bit values widen exactly
+  p.grad = None
+
+
+class FP32Accumulation:
+  """What ``accumulate_in_fp32`` registered: ``remove()`` takes the hooks off,
+  ``all_reduce()`` averages ``main_grad`` over a process group (DDP).
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    >>> handle = tb.accumulate_in_fp32([p])
+    >>> handle.params == [p]
+    True
+    >>> handle.remove()
+  """
+
+  def __init__(self, params: list, hooks: list):
+    self.params = params
+    self._hooks = hooks
+
+  def remove(self) -> None:
+    """Removes the hooks (``main_grad`` already accumulated stays)."""
+    for hook in self._hooks:
+      hook.remove()
+    self._hooks = []
+
+  @torch.no_grad()
+  def all_reduce(self, group=None) -> None:
+    """Averages every ``p.main_grad`` over ``group`` (default: the world), in fp32."""
+    import torch.distributed as dist  # noqa: PLC0415
+    grads = [p.main_grad for p in self.params if getattr(p, "main_grad", None) is not None]
+    if not grads:
+      return
+    world = dist.get_world_size(group)
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat.div_(world)
+    offset = 0
+    for g in grads:
+      g.copy_(flat[offset:offset + g.numel()].view_as(g))
+      offset += g.numel()
+
+
+def accumulate_in_fp32(params) -> FP32Accumulation:
+  """Accumulates the gradients of 16-bit ``params`` in fp32 ``p.main_grad``.
+
+  Params of 32 bits or more, and params that do not require gradients, are
+  left as they are (their ``p.grad`` already accumulates in their dtype).
+
+  Args:
+    params: an iterable of tensors (``model.parameters()``).
+
+  Returns:
+    An ``FP32Accumulation`` handle (``remove()``, ``all_reduce()``).
+
+  Example:
+    >>> import torch, torch_bridge as tb
+    >>> p = torch.nn.Parameter(torch.zeros(1, dtype=torch.float16))
+    >>> handle = tb.accumulate_in_fp32([p])
+    >>> for _ in range(8):   # 8 scaled micro-batch gradients of 8192
+    ...   (p.float() * 8192).sum().backward()
+    >>> p.grad, p.main_grad.item()     # 65536: inf in fp16, exact in fp32
+    (None, 65536.0)
+
+  References:
+    NVIDIA NeMo's ``MainParamsOptimizerWrapper`` (``main_grad``); Micikevicius
+    et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_, ICLR 2018.
+  """
+  chosen, hooks = [], []
+  for position, p in enumerate(params):
+    if not isinstance(p, torch.Tensor):
+      raise TypeError(f"param {position} is a {type(p).__name__}, not a tensor.")
+    if _dist.is_dtensor(p):
+      raise ValueError(
+          f"param {position} is sharded (a DTensor, FSDP2): FSDP2 assigns reduced gradients "
+          "to its sharded params without the hooks fp32 accumulation needs, so it is not "
+          "supported under FSDP2 (its MixedPrecisionPolicy(reduce_dtype=...) sets the dtype "
+          "it reduces in).")
+    if not p.requires_grad or not p.is_floating_point() or p.element_size() >= 4:
+      continue
+    chosen.append(p)
+    hooks.append(p.register_post_accumulate_grad_hook(_accumulate))
+  return FP32Accumulation(chosen, hooks)
