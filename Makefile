@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test soak demo bench install clean
+.PHONY: test test-slow soak demo bench install clean
 
 # Reinstall only when the package metadata changes: a second `make test` is seconds.
 $(STAMP): pyproject.toml
@@ -15,13 +15,18 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-# Two pytest-xdist workers: most of the suite is single-threaded XLA compiles,
-# so on 2 cores two workers take about 18 min where one takes about 23.
+# Two pytest-xdist workers: most of the suite is single-threaded XLA compiles
+# and small torch steps, so two workers use both cores of a 2-core machine.
 # TEST_WORKERS=0 runs it in one process; the slowest tests are listed at the end.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+
+# The long runs (marker `slow`: training runs, 1000-step parity, the AVX2 build
+# of the kernel, the 8-device sharding run); CI runs them after `make test`.
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 -m slow $(PYTEST_ARGS)
 
 # Long-run soak (tests/test_soak.py, marker `soak`, not in `make test`): 100k steps
 # of every optimizer in JAX and torch; SOAK_STEPS=10000 make soak for a shorter one.

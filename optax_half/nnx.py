@@ -58,7 +58,9 @@ def apply_policy(model: nnx.Module, policy, *, keep_fp32=NORMS) -> nnx.Module:
     raise TypeError(f"apply_policy takes a Policy or a policy string; got {type(policy).__name__}.")
   keep = tuple(keep_fp32)
   kept_paths = set()
-  for path, module in model.iter_modules():
+  iter_modules = getattr(nnx, "iter_modules", None)  # the function in newer Flax
+  modules = iter_modules(model) if iter_modules else model.iter_modules()
+  for path, module in modules:
     fp32 = bool(keep) and isinstance(module, keep)
     if fp32:
       kept_paths.add(tuple(path))

@@ -2,10 +2,11 @@
 
 Run as a script in its own process: XLA_FLAGS must give the CPU 8 devices
 before JAX starts (``--xla_force_host_platform_device_count=8``). For each
-configuration in ``CONFIGS`` and each axis type it runs the same steps on the
-same params and gradients twice, on one device and sharded FSDP-style over a
-mesh of 8 (a 4 x 2 mesh for the 2-d configurations), and prints one JSON
-object per run (what the test asserts):
+configuration in ``CONFIGS`` it runs the same steps on the same params and
+gradients on one device (once: the reference of every run of the
+configuration) and, for each axis type, sharded FSDP-style over a mesh of 8
+(a 4 x 2 mesh for the 2-d configurations), and prints one JSON object per
+sharded run (what the test asserts):
 
 * ``init``, ``init_jit``, ``after``: the state leaves (by tree path) whose
   sharding differs from their param's, after an eager ``init``, a jitted
@@ -150,8 +151,7 @@ def counters(state) -> dict:
   return out
 
 
-def run_config(name: str, axis_type, two_d: bool) -> dict:
-  make, kind = CONFIGS[name]
+def _inputs(name: str):
   rng = np.random.default_rng(0)
   params = {k: jnp.asarray(rng.standard_normal(s), d) for k, (s, d) in SHAPES.items()}
   grads = [{k: jnp.asarray(rng.standard_normal(s) * 0.1, d) for k, (s, d) in SHAPES.items()}
@@ -159,17 +159,41 @@ def run_config(name: str, axis_type, two_d: bool) -> dict:
   if name in SKIPPING:  # in the last shard of "w": only one device sees it
     # (a NaN: a max all-reduce across the shards would drop it, the check must not be one)
     grads[NONFINITE_STEP]["w"] = grads[NONFINITE_STEP]["w"].at[-1, 3].set(jnp.nan)
+  return params, grads
+
+
+_ONE_DEVICE: dict = {}
+
+
+def one_device(name: str):
+  """The reference: the steps of ``name`` on one device (run once per
+  configuration; every axis type and mesh compares against it)."""
+  if name not in _ONE_DEVICE:
+    params, grads = _inputs(name)
+    tx = CONFIGS[name][0]()
+
+    @jax.jit
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    p1, s1 = params, tx.init(params)
+    for g in grads:
+      p1, s1 = step(p1, s1, g)
+    _ONE_DEVICE[name] = (p1, s1)
+  return _ONE_DEVICE[name]
+
+
+def run_config(name: str, axis_type, two_d: bool) -> dict:
+  make, kind = CONFIGS[name]
+  params, grads = _inputs(name)
   tx = make()
 
   def step(p, s, g):
     u, s = tx.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  # One device.
-  p1, s1 = params, tx.init(params)
-  one = jax.jit(step)
-  for g in grads:
-    p1, s1 = one(p1, s1, g)
+  p1, s1 = one_device(name)
 
   # Sharded.
   axes = ("data", "model") if two_d else ("data",)

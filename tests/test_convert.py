@@ -13,6 +13,8 @@ state survives JAX -> torch -> JAX unchanged, and a state that does not fit
 the optimizer is refused before anything is loaded.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +79,17 @@ PAIRS = {
 }
 
 
+@functools.cache
+def _jax_side(name):
+  """The JAX optimizer of a pair (with its loss scale) and its jitted step,
+  built and compiled once per process: every test of the pair steps it."""
+  make_tx, _, loss_scale, _ = PAIRS[name]
+  tx = make_tx()
+  if loss_scale:
+    tx = oh.dynamic_loss_scale(tx, **LOSS_SCALE)
+  return tx, jit_step(tx)
+
+
 def _params():
   rng = np.random.default_rng(0)
   return {k: jnp.asarray(rng.standard_normal(s), d) for k, (s, d) in SHAPES.items()}
@@ -96,8 +109,8 @@ def _torch_params(params):
   return [dlpack.to_torch(params[k]).clone().requires_grad_() for k in sorted(params)]
 
 
-def _run_jax(tx, params, state, grads):
-  step = jit_step(tx)
+def _run_jax(step, params, state, grads):
+  """``grads`` through ``step`` (a ``jit_step``), scaled by the state's loss scale."""
   for g in grads:
     scale = float(oh.loss_scale(state)) if _has_scale(state) else 1.0
     g = {k: jnp.asarray(v * np.float32(scale)).astype(params[k].dtype) for k, v in g.items()}
@@ -161,7 +174,7 @@ def _torch_snapshot(opt, params, scaler):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_jax_then_torch_equals_torch(name):
-  make_tx, make_opt, loss_scale, exact = PAIRS[name]
+  _, make_opt, loss_scale, exact = PAIRS[name]
   grads = _grads(name)
   params = _params()
   # 100 steps in torch.
@@ -171,10 +184,8 @@ def test_jax_then_torch_equals_torch(name):
   _run_torch(opt, tparams, scaler, grads)
   full = _torch_snapshot(opt, tparams, scaler)
   # 50 in JAX, move, 50 in torch.
-  tx = make_tx()
-  if loss_scale:
-    tx = oh.dynamic_loss_scale(tx, **LOSS_SCALE)
-  jparams, state = _run_jax(tx, params, tx.init(params), grads[:N])
+  tx, step = _jax_side(name)
+  jparams, state = _run_jax(step, params, tx.init(params), grads[:N])
   tparams = _torch_params(jparams)
   opt = make_opt(tparams)
   scaler = tb.dynamic_loss_scale(**LOSS_SCALE) if loss_scale else None
@@ -183,7 +194,7 @@ def test_jax_then_torch_equals_torch(name):
   moved = _torch_snapshot(opt, tparams, scaler)
   baseline = moved
   if not exact:  # all 100 steps in JAX, moved over at the end
-    jparams, state = _run_jax(tx, jparams, state, grads[N:])
+    jparams, state = _run_jax(step, jparams, state, grads[N:])
     tparams = _torch_params(jparams)
     opt = make_opt(tparams)
     convert.optax_state_to_torch(state, jparams, opt, scaler)
@@ -197,13 +208,11 @@ def test_jax_then_torch_equals_torch(name):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_torch_then_jax_equals_jax(name):
-  make_tx, make_opt, loss_scale, exact = PAIRS[name]
+  _, make_opt, loss_scale, exact = PAIRS[name]
   grads = _grads(name)
   params = _params()
-  tx = make_tx()
-  if loss_scale:
-    tx = oh.dynamic_loss_scale(tx, **LOSS_SCALE)
-  full_p, full_s = _run_jax(tx, params, tx.init(params), grads)
+  tx, step = _jax_side(name)
+  full_p, full_s = _run_jax(step, params, tx.init(params), grads)
   # 50 in torch, move, 50 in JAX.
   tparams = _torch_params(params)
   opt = make_opt(tparams)
@@ -211,7 +220,7 @@ def test_torch_then_jax_equals_jax(name):
   _run_torch(opt, tparams, scaler, grads[:N])
   jparams = {k: dlpack.to_jax(p.detach().clone()) for k, p in zip(sorted(params), tparams)}
   state = convert.torch_state_to_optax(opt, jparams, tx.init(jparams), scaler)
-  end_p, end_s = _run_jax(tx, jparams, state, grads[N:])
+  end_p, end_s = _run_jax(step, jparams, state, grads[N:])
   baseline = (end_p, end_s)
   if not exact:  # all 100 steps in torch, moved over at the end
     _run_torch(opt, tparams, scaler, grads[N:])
@@ -226,12 +235,10 @@ def test_torch_then_jax_equals_jax(name):
 
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_jax_torch_jax_round_trip_is_exact(name):
-  make_tx, make_opt, loss_scale, _ = PAIRS[name]
+  _, make_opt, loss_scale, _ = PAIRS[name]
   params = _params()
-  tx = make_tx()
-  if loss_scale:
-    tx = oh.dynamic_loss_scale(tx, **LOSS_SCALE)
-  jparams, state = _run_jax(tx, params, tx.init(params), _grads(name)[:7])
+  tx, step = _jax_side(name)
+  jparams, state = _run_jax(step, params, tx.init(params), _grads(name)[:7])
   tparams = _torch_params(jparams)
   opt = make_opt(tparams)
   scaler = tb.dynamic_loss_scale(**LOSS_SCALE) if loss_scale else None
@@ -246,7 +253,7 @@ def test_inside_optax_chain():
   """A chain with stateless parts (clipping) maps to the one torch optimizer."""
   params = _params()
   tx = optax.chain(optax.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))
-  jparams, state = _run_jax(tx, params, tx.init(params), _grads("chain")[:3])
+  jparams, state = _run_jax(jit_step(tx), params, tx.init(params), _grads("chain")[:3])
   opt = tb.adamw_bf16(_torch_params(jparams), 1e-3)
   convert.optax_state_to_torch(state, jparams, opt)
   back = convert.torch_state_to_optax(opt, jparams, tx.init(jparams))
@@ -256,8 +263,8 @@ def test_inside_optax_chain():
 
 def _moved_kahan_state():
   params = _params()
-  tx = oh.adamw_bf16(1e-3)
-  return _run_jax(tx, params, tx.init(params), _grads("x")[:3])
+  tx, step = _jax_side("adamw_bf16/kahan")  # oh.adamw_bf16(1e-3), compiled once
+  return _run_jax(step, params, tx.init(params), _grads("x")[:3])
 
 
 @pytest.mark.parametrize("make_opt,message", [

@@ -35,18 +35,23 @@ if not torch.distributed.is_available():  # pragma: no cover - depends on the bu
   pytest.skip("torch.distributed is not available", allow_module_level=True)
 
 import distributed_torch as dt  # noqa: E402
+from suite_helpers import once  # noqa: E402
 
 HERE = Path(__file__).parent
 CONFIGS = list(dt._optimizers())
 RUNS = [(c, s) for c in CONFIGS for s in (("fsdp", "strided") if c in dt.STRIDED else ("fsdp",))]
 
 
-@pytest.fixture(scope="module")
-def rows():
+def _run(_):
   out = subprocess.run([sys.executable, str(HERE / "distributed_torch.py")],
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-4000:]
-  found = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+  return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def rows(tmp_path_factory):
+  found = once(tmp_path_factory, "distributed_torch", _run)  # one run, shared by the workers
   return {(r["check"], r.get("config")): r for r in found}
 
 

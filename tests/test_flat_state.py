@@ -6,7 +6,11 @@ Its params and (unpacked) state equal the tree layout's bit for bit: through
 fp32 gradients, inside ``dynamic_loss_scale`` and with ``skip_nonfinite``, on
 the one-call native path (CPU, every leaf bf16) and on the tree path it falls
 back to (mixed trees; off CPU, tested here with the kernel unavailable).
+``make test`` runs part of a parametrized test's cases (each says which and
+why), ``make test-slow`` (marker ``slow``, as CI does) the others.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +22,7 @@ import optax_half as oh
 from optax_half import _flat
 from optax_half import _native as jax_native
 from conftest import bitwise_equal
+from suite_helpers import default_or_slow
 
 # 3 * 2^16 + 5 elements: the one call splits the leaves' concatenation over
 # threads at an odd boundary inside a leaf.
@@ -40,6 +45,16 @@ def _tree(seed, scale, dtypes=None):
   dtypes = dtypes or [jnp.bfloat16] * len(SHAPES)
   return {f"p{i}": jnp.asarray(rng.standard_normal(s) * scale, d)
           for i, (s, d) in enumerate(zip(SHAPES, dtypes))}
+
+
+
+
+def _pairwise(names):
+  """Two (name, in_place, gradients) cases per name, alternating so that
+  every pair of values (name and in_place, name and gradients, in_place and
+  gradients) is in one: ``i`` picks the gradients of the in-place case."""
+  return [c for i, n in enumerate(names)
+          for c in ((n, True, i % 2), (n, False, 1 - i % 2))]
 
 
 def _run(tx, params, grads, in_place, scale=1.0, state=None):
@@ -72,21 +87,35 @@ def _unpacked(tx_tree, params, flat_state):
   return _flat.unpack(flat_state, _flat.template(tx_tree.init, params))
 
 
+@functools.cache
+def _tree_run(name, in_place, grad_dtype):
+  """``CONFIGS[name]``'s tree-layout run from ``_tree(0, 1.0)`` with
+  ``_grads(grad_dtype)``: the reference of every test here that runs it."""
+  return _run(CONFIGS[name](), _tree(0, 1.0), _grads(grad_dtype), in_place)
+
+
 def _flat_calls(tx, params) -> tuple:
-  """(flat calls, per-leaf calls) in the jitted in-place step's HLO."""
-  state = tx.init(params)
+  """(flat calls, per-leaf calls) in the jitted in-place step's HLO (the
+  state only traced: an eager init compiles its ops for each new shape)."""
+  state = jax.eval_shape(tx.init, params)
   text = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p)).lower(
       params, state, params).as_text()
   flat = text.count(jax_native.FLAT_TARGET)
   return flat, text.count(jax_native.TARGET) - flat
 
 
-@pytest.mark.parametrize("grad_dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("name", list(CONFIGS))
+_GRADS = (jnp.bfloat16, jnp.float32)
+_CASES = [(n, i, g) for n in CONFIGS for i in (False, True) for g in _GRADS]
+
+
+# Every buffer of the flat kernel (each compensation, fp32 moments, the fp32
+# master) through tx.update and in place, bf16 and fp32 gradients: each pair
+# of these in make test, every combination in make test-slow.
+@pytest.mark.parametrize("name, in_place, grad_dtype", default_or_slow(
+    _CASES, [(n, i, _GRADS[g]) for n, i, g in _pairwise(CONFIGS)]))
 def test_flat_state_steps_equal_the_tree_layout(name, in_place, grad_dtype):
   params, grads = _tree(0, 1.0), _grads(grad_dtype)
-  tree_p, tree_s = _run(CONFIGS[name](), params, grads, in_place)
+  tree_p, tree_s = _tree_run(name, in_place, grad_dtype)
   flat_p, flat_s = _run(CONFIGS[name](flat_state=True), params, grads, in_place)
   _same(flat_p, tree_p)
   _same(_unpacked(CONFIGS[name](), params, flat_s), tree_s)
@@ -122,14 +151,18 @@ F16_CONFIGS = {
 }
 
 
+_F16_GRADS = (jnp.float16, jnp.float32)
+_F16_CASES = [(n, i, g) for n in F16_CONFIGS for i in (False, True) for g in _F16_GRADS]
+
+
 @pytest.mark.skipif(not jax_native.available() or jax.default_backend() != "cpu",
                     reason="the native kernel runs on CPU")
-@pytest.mark.parametrize("grad_dtype", [jnp.float16, jnp.float32])
-@pytest.mark.parametrize("in_place", [False, True])
-@pytest.mark.parametrize("name", list(F16_CONFIGS))
+@pytest.mark.parametrize("name, in_place, grad_dtype", default_or_slow(
+    _F16_CASES, [(n, i, _F16_GRADS[g]) for n, i, g in _pairwise(F16_CONFIGS)]))
 def test_fp16_params_step_a_flat_state_in_one_call(name, in_place, grad_dtype):
   """fp16 params (fp16 or fp32 moments, an fp16 Kahan buffer or an fp32
-  master, where the kernel has fp16): one flat call, the tree layout's bits."""
+  master, where the kernel has fp16): one flat call, the tree layout's bits.
+  (The calls are those of the in-place case: its gradients do not change them.)"""
   if not jax_native.has_f16():
     pytest.skip("JAX's kernel has fp16 params where the CPU has F16C")
   dtypes = [jnp.float16] * len(SHAPES)
@@ -139,45 +172,62 @@ def test_fp16_params_step_a_flat_state_in_one_call(name, in_place, grad_dtype):
   flat_p, flat_s = _run(make(flat_state=True), params, grads, in_place)
   _same(flat_p, tree_p)
   _same(_unpacked(make(), params, flat_s), tree_s)
-  assert _flat_calls(make(flat_state=True), params) == (1, 0)
-  # fp16 beside bf16: two dtypes, the tree layout's calls between unpack and pack.
-  mixed = {**params, "b": jnp.ones(3, jnp.bfloat16)}
-  assert _flat_calls(make(flat_state=True), mixed) == (0, 2)
+  if in_place:
+    assert _flat_calls(make(flat_state=True), params) == (1, 0)
+    # fp16 beside bf16: two dtypes, the tree layout's calls between unpack and pack.
+    mixed = {**params, "b": jnp.ones(3, jnp.bfloat16)}
+    assert _flat_calls(make(flat_state=True), mixed) == (0, 2)
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_mixed_trees_and_the_path_without_the_kernel_equal_the_tree_layout(kernel, monkeypatch):
+# The kernel's run of an all-bf16 tree is the one flat call, which
+# test_flat_state_steps_equal_the_tree_layout runs from the same params and
+# gradients (kahan and adam_fp32_master, in place, fp32 gradients): not again.
+# The mixed tree without the kernel takes the same unpack / step / pack path
+# as with it and as the all-bf16 tree without it: make test-slow.
+@pytest.mark.parametrize("kernel, tree", default_or_slow(
+    [("kernel", "mixed"), ("no kernel", "bf16"), ("no kernel", "mixed")],
+    [("kernel", "mixed"), ("no kernel", "bf16")]))
+def test_mixed_trees_and_the_path_without_the_kernel_equal_the_tree_layout(kernel, tree,
+                                                                           monkeypatch):
   """fp32, fp16 and integer leaves beside bf16 ones (the flat arrays hold one
   dtype each, integer leaves none), and every leaf bf16 with the kernel
   unavailable: the unpack / tree step / pack path that runs off CPU."""
-  if not kernel:
+  if kernel == "no kernel":
     monkeypatch.setattr(jax_native, "available", lambda: False)
-  dtypes = [jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.bfloat16]
-  for d in (dtypes, None):
-    params = _tree(0, 1.0, d)
-    grads = _grads(jnp.float32, d, steps=3)
-    for make in (CONFIGS["kahan"], CONFIGS["adam_fp32_master"]):
-      tree_p, tree_s = _run(make(), params, grads, True)
-      flat_p, flat_s = _run(make(flat_state=True), params, grads, True)
-      _same(flat_p, tree_p)
-      _same(_unpacked(make(), params, flat_s), tree_s)
+  d = [jnp.bfloat16, jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32, jnp.bfloat16] if (
+      tree == "mixed") else None
+  params = _tree(0, 1.0, d)
+  grads = _grads(jnp.float32, d, steps=3)
+  for make in (CONFIGS["kahan"], CONFIGS["adam_fp32_master"]):
+    tree_p, tree_s = _run(make(), params, grads, True)
+    flat_p, flat_s = _run(make(flat_state=True), params, grads, True)
+    _same(flat_p, tree_p)
+    _same(_unpacked(make(), params, flat_s), tree_s)
 
 
-def test_dynamic_loss_scale_and_skip_nonfinite_with_a_flat_state():
+_WRAPPED = {
+    "dynamic_loss_scale": (lambda **k: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2, **k),
+                                                              init_scale=2.0**10), 2.0**10),
+    "skip_nonfinite": (lambda **k: oh.adam_fp32_master(1e-2, skip_nonfinite=True, **k), 1.0),
+}
+
+
+# The flat call scales and skips as the tree one, in place or not (the test
+# above has both): make test shows each wrapper once, make test-slow the rest.
+@pytest.mark.parametrize("wrapper, in_place", default_or_slow(
+    [(w, i) for w in _WRAPPED for i in (False, True)],
+    [("dynamic_loss_scale", True), ("skip_nonfinite", False)]))
+def test_dynamic_loss_scale_and_skip_nonfinite_with_a_flat_state(wrapper, in_place):
   params = _tree(0, 1.0)
   grads = _grads(jnp.bfloat16)
   grads[1] = {**grads[1], "p3": grads[1]["p3"].at[7].set(jnp.nan)}  # skipped
-  configs = [
-      (lambda **k: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2, **k), init_scale=2.0**10), 2.0**10),
-      (lambda **k: oh.adam_fp32_master(1e-2, skip_nonfinite=True, **k), 1.0)]
-  for make, scale in configs:
-    for in_place in (False, True):
-      tree_p, tree_s = _run(make(), params, grads, in_place, scale)
-      flat_p, flat_s = _run(make(flat_state=True), params, grads, in_place, scale)
-      _same(flat_p, tree_p)
-      _same(_unpacked(make(), params, flat_s), tree_s)
-      assert not all(bitwise_equal(a, b) for a, b in
-                     zip(jax.tree.leaves(flat_p), jax.tree.leaves(params)))
+  make, scale = _WRAPPED[wrapper]
+  tree_p, tree_s = _run(make(), params, grads, in_place, scale)
+  flat_p, flat_s = _run(make(flat_state=True), params, grads, in_place, scale)
+  _same(flat_p, tree_p)
+  _same(_unpacked(make(), params, flat_s), tree_s)
+  assert not all(bitwise_equal(a, b) for a, b in
+                 zip(jax.tree.leaves(flat_p), jax.tree.leaves(params)))
 
 
 def test_flat_state_needs_params_and_takes_empty_trees():
@@ -203,11 +253,15 @@ def test_convert_refuses_a_flat_state_clearly():
     convert.torch_state_to_optax(opt, params, state)
 
 
-@pytest.mark.parametrize("name", ["kahan", "stochastic", "adam_fp32_master"])
+# relayout_state moves every param-shaped tree of a state alike: a Kahan
+# state's shows it in make test (adam_fp32_master's master also in the
+# multi_transform test below), the others in make test-slow.
+@pytest.mark.parametrize("name", default_or_slow(
+    [("kahan",), ("stochastic",), ("adam_fp32_master",)], [("kahan",)]))
 def test_relayout_state_continues_the_same_run_in_the_other_layout(name):
   params, grads = _tree(0, 1.0), _grads(jnp.bfloat16)
   tree_tx, flat_tx = CONFIGS[name](), CONFIGS[name](flat_state=True)
-  want_p, want_s = _run(tree_tx, params, grads, in_place=True)
+  want_p, want_s = _tree_run(name, True, jnp.bfloat16)
   half = STEPS // 2
   for first, second in ((tree_tx, flat_tx), (flat_tx, tree_tx)):
     p, s = _run(first, params, grads[:half], in_place=True)

@@ -18,6 +18,9 @@ automatic axis types. Asserted here, per run:
   partitioning rule; the composed transformation runs on several devices);
 * sharded optimizer states checkpoint and resume bit for bit with
   ``optax_half.checkpoint`` (Orbax), and move between one device and the mesh.
+
+The subprocess compiles some 120 sharded programs (minutes on 2 cores): it is
+marked ``slow`` (``make test-slow``, run by CI) and runs once per session.
 """
 
 import json
@@ -29,22 +32,28 @@ from pathlib import Path
 import pytest
 
 import sharded_jax as sj
+from suite_helpers import once
 
 from optax_half import _util
 
 HERE = Path(__file__).parent
+pytestmark = pytest.mark.slow
 
 RUNS = [(name, axis, mesh) for name in sj.CONFIGS for axis, mesh in
         [("Explicit", "8"), ("Auto", "8")] + ([("Explicit", "4x2")] if name in sj.MESH_2D else [])]
 
 
-@pytest.fixture(scope="module")
-def results():
+def _run(_):
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   out = subprocess.run([sys.executable, str(HERE / "sharded_jax.py")], env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-4000:]
-  rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+  return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  rows = once(tmp_path_factory, "sharded_jax", _run)  # one run, whichever worker asks first
   runs = {(r["config"], r["axis_type"].split(".")[-1], r["mesh"]): r
           for r in rows if "config" in r}
   runs.update({r["checkpoint"]: r for r in rows if "checkpoint" in r})
