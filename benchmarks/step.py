@@ -28,8 +28,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 import optax
+from flax import nnx
+from flax.training import train_state
 
 import optax_half as oh
+import optax_half.nnx  # noqa: F401 - oh.nnx.Optimizer
+import optax_half.train_state  # noqa: F401 - oh.train_state.TrainState
 import optax_half_native as native
 from benchmarks import common
 
@@ -87,17 +91,76 @@ CLIPPED = {f"{module}.clip_by_global_norm + kahan{IN_PLACE_SUFFIX}":
                                      ("oh", oh.clip_by_global_norm))}
 
 
+# The steps Flax users write: nnx.Optimizer.update(model, grads) in an
+# nnx.jit with the model, optimizer and gradients donated, and
+# TrainState.apply_gradients in a jax.jit with the state and gradients
+# donated; with Flax's classes (tx.update + optax.apply_updates) and with
+# optax_half's drop-ins (oh.nnx.Optimizer, oh.train_state.TrainState:
+# update_and_apply). The name's first word is the class.
+FLAX = {
+    "nnx.Optimizer optax.adamw fp32": (jnp.float32, lambda lr: optax.adamw(lr), "nnx"),
+    "nnx.Optimizer adamw_bf16 kahan": (jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "nnx"),
+    "oh.nnx.Optimizer adamw_bf16 kahan": (jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "oh.nnx"),
+    "oh.nnx.Optimizer adamw_bf16 stochastic": (
+        jnp.bfloat16, lambda lr: oh.adamw_bf16(lr, compensation="stochastic"), "oh.nnx"),
+    "oh.nnx.Optimizer adam_fp32_master": (jnp.bfloat16, lambda lr: oh.adam_fp32_master(lr),
+                                          "oh.nnx"),
+    "oh.nnx.Optimizer oh.chain(oh.clip_by_global_norm + kahan)": (
+        jnp.bfloat16, lambda lr: oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(lr)),
+        "oh.nnx"),
+    "oh.nnx.Optimizer dynamic_loss_scale(adamw_bf16 kahan)": (
+        jnp.bfloat16, lambda lr: oh.dynamic_loss_scale(oh.adamw_bf16(lr)), "oh.nnx"),
+    "TrainState optax.adamw fp32": (jnp.float32, lambda lr: optax.adamw(lr), "train_state"),
+    "oh.TrainState adamw_bf16 kahan": (jnp.bfloat16, lambda lr: oh.adamw_bf16(lr),
+                                       "oh.train_state"),
+}
+
+
+FLAX_MODES = ("nnx", "oh.nnx", "train_state", "oh.train_state")
+
+
 def all_candidates(lr=1e-3):
   """(dtype, tx, mode) by name: every candidate (mode False: tx.update and
   apply_updates), then the in-place steps (True: update_and_apply), the
-  clipped in-place steps, then the floor ("identity")."""
+  clipped in-place steps, the floor ("identity"), then the Flax steps (mode:
+  "nnx", "oh.nnx", "train_state" or "oh.train_state")."""
   out = {name: (dtype, tx, False) for name, (dtype, tx) in candidates(lr).items()}
   for name in IN_PLACE:
     out[name + IN_PLACE_SUFFIX] = (*out[name][:2], True)
   for name, clip in CLIPPED.items():
     out[name] = (jnp.bfloat16, oh.chain(clip(1.0), oh.adamw_bf16(lr)), True)
   out[FLOOR] = (*out["adamw_bf16 kahan"][:2], "identity")
+  for name, (dtype, make, mode) in FLAX.items():
+    out[name] = (dtype, make(lr), mode)
   return out
+
+
+class _Tree(nnx.Module):
+  """An NNX module whose params are a tree's leaves, by the tree's keys."""
+
+  def __init__(self, tree):
+    for k, v in tree.items():
+      setattr(self, k, nnx.Param(v))
+
+
+def flax_step(mode, tx, params, grads):
+  """(params-like, state-like, grads, step, lowered) of a Flax step: the
+  harness calls ``step(a, b, g)`` and gets back the next ``(a, b)``."""
+  if mode in ("nnx", "oh.nnx"):
+    model = _Tree(params)
+    cls = oh.nnx.Optimizer if mode == "oh.nnx" else nnx.Optimizer
+    optimizer = cls(model, tx, wrt=nnx.Param)
+    g = nnx.state(_Tree(grads), nnx.Param)
+    jitted = nnx.jit(lambda m, o, g: o.update(m, g) and None, donate_argnums=(0, 1, 2))
+
+    def step(m, o, g):
+      jitted(m, o, g)
+      return m, o
+    return model, optimizer, g, step, jitted.lower(model, optimizer, g)
+  cls = oh.train_state.TrainState if mode == "oh.train_state" else train_state.TrainState
+  state = cls.create(apply_fn=None, params=params, tx=tx)
+  jitted = jax.jit(lambda st, g: st.apply_gradients(grads=g), donate_argnums=(0, 1))
+  return state, None, grads, lambda st, _, g: (jitted(st, g), None), jitted.lower(state, grads)
 
 
 # The yardsticks' steps, each writing into a donated buffer. The copy's
@@ -168,6 +231,7 @@ def main(argv=None):
     grads = jax.tree.map(lambda x: (x * 0.1).astype(
         jnp.float32 if args.grads == "in-step" else dtype), tree32)
     state = tx.init(params)
+    persistent = nbytes(params) + nbytes(state)
 
     def step(p, s, g, tx=tx, in_place=in_place):
       if args.grads == "in-step":  # g: fp32 coefficients c of the loss sum(p * c)
@@ -180,6 +244,9 @@ def main(argv=None):
       u, s = tx.update(g, s, p)
       return optax.apply_updates(p, u), s
 
+    flax_mode = in_place in FLAX_MODES
+    if flax_mode and args.grads == "in-step":
+      continue  # the Flax steps take their gradients as input
     start = time.perf_counter()
     with warnings.catch_warnings():
       # Gradients are donated so that their memory is free for the step's
@@ -187,22 +254,29 @@ def main(argv=None):
       # step, every step whose params and state are donated as well) they
       # simply die, which is what a training step does with them too.
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-      fn = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, grads).compile()
+      if flax_mode:
+        a, b, g, fn, lowered = flax_step(in_place, tx, params, grads)
+        compiled = lowered.compile()
+        for _ in range(2):  # warm-up; nnx.jit and jax.jit compile again on the first call
+          a, b = fn(a, b, fresh(g))
+        params, state, grads = a, b, g
+      else:
+        fn = compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
+            params, state, grads).compile()
     compile_s = time.perf_counter() - start
-    cost = fn.cost_analysis()
+    cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    persistent = nbytes(params) + nbytes(state)
     runs[name] = dict(fn=fn, params=params, state=state, grads=grads, times=[],
                       setup_s=compile_s, bytes_per_param=(persistent + nbytes(grads)) / n,
-                      moved_per_param=0.0 if in_place == "identity"
                       # clipped: the norm reads the gradients once more
-                      else (2 * persistent + nbytes(grads) * (2 if name in CLIPPED else 1)) / n,
+                      moved_per_param=0.0 if in_place == "identity" else (
+                          2 * persistent + nbytes(grads) * (2 if "clip" in name else 1)) / n,
                       extra=dict(xla_bytes_accessed_per_param=float(cost.get("bytes accessed", 0))
                                  / n,
-                                 xla_temp_bytes_per_param=fn.memory_analysis().temp_size_in_bytes
-                                 / n))
+                                 xla_temp_bytes_per_param=(
+                                     compiled.memory_analysis().temp_size_in_bytes / n)))
     r = runs[name]
-    for _ in range(2):  # warm-up
+    for _ in range(0 if flax_mode else 2):  # warm-up (the Flax steps': above)
       r["params"], r["state"] = fn(r["params"], r["state"], fresh(grads))
     jax.block_until_ready(r["params"])
 

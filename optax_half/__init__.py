@@ -58,10 +58,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-  # optax_half.nnx needs Flax: imported on first use, not with the package.
-  if name == "nnx":
+  # optax_half.nnx and optax_half.train_state need Flax: imported on first
+  # use, not with the package.
+  if name in ("nnx", "train_state"):
     import importlib  # noqa: PLC0415
-    return importlib.import_module("optax_half.nnx")
+    return importlib.import_module(f"optax_half.{name}")
   raise AttributeError(f"module 'optax_half' has no attribute {name!r}")
 
 

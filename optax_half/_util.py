@@ -9,6 +9,39 @@ import optax
 
 from optax_half import _in_place, rounding
 
+
+def is_abstract(tree) -> bool:
+  """Whether any leaf of ``tree`` is a ``jax.ShapeDtypeStruct``."""
+  return any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree))
+
+
+def check_no_complex(name: str, params) -> None:
+  """Raises a ``ValueError`` naming the first complex leaf of ``params``: the
+  low-precision optimizers and wrappers are written for real floats (a
+  complex leaf would lose its imaginary part, or get no update)."""
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
+    if jnp.issubdtype(dtype, jnp.complexfloating):
+      raise ValueError(
+          f"{name}: params{jax.tree_util.keystr(path)} is {np.dtype(dtype).name}; complex "
+          "params are not supported. Keep the real and imaginary parts as two real leaves, "
+          "or step this leaf with another optimizer (optax.multi_transform).")
+
+
+def transformation(init, update,
+                   name: str | None = None) -> optax.GradientTransformationExtraArgs:
+  """``optax.GradientTransformationExtraArgs(init, update)`` whose ``init``
+  also takes abstract params (``jax.ShapeDtypeStruct`` leaves, as sharding
+  setup code passes): it then returns the abstract state, as
+  ``jax.eval_shape(init, params)`` does (a master copy of abstract params has
+  no values). ``update`` takes ``**extra_args``. With ``name``, ``init``
+  refuses complex params (``check_no_complex``)."""
+  def init_any(params):
+    if name is not None:
+      check_no_complex(name, params)
+    return jax.eval_shape(init, params) if is_abstract(params) else init(params)
+  return optax.GradientTransformationExtraArgs(init_any, update)
+
 try:
   from jax.experimental.shard_alike import shard_alike
 except ImportError:  # JAX 0.11 has no shard_alike: state then takes XLA's own sharding
@@ -263,7 +296,7 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
     return guarded(check(updates), state,
                    lambda: inner.update(updates, state.inner_state, params, **extra_args))
 
-  out = optax.GradientTransformationExtraArgs(init, update)
+  out = transformation(init, update)
   if update_and_apply is None:
     return out
 

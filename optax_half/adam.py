@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import optax
 
 from optax_half import _native, rounding, wrappers
-from optax_half._util import (check_no_float64, check_trees, leaf_indices,
-                              like_param, maybe_skip_nonfinite, seed_from_key, unzip,
+from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_param,
+                              maybe_skip_nonfinite, seed_from_key, transformation, unzip,
                               zeros_like_param)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
@@ -216,7 +216,8 @@ def scale_by_adamw(
     return ScaleByAdamWState(jnp.zeros([], jnp.int32), mu, nu,
                              seed_from_key(key))
 
-  def update(updates, state, params=None):
+  def update(updates, state, params=None, **extra_args):
+    del extra_args
     if params is None and not _is_zero(weight_decay):
       raise ValueError("scale_by_adamw with weight_decay needs params.")
     if params is not None:
@@ -251,7 +252,7 @@ def scale_by_adamw(
     u, mu, nu = unzip(updates, out, 3)
     return u, ScaleByAdamWState(count, mu, nu, state.seed)
 
-  return optax.GradientTransformation(init, update)
+  return transformation(init, update, "scale_by_adamw")
 
 
 def adam_fp32_master(
@@ -327,7 +328,7 @@ def adam_fp32_master(
   init, update, update_and_apply, scaled = _native.fused(
       "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.init, tx.update,
       flat_state)
-  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
+  return maybe_skip_nonfinite(transformation(init, update, "adam_fp32_master"),
                               skip_nonfinite, update_and_apply, scaled, _native.all_finite)
 
 
@@ -455,5 +456,5 @@ def adamw_bf16(
   init, update, update_and_apply, scaled = _native.fused(
       compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, init, tx.update,
       flat_state)
-  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
+  return maybe_skip_nonfinite(transformation(init, update, "adamw_bf16"),
                               skip_nonfinite, update_and_apply, scaled, _native.all_finite)

@@ -124,8 +124,13 @@ def save(directory: str | os.PathLike, state: Any, *, force: bool = False) -> No
     ['step_0']
   """
   ocp = _orbax()
+  directory = os.path.abspath(directory)
+  if os.path.exists(directory) and not force:
+    raise FileExistsError(
+        f"save: {directory} already exists; pass force=True to overwrite it, or save each "
+        "step to its own directory (e.g. .../step_1000).")
   checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.abspath(directory), state, force=force)
+  checkpointer.save(directory, state, force=force)
   checkpointer.wait_until_finished()
 
 
@@ -167,6 +172,12 @@ def restore(directory: str | os.PathLike, like: Any) -> Any:
   """
   ocp = _orbax()
   directory = os.path.abspath(directory)
+  if not os.path.isdir(directory):
+    raise FileNotFoundError(f"restore: no checkpoint directory {directory}.")
   checkpointer = ocp.StandardCheckpointer()
-  check(checkpointer.metadata(directory).item_metadata.tree, like)
+  metadata = checkpointer.metadata(directory).item_metadata
+  if metadata is None:
+    raise FileNotFoundError(
+        f"restore: {directory} holds no checkpoint written by optax_half.checkpoint.save.")
+  check(metadata.tree, like)
   return checkpointer.restore(directory, jax.tree.map(_target, like))

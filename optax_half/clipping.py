@@ -85,8 +85,8 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
     (the transformation this reproduces bit for bit)
   """
 
-  def update_fn(updates, state, params=None):
-    del params
+  def update_fn(updates, state, params=None, **extra_args):
+    del params, extra_args
     g_norm = _tree_norm(updates)
     trigger = jnp.squeeze(g_norm < max_norm)
     if jnp.ndim(trigger) != 0:
@@ -101,4 +101,4 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
 
     return jax.tree.map(clip_fn, updates), state
 
-  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)

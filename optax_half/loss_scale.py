@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from optax_half import _in_place, _native
-from optax_half._util import if_finite, skipped, unscaled
+from optax_half._util import if_finite, skipped, transformation, unscaled
 
 __all__ = [
     "DynamicLossScaleState",
@@ -246,7 +246,7 @@ def dynamic_loss_scale(
   def update_fn(updates, state, params=None, **extra_args):
     return step(False, updates, state, params, extra_args)
 
-  tx = optax.GradientTransformationExtraArgs(init_fn, update_fn)
+  tx = transformation(init_fn, update_fn)
   if inner_step is None:
     return tx
 

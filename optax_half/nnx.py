@@ -1,4 +1,5 @@
-"""Flax NNX helpers: a mixed-precision policy applied to a model's layers.
+"""Flax NNX helpers: an ``nnx.Optimizer`` that steps in place, and a
+mixed-precision policy applied to a model's layers.
 
 Imported on demand (``optax_half.nnx``), so ``optax_half`` itself does not
 need Flax.
@@ -10,9 +11,80 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from optax_half._in_place import update_and_apply
 from optax_half.policy import Policy, get_policy
 
-__all__ = ["apply_policy", "NORMS"]
+__all__ = ["Optimizer", "apply_policy", "NORMS"]
+
+def _pure(tree):
+  as_pure = getattr(nnx, "as_pure", None)  # Variables -> arrays, in newer Flax
+  return as_pure(tree) if as_pure is not None else tree
+
+
+def _changes(new, old):
+  """``new - old`` per leaf, in fp32 for 16-bit leaves (exact there)."""
+  def change(n, o):
+    if jnp.issubdtype(n.dtype, jnp.floating) and jnp.finfo(n.dtype).bits < 32:
+      return n.astype(jnp.float32) - o.astype(jnp.float32)
+    return n - o
+  return jax.tree.map(change, new, old)
+
+
+class Optimizer(nnx.Optimizer):
+  """``flax.nnx.Optimizer`` whose ``update`` steps the params in place.
+
+  The same constructor, attributes and state as ``nnx.Optimizer`` (its
+  checkpoints, sharding and ``nnx.state`` are unchanged), and the same
+  bits after ``update``; ``update`` runs ``oh.update_and_apply`` instead of
+  ``tx.update`` and ``optax.apply_updates``, so ``adamw_bf16`` and
+  ``adam_fp32_master`` (also inside ``dynamic_loss_scale``, or last in
+  ``oh.chain``, e.g. after ``oh.clip_by_global_norm``) write the new params
+  straight into the model's buffers on CPU. Donate the model and the
+  optimizer to the jitted step (``nnx.jit(..., donate_argnums=(0, 1))``)
+  or XLA copies every param and state buffer before the kernel writes it.
+
+  ``update`` returns the change of each param (``new - old``, in fp32 for
+  16-bit params), as ``nnx.Optimizer.update`` returns the updates; under
+  ``jit`` it costs nothing unless it is used.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import optax_half as oh
+    >>> model = nnx.Linear(3, 2, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    >>> optimizer = oh.nnx.Optimizer(model, oh.adamw_bf16(1e-3), wrt=nnx.Param)
+    >>> @nnx.jit(donate_argnums=(0, 1))
+    ... def train_step(model, optimizer, x):
+    ...   grads = nnx.grad(lambda m: (m(x).astype(jnp.float32) ** 2).mean())(model)
+    ...   optimizer.update(model, grads)
+    >>> train_step(model, optimizer, jnp.ones((4, 3), jnp.bfloat16))
+    >>> int(optimizer.step[...]), model.kernel[...].dtype
+    (1, dtype(bfloat16))
+  """
+
+  def update(self, model, grads, /, **kwargs):
+    """One step: ``model``'s ``wrt`` params and this optimizer's state.
+
+    Args:
+      model: the module whose params are stepped (as for ``nnx.Optimizer``).
+      grads: the gradients, from ``nnx.grad`` with the same ``wrt``.
+      **kwargs: passed on to ``tx.update``.
+
+    Returns:
+      The change of each stepped param (see the class docstring).
+    """
+    graph = {"graph": self.graph} if hasattr(self, "graph") else {}
+    params = _pure(nnx.state(model, self.wrt, **graph))
+    grads = _pure(nnx.state(grads, self.wrt, **graph))
+    opt_state = _pure(self.opt_state)
+    new_params, new_opt_state = update_and_apply(self.tx, grads, opt_state, params,
+                                                 **_pure(kwargs))
+    changes = _changes(new_params, params)
+    nnx.update(model, new_params)
+    nnx.update(self.opt_state, nnx.state(new_opt_state, **graph))
+    self.step[...] += 1
+    return changes
+
 
 # Normalization layers: their statistics and scales stay fp32 by default
 # (a variance in bf16 or fp16 loses what the normalization is for).

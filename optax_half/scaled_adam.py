@@ -38,7 +38,7 @@ from optax import MaskedNode
 
 from optax_half import rounding
 from optax_half._util import (check_no_float64, check_trees, is_float, maybe_skip_nonfinite,
-                              zeros_like_param)
+                              transformation, zeros_like_param)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
 
@@ -175,10 +175,14 @@ def _is_scalar(p) -> bool:
 
 
 def leaf_names(params) -> list[str]:
-  """Dotted names of the float leaves, in flatten order (``"layer.w"``, ``"blocks.0.b"``)."""
+  """Dotted names of the float leaves, in flatten order (``"layer.w"``,
+  ``"blocks.0.b"``). A Flax NNX variable's array (the attribute ``value`` of
+  an ``nnx.Param``) is named by the variable: ``"linear.kernel"``."""
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if is_float(leaf):
+      if path and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == "value":
+        path = path[:-1]
       out.append(jax.tree_util.keystr(path, simple=True, separator="."))
   return out
 
@@ -475,7 +479,7 @@ def scaled_adam(
     due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
     jax.lax.cond(due, lambda: jax.debug.callback(host_log, t, c), lambda: None)
 
-  return maybe_skip_nonfinite(optax.GradientTransformationExtraArgs(init, update),
+  return maybe_skip_nonfinite(transformation(init, update, "scaled_adam"),
                               skip_nonfinite)
 
 

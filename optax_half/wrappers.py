@@ -36,7 +36,7 @@ from optax import MaskedNode
 
 from optax_half import rounding
 from optax_half._util import (check_trees, is_float, leaf_indices, like_param, seed_from_key,
-                              unzip, zeros_like_param)
+                              transformation, unzip, zeros_like_param)
 
 __all__ = [
     "master_weights",
@@ -375,7 +375,7 @@ def master_weights(
         updates, state.master, state.inner_state, params, None, **extra_args)
     return updates, MasterWeightsState(master, inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return transformation(init, update, "master_weights")
 
 
 def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -450,7 +450,7 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
         updates, state.compensation, state.inner_state, params, None, **extra_args)
     return updates, KahanSummationState(comp, inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return transformation(init, update, "kahan_summation")
 
 
 def stochastic_rounding(inner: optax.GradientTransformation,
@@ -527,7 +527,7 @@ def stochastic_rounding(inner: optax.GradientTransformation,
     return updates, StochasticRoundingState(
         state.seed, optax.safe_increment(state.count), inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return transformation(init, update, "stochastic_rounding")
 
 
 def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -583,4 +583,4 @@ def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTrans
                                    **extra_args)
     return updates, RoundToNearestState(inner_state)
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return transformation(init, update, "round_to_nearest")

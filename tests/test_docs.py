@@ -14,6 +14,7 @@ import pytest
 pytest.importorskip("torch")
 
 MODULES = ["optax_half", "optax_half.rounding", "optax_half.checkpoint", "optax_half.schedules",
+           "optax_half.nnx", "optax_half.train_state",
            "torch_bridge", "torch_bridge.rounding", "torch_bridge.parity", "torch_bridge.convert",
            "torch_bridge.dlpack", "torch_bridge.schedules"]
 # The optimizers and wrappers: their docstrings cite the papers and code they port.

@@ -1,0 +1,125 @@
+"""The optax contract over every public transformation of optax_half: a
+GradientTransformationExtraArgs (extra arguments to update are accepted),
+init on abstract params (jax.ShapeDtypeStruct, as sharding setup code
+passes) gives the abstract state jax.eval_shape gives, complex params are
+refused with an error naming the leaf, and optax_half.checkpoint's missing
+and existing directories get errors that say what to do."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import optax_half as oh
+
+
+def _transformations():
+  key = jax.random.key(0)
+  return {
+      "adamw_bf16": lambda: oh.adamw_bf16(1e-3),
+      "adamw_bf16 stochastic": lambda: oh.adamw_bf16(1e-3, compensation="stochastic"),
+      "adamw_bf16 split": lambda: oh.adamw_bf16(1e-3, compensation="split"),
+      "adamw_bf16 flat_state": lambda: oh.adamw_bf16(1e-3, flat_state=True),
+      "adamw_bf16 skip_nonfinite": lambda: oh.adamw_bf16(1e-3, skip_nonfinite=True),
+      "adam_fp32_master": lambda: oh.adam_fp32_master(1e-3),
+      "scale_by_adamw": lambda: oh.scale_by_adamw(1e-3, weight_decay=0.1),
+      "master_weights": lambda: oh.master_weights(optax.sgd(1e-3)),
+      "kahan_summation": lambda: oh.kahan_summation(optax.sgd(1e-3, momentum=0.9)),
+      "stochastic_rounding": lambda: oh.stochastic_rounding(optax.sgd(1e-3), key),
+      "round_to_nearest": lambda: oh.round_to_nearest(optax.sgd(1e-3)),
+      "dynamic_loss_scale": lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-3)),
+      "scaled_adam": lambda: oh.scaled_adam(1e-3),
+      "scaled_adam clipping": lambda: oh.scaled_adam(1e-3, clipping_scale=2.0),
+      "clip_by_global_norm": lambda: oh.clip_by_global_norm(1.0),
+      "chain": lambda: oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3)),
+  }
+
+
+TXS = _transformations()
+# The transformations that refuse complex params (the others pass them on:
+# clipping and loss scaling are defined for complex gradients).
+REAL_ONLY = [n for n in TXS if n not in ("dynamic_loss_scale", "clip_by_global_norm")]
+
+
+def _params():
+  return {"w": jnp.ones((3, 4), jnp.bfloat16), "b": jnp.zeros(4, jnp.bfloat16),
+          "step": jnp.zeros((), jnp.int32)}
+
+
+@pytest.mark.parametrize("name", list(TXS))
+def test_is_a_gradient_transformation_with_extra_args(name):
+  tx = TXS[name]()
+  assert isinstance(tx, optax.GradientTransformationExtraArgs), type(tx)
+  params = {k: v for k, v in _params().items() if k != "step"}
+  grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), params)
+  updates, _ = tx.update(grads, tx.init(params), params, some_extra_arg=3)
+  assert jax.tree.structure(updates) == jax.tree.structure(params)
+
+
+@pytest.mark.parametrize("name", list(TXS))
+def test_init_on_abstract_params_is_the_abstract_state(name):
+  params = _params()
+  if name.startswith("scaled_adam"):
+    params = {k: v for k, v in params.items() if k != "step"}  # float params only
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  got = TXS[name]().init(abstract)
+  want = jax.eval_shape(TXS[name]().init, params)
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert isinstance(g, jax.ShapeDtypeStruct)
+    assert (g.shape, g.dtype) == (w.shape, w.dtype)
+  # and the concrete state has those shapes and dtypes
+  concrete = TXS[name]().init(params)
+  assert [(x.shape, x.dtype) for x in jax.tree.leaves(concrete)] == [
+      (x.shape, x.dtype) for x in jax.tree.leaves(got)]
+
+
+@pytest.mark.parametrize("name", REAL_ONLY)
+def test_complex_params_are_refused_naming_the_leaf(name):
+  params = {"a": jnp.ones(2, jnp.bfloat16), "z": jnp.ones(3, jnp.complex64)}
+  with pytest.raises(ValueError, match=r"params\['z'\] is complex64; complex params are not"):
+    TXS[name]().init(params)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params)
+  with pytest.raises(ValueError, match=r"params\['z'\] is complex64"):
+    TXS[name]().init(abstract)
+
+
+def test_complex_params_pass_through_clipping_and_loss_scaling():
+  params = {"z": jnp.ones(3, jnp.complex64)}
+  grads = {"z": jnp.full(3, 3.0 + 4.0j, jnp.complex64)}
+  clip = oh.clip_by_global_norm(1.0)
+  updates, _ = clip.update(grads, clip.init(params))
+  ref, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+  np.testing.assert_array_equal(updates["z"], ref["z"])
+  tx = oh.dynamic_loss_scale(optax.sgd(1.0), init_scale=1.0)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_array_equal(updates["z"], -grads["z"])
+
+
+def test_restore_from_a_missing_directory_names_it(tmp_path):
+  like = oh.adamw_bf16(1e-3).init({"w": jnp.ones(3, jnp.bfloat16)})
+  missing = tmp_path / "step_7"
+  with pytest.raises(FileNotFoundError, match=f"no checkpoint directory {missing}"):
+    oh.checkpoint.restore(missing, like)
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  with pytest.raises(FileNotFoundError, match="holds no checkpoint"):
+    oh.checkpoint.restore(empty, like)
+
+
+def test_save_to_an_existing_directory_says_how_to_overwrite(tmp_path):
+  params = {"w": jnp.ones(3, jnp.bfloat16)}
+  tx = oh.adamw_bf16(1e-3)
+  state = tx.init(params)
+  path = tmp_path / "ckpt"
+  oh.checkpoint.save(path, state)
+  _, newer = tx.update(jax.tree.map(jnp.ones_like, params), state, params)
+  with pytest.raises(FileExistsError, match="already exists; pass force=True"):
+    oh.checkpoint.save(path, newer)
+  assert int(oh.checkpoint.restore(path, state).inner_state.count) == 0  # untouched
+  oh.checkpoint.save(path, newer, force=True)
+  assert int(oh.checkpoint.restore(path, state).inner_state.count) == 1
+  assert os.path.isdir(path)
