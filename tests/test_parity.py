@@ -313,3 +313,16 @@ def test_fixture_fails_the_test_with_the_table(parity, monkeypatch):
       n, p, {**h, "weight_decay": 0.5}, ls))
   with pytest.raises(pytest.fail.Exception, match="JAX/torch parity broken"):
     parity("adamw_bf16", {"w": jnp.ones((4, 4), jnp.bfloat16)}, steps=5, weight_decay=0.1)
+
+
+@pytest.mark.parametrize("config", list(parity.CONFIGS))
+def test_compare_takes_the_command_lines_configuration_names(config):
+  params = {"w": jnp.linspace(-1.0, 1.0, 64).reshape(8, 8)}
+  report = parity.compare(config, params, steps=3, dtype="bf16")
+  base, hyperparams, loss_scale = parity.CONFIGS[config]
+  assert report.name == config and report.ok, report.summary()
+  assert report.hyperparams.items() >= {k: v for k, v in hyperparams.items()}.items()
+  assert (report.loss_scale is not None) == (loss_scale is not None)
+  explicit = parity.compare(base, params, steps=3, dtype="bf16", loss_scale=loss_scale,
+                            **hyperparams)
+  assert explicit.summary()["param_max_ulp"] == report.summary()["param_max_ulp"]

@@ -514,7 +514,10 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
   """Runs optimizer ``name`` in optax_half (jitted) and torch_bridge side by side.
 
   Args:
-    name: ``"adam_fp32_master"``, ``"adamw_bf16"`` or ``"scale_by_adamw"``.
+    name: ``"adam_fp32_master"``, ``"adamw_bf16"`` or ``"scale_by_adamw"``,
+      or a ``CONFIGS`` key, the command line's names (``"adamw_bf16/stochastic"``,
+      ``"adamw_bf16+loss_scale"``): its optimizer with its keywords and loss
+      scaling, which ``hyperparams`` and ``loss_scale`` override.
     params: a pytree of arrays (JAX, numpy or torch tensors, e.g. a Flax
       ``nnx.state(model, nnx.Param)`` or a torch ``state_dict()``). Float
       leaves are optimized; other leaves are ignored.
@@ -550,8 +553,14 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     >>> report.ok, report.worst("params")["max_ulp"]  # the same bits in both frameworks
     (True, 0.0)
   """
+  label = name  # the report's name: the configuration asked for
+  if name in CONFIGS:
+    name, config_hyperparams, config_loss_scale = CONFIGS[name]
+    hyperparams = {**config_hyperparams, **hyperparams}
+    loss_scale = config_loss_scale if loss_scale is None else loss_scale
   if name not in _NAMES:
-    raise ValueError(f"compare() knows {_NAMES}; got {name!r}.")
+    raise ValueError(f"compare() knows {_NAMES} and the CONFIGS {tuple(CONFIGS)}; "
+                     f"got {name!r}.")
   if steps < 1 or record_every < 1:
     raise ValueError(f"steps and record_every must be >= 1; got {steps}, {record_every}.")
   if isinstance(hyperparams.get("key"), jax.Array):
@@ -685,7 +694,7 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
       measure(t + 1)
 
   return ParityReport(
-      name=name, dtype=dtype_label, steps=steps, hyperparams=dict(hyperparams),
+      name=label, dtype=dtype_label, steps=steps, hyperparams=dict(hyperparams),
       loss_scale=loss_scale, recorded=recorded, buffers=buffers, leaves=buffer_leaves,
       sizes=sizes, errors={b: np.asarray(e, np.float64) for b, e in errors.items()},
       tolerances={**TOLERANCES, **(tolerances or {})}, copies=sorted(set(copies)),
@@ -698,11 +707,9 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
 
 def run_config(config: str, dtype: str, steps: int, seed: int = 0, params=None) -> ParityReport:
   """One ``CONFIGS`` entry on ``default_params`` (or ``params``) in ``dtype``."""
-  name, hyperparams, loss_scale = CONFIGS[config]
   params = default_params(seed) if params is None else params
-  report = compare(name, params, steps=steps, dtype=dtype, seed=seed, loss_scale=loss_scale,
-                   nonfinite_every=97 if loss_scale is not None else None, **hyperparams)
-  report.name = config
+  report = compare(config, params, steps=steps, dtype=dtype, seed=seed,
+                   nonfinite_every=97 if CONFIGS[config][2] is not None else None)
   return report
 
 
