@@ -270,6 +270,8 @@ def adam_fp32_master(
   ``master_weights(scale_by_adamw(..., mu_dtype=f32, nu_dtype=f32))``:
   16 bytes/param of optimizer state for 16-bit params (master 4, mu 4, nu 4,
   plus the 2-byte param and 2-byte grad), exact fp32 Adam on the master.
+  Params written from outside after ``init`` are followed, not reverted
+  (see ``master_weights``).
 
   Args:
     learning_rate: a float or an optax schedule (``count -> lr``).

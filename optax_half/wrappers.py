@@ -294,6 +294,13 @@ def master_weights(
   ``m'.astype(p.dtype)`` bit for bit. Leaves already in ``master_dtype`` carry
   no copy: the inner update is returned for them unchanged.
 
+  The master follows the param: where ``p`` is not the master's rounding
+  (params written from outside after ``init``: a checkpoint or pretrained
+  weights loaded into the model), the step starts from ``p`` instead of the
+  stale master, so the load is not reverted (one compare per element; in a
+  run only the optimizer writes it changes no bit;
+  docs/algorithms.md#wrappers).
+
   With ``split=True`` (fp32 master, bf16 leaves) the master is not stored as a
   second fp32 array: the bf16 param is its high half (``rounding.split_f32``:
   nearest, ties away from zero) and an int16 buffer holds the low 16 bits, so
@@ -355,7 +362,15 @@ def master_weights(
     return p.astype(master_dtype)
 
   def read(p, buf):
-    return rounding.join_f32(p, buf) if is_split(p) else buf
+    if is_split(p):
+      return rounding.join_f32(p, buf)
+    # The master follows the param: where the param is not the master's
+    # rounding (written from outside: a checkpoint loaded into the model
+    # after init), the step starts from the param (docs/algorithms.md#master-weights).
+    # `widen`: XLA must not fold the round trip through p.dtype away.
+    p_wide = rounding.widen(p).astype(master_dtype)
+    return jnp.where(rounding.widen(buf.astype(p.dtype)).astype(master_dtype) == p_wide,
+                     buf, p_wide)
 
   def write(x_new, p, buf, leaf, ctx):
     if is_split(p):

@@ -168,6 +168,8 @@ struct Scalar {
   template <typename T> static F widen(T v, T) { return oh::widen(v); }  // a rounded value of T
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) { return join(hi[i], lo[i]); }
   static F sqrt(F x) { return std::sqrt(x); }
+  // x where a == b (IEEE: false for a NaN, true for -0 == +0), else y.
+  static F where_equal(F a, F b, F x, F y) { return a == b ? x : y; }
   static U counter(uint64_t first) { return uint32_t(first); }
   static U bits(F x) { return as_u32(x); }
   template <typename T> static T to(F x, T tag) { return round_nearest(x, tag); }
@@ -228,6 +230,9 @@ struct Lanes16 {
     return floats((widen16(load16(hi, i)) << 16) + l);
   }
   static F sqrt(F x) { return _mm512_sqrt_ps(x); }
+  static F where_equal(F a, F b, F x, F y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ), y, x);
+  }
   static U counter(uint64_t first) {
     const U step = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     return uint32_t(first) + step;
@@ -360,6 +365,9 @@ struct Lanes8 {
     return floats((widen16(load8(hi, i)) << 16) + l);
   }
   static F sqrt(F x) { return _mm256_sqrt_ps(x); }
+  static F where_equal(F a, F b, F x, F y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_EQ_OQ));
+  }
   static U counter(uint64_t first) {
     const U step = {0, 1, 2, 3, 4, 5, 6, 7};
     return uint32_t(first) + step;
@@ -463,8 +471,14 @@ inline __attribute__((always_inline)) void adamw_lanes(
   const auto index = L::counter(index0 + uint64_t(i));
   const F gi = L::get(g, i) * s.grad_scale;
   F x;
-  if constexpr (MODE == kMaster) x = L::get(master, i);
-  else if constexpr (MODE == kSplit) x = L::join_at(p, low, i);
+  if constexpr (MODE == kMaster) {
+    // The master follows the param: where the param is not the master's
+    // rounding (it was written from outside the optimizer: a checkpoint
+    // loaded into the model), the step starts from the param.
+    const F m = L::get(master, i);
+    const F pw = L::get(p, i);
+    x = L::where_equal(L::widen(L::to(m, P{}), P{}), pw, m, pw);
+  } else if constexpr (MODE == kSplit) x = L::join_at(p, low, i);
   else if constexpr (MODE == kKahan) x = L::get(p, i) + L::get(comp, i);
   else x = L::get(p, i);
   const F m32 = s.b1 * L::get(mu, i) + s.one_minus_b1 * gi;

@@ -207,3 +207,91 @@ def test_bf16_masters_of_fp8_params_may_be_kahan_compensated():
 def test_nested_low_precision_is_refused_with_fp32_masters():
   with pytest.raises(ValueError, match="already keeps low-precision params"):
     oh.master_weights(oh.kahan_summation(optax.adam(1e-3))).init({"w": jnp.ones(3, jnp.bfloat16)})
+
+
+# ---------------------------------------------------------------------------
+# The master follows the param (docs/algorithms.md#wrappers): params written
+# from outside after init are taken up, not reverted.
+# ---------------------------------------------------------------------------
+
+def _follow_run(make, in_place, loaded_at=3, steps=5):
+  """bf16 params stepped ``steps`` times; before step ``loaded_at`` half of
+  every leaf's elements are replaced from outside (as a checkpoint loaded into
+  the model). Returns (params before the load, the loaded params, after)."""
+  rng = np.random.default_rng(4)
+  params = {"w": jnp.asarray(rng.standard_normal((33, 17)), jnp.bfloat16),
+            "b": jnp.asarray(rng.standard_normal(17), jnp.bfloat16)}
+  tx = make()
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    if in_place:
+      return oh.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  before = loaded = None
+  for t in range(steps):
+    if t == loaded_at:
+      before = params
+      loaded = jax.tree.map(
+          lambda x: jnp.where(jnp.arange(x.size).reshape(x.shape) % 2 == 0,
+                              (x.astype(jnp.float32) * 3 + 1).astype(jnp.bfloat16), x), params)
+      params = loaded
+    grads = jax.tree.map(lambda x: jnp.asarray(
+        rng.standard_normal(x.shape) * 0.1, jnp.bfloat16), params)
+    params, state = step(params, state, grads)
+  return before, loaded, params, state
+
+
+FOLLOWING = {
+    "adam_fp32_master": lambda: oh.adam_fp32_master(1e-3, weight_decay=0.1),
+    "adam_fp32_master flat_state": lambda: oh.adam_fp32_master(1e-3, flat_state=True),
+    "dynamic_loss_scale(adam_fp32_master)": lambda: oh.dynamic_loss_scale(
+        oh.adam_fp32_master(1e-3), init_scale=1.0),
+    "master_weights(sgd)": lambda: oh.master_weights(optax.sgd(1e-3, momentum=0.9)),
+}
+
+
+@pytest.mark.parametrize("name", list(FOLLOWING))
+def test_params_loaded_after_init_are_followed_not_reverted(name, monkeypatch):
+  from optax_half import _native  # noqa: PLC0415
+  runs = {}
+  for path, in_place in (("kernel", False), ("kernel in place", True), ("composed", False)):
+    with monkeypatch.context() as m:
+      if path == "composed":
+        m.setattr(_native, "available", lambda: False)
+      runs[path] = _follow_run(FOLLOWING[name], in_place)
+  before, loaded, after, state = runs["composed"]
+  for leaf_before, leaf_loaded, leaf_after in zip(*(jax.tree.leaves(t) for t in (
+      before, loaded, after))):
+    moved = np.asarray(leaf_loaded, np.float32) != np.asarray(leaf_before, np.float32)
+    assert moved.any()
+    # two steps of lr 1e-3 from the loaded values (Adam moves each element by
+    # about lr a step; 3x + 1 is far from the old value), not from the stale master
+    gap = np.abs(np.asarray(leaf_after, np.float32) - np.asarray(leaf_loaded, np.float32))
+    assert gap[moved].max() < 0.05, gap[moved].max()
+  # the kernel's master mode follows the same way, bit for bit
+  for path in ("kernel", "kernel in place"):
+    for a, b in zip(jax.tree.leaves(runs[path][2:]), jax.tree.leaves(runs["composed"][2:])):
+      assert bitwise_equal(a, b), (name, path)
+
+
+def test_without_outside_writes_following_changes_no_bit():
+  """A run the optimizer alone writes: the master equals a run whose master is
+  never compared (the master read as it is), bit for bit."""
+  rng = np.random.default_rng(5)
+  params = {"w": jnp.asarray(rng.standard_normal((64, 9)), jnp.bfloat16)}
+  grads = [{"w": jnp.asarray(rng.standard_normal((64, 9)) * 0.1, jnp.bfloat16)}
+           for _ in range(6)]
+  ref = optax.adam(1e-3)  # the fp32 reference the master follows exactly
+  tx = oh.master_weights(optax.adam(1e-3))
+  p, s = params, tx.init(params)
+  master, ref_state = _to32(params), ref.init(_to32(params))
+  for g in grads:
+    u, s = tx.update(g, s, p)
+    p = optax.apply_updates(p, u)
+    ru, ref_state = ref.update(_to32(g), ref_state, master)
+    master = optax.apply_updates(master, ru)
+  assert np.array_equal(np.asarray(s.master["w"]), np.asarray(master["w"]))

@@ -484,3 +484,28 @@ def test_resume_is_exact_in_either_load_order(name, model_first):
     _write(again, ckpt["model"], "copy_")
   _run(other, again, grads[4:])
   assert _same(_snapshot(opt, ps), _snapshot(other, again))
+
+
+def test_master_follows_writes_no_version_counter_sees_kernel_and_eager_alike():
+  """``p.data`` writes bump no version counter; the step's own compare (the
+  master must round to the param) takes them up, in the native kernel
+  (fused=None on CPU) and the eager step (fused=False) with the same bits."""
+  out = {}
+  for fused in (None, False):
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(300, dtype=torch.float32).to(torch.bfloat16))
+    opt = tb.adam_fp32_master([p], lr=1e-3, fused=fused)
+    grads = [torch.randn(300).to(torch.bfloat16) * 0.1 for _ in range(4)]
+    for t, g in enumerate(grads):
+      if t == 2:
+        version = p._version
+        p.data[::3] = p.data[::3] * 3 + 1
+        assert p._version == version
+        loaded = p.detach().clone()
+      p.grad = g
+      opt.step()
+    gap = (p.detach().float() - loaded.float()).abs()
+    assert gap.max() < 0.05, gap.max()
+    out[fused] = (p.detach().view(torch.int16).clone(), opt.state[p]["master"].clone())
+  assert torch.equal(out[None][0], out[False][0])
+  assert torch.equal(out[None][1].view(torch.int32), out[False][1].view(torch.int32))

@@ -73,7 +73,10 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   key_p, key_m = keys
   g = rounding.widen(grad)
   if mode == _MASTER:
-    x = buffer
+    # The master follows the param: where the param is not the master's
+    # rounding (written from outside the optimizer), the step starts from it.
+    p32 = rounding.widen(param)
+    x = torch.where(rounding.widen(buffer.to(param.dtype)) == p32, buffer, p32)
   elif mode == _SPLIT:
     x = rounding.join_f32(param, buffer)
   elif mode == _KAHAN:
