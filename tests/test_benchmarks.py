@@ -36,6 +36,11 @@ def _check(out, path, expected_bytes):
     assert row["moved_bytes_per_param"] == pytest.approx(moved, rel=1e-3), name
 
 
+# The Flax steps with optax_half's drop-ins: in place, so XLA itself touches
+# no param (custom calls count as 0 bytes in cost_analysis).
+FLAX_ROWS = ("oh.nnx.Optimizer adamw_bf16 kahan", "oh.TrainState adamw_bf16 kahan")
+
+
 def test_jax_benchmark_quick(tmp_path, monkeypatch):
   path = tmp_path / "jax.json"
   f16_in_place = "adamw_bf16 kahan fp16" + step.IN_PLACE_SUFFIX
@@ -43,17 +48,21 @@ def test_jax_benchmark_quick(tmp_path, monkeypatch):
   out = step.main(["--quick", "--reps", "2", "--json", str(path), "--only",
                    ",".join(["adamw_bf16 kahan", "adam_fp32_master",
                              "adamw_bf16 kahan (update_and_apply)", f16_in_place, master_f16,
-                             step.FLOOR, *step.CLIPPED])])
+                             step.FLOOR, *step.CLIPPED, *FLAX_ROWS])])
   _check(out, path, {"optax.adamw fp32 (reference)": (16, 28), "adamw_bf16 kahan": (10, 18),
                      "adam_fp32_master": (16, 30), "adamw_bf16 kahan (update_and_apply)": (10, 18),
                      f16_in_place: (10, 18), master_f16: (16, 30), step.FLOOR: (10, 0),
-                     **{name: (10, 20) for name in step.CLIPPED}})
+                     **{name: (10, 20) for name in step.CLIPPED},
+                     **{name: (10, 18) for name in FLAX_ROWS}})
   # The lanes and fp16 of the library JAX stepped with (the FFI one).
   lib = native.ffi_library(jax.ffi.include_dir())
   assert out["cpu"]["kernel_lanes"] == (native.lanes(lib) if lib is not None else 0)
   assert out["cpu"]["kernel_f16"] == native.has_f16(lib)
   runs = out["runs"]
   assert runs["adamw_bf16 kahan"]["xla_bytes_accessed_per_param"] > 0
+  if jax.default_backend() == "cpu" and jax_native.available():
+    for name in FLAX_ROWS:
+      assert runs[name]["xla_bytes_accessed_per_param"] < 0.5, name
   if jax.default_backend() == "cpu" and jax_native.available():  # the kernel's temporaries
     _check_cpu_temporaries(runs)
   assert out["settle_ms"] == 0.0 and out["gc"] == "on"
