@@ -15,7 +15,7 @@ param and state dtypes. The spec, with the order of operations, is
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +128,7 @@ def scale_by_adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    weight_decay: Optional[float] = None,
     mu_dtype=None,
     nu_dtype=None,
     state_rounding: str = "nearest",
@@ -163,7 +163,10 @@ def scale_by_adamw(
     learning_rate: a float or an optax schedule (``count -> lr``).
     b1, b2, eps: Adam coefficients.
     weight_decay: decoupled weight decay, multiplied by the lr (``update``
-      then needs ``params``).
+      then needs ``params``). ``None`` (the default): no decay term, and no
+      params needed, also under ``optax.inject_hyperparams`` (which injects
+      numbers only: an injected ``weight_decay``, 0 included, is an array
+      whose value is not known while tracing, so it needs the params).
     mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
     state_rounding: "nearest" or "stochastic", for 16-bit moment writes.
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the seed of the
@@ -198,6 +201,8 @@ def scale_by_adamw(
     <https://arxiv.org/abs/1502.02551>`_, ICML 2015 (stochastic rounding, used
     for 16-bit moment writes)
   """
+  if weight_decay is None:
+    weight_decay = 0.0
   _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
   seed_from_key(key)  # a bad key fails here, not at init
   if state_rounding not in _STATE_ROUNDINGS:
@@ -219,7 +224,9 @@ def scale_by_adamw(
   def update(updates, state, params=None, **extra_args):
     del extra_args
     if params is None and not _is_zero(weight_decay):
-      raise ValueError("scale_by_adamw with weight_decay needs params.")
+      raise ValueError(
+          "scale_by_adamw with weight_decay needs params: call tx.update(grads, state, params) "
+          "(weight_decay=None, the default, needs none).")
     if params is not None:
       check_trees("scale_by_adamw", updates, params)
     c = coefficients(learning_rate, b1, b2, eps, weight_decay, state.count)

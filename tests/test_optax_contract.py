@@ -123,3 +123,38 @@ def test_save_to_an_existing_directory_says_how_to_overwrite(tmp_path):
   oh.checkpoint.save(path, newer, force=True)
   assert int(oh.checkpoint.restore(path, state).inner_state.count) == 1
   assert os.path.isdir(path)
+
+
+def test_inject_hyperparams_of_scale_by_adamw_needs_no_params_by_default():
+  params = {"w": jnp.ones(3)}
+  tx = optax.inject_hyperparams(oh.scale_by_adamw)(learning_rate=1e-3)
+  updates, state = jax.jit(tx.update)(params, tx.init(params))
+  ref, _ = oh.scale_by_adamw(1e-3).update(params, oh.scale_by_adamw(1e-3).init(params))
+  np.testing.assert_array_equal(updates["w"], ref["w"])
+  # an injected weight_decay is an array (its value unknown while tracing): params needed
+  tx = optax.inject_hyperparams(oh.scale_by_adamw)(learning_rate=1e-3, weight_decay=0.0)
+  with pytest.raises(ValueError, match="needs params"):
+    tx.update(params, tx.init(params))
+
+
+@pytest.mark.parametrize("name", ["adamw_bf16", "adam_fp32_master", "scale_by_adamw",
+                                  "scaled_adam"])
+def test_inject_hyperparams_learning_rate_changes_the_step_as_a_fixed_one(name):
+  """optax's alias tests: an injected learning rate, set between steps, gives
+  the bits of the transformation built with that learning rate."""
+  factory = getattr(oh, name)
+  params = {"w": jnp.linspace(-1.0, 1.0, 12, dtype=jnp.float32).reshape(3, 4)}
+  grads = jax.tree.map(lambda x: x * 0.5 + 0.1, params)
+  static = ()
+  if name == "scaled_adam":  # only its learning rate may be an array: the rest is static
+    with pytest.raises(ValueError, match="list the others in static_args"):
+      optax.inject_hyperparams(factory)(learning_rate=1e-3).init(params)
+    static = ("b1", "b2", "scalar_lr_scale", "eps", "param_min_rms", "param_max_rms",
+              "scalar_max", "size_update_period", "clipping_update_period")
+  tx = optax.inject_hyperparams(factory, static_args=static)(learning_rate=1e-3)
+  state = tx.init(params)
+  state.hyperparams["learning_rate"] = jnp.asarray(3e-2)
+  updates, state = jax.jit(tx.update)(grads, state, params)
+  fixed = factory(3e-2)
+  want, _ = fixed.update(grads, fixed.init(params), params)
+  np.testing.assert_array_equal(updates["w"], want["w"])

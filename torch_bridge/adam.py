@@ -332,7 +332,7 @@ def scale_by_adamw(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 0.0,
+    weight_decay: Optional[float] = None,
     mu_dtype=None,
     nu_dtype=None,
     state_rounding: str = "nearest",
@@ -363,7 +363,8 @@ def scale_by_adamw(
     Loshchilov & Hutter, `Decoupled Weight Decay Regularization
     <https://arxiv.org/abs/1711.05101>`_, ICLR 2019.
   """
-  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
+  return LowPrecisionAdamW(params, learning_rate, b1, b2, eps,
+                           0.0 if weight_decay is None else weight_decay,
                            compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                            state_rounding=state_rounding, key=key, fused=fused, lr=lr,
                            betas=betas, _factory="scale_by_adamw")
