@@ -236,11 +236,25 @@ def dynamic_loss_scale(
     # kernel updates its state in place; elsewhere, and with several devices
     # (where the kernel does not run), a select
     # (docs/algorithms.md#dynamic-loss-scaling).
+    branch_on_cpu = not _native._maybe_sharded(updates)
+    if not in_place and scaled is not None and _all_16_bit(params):
+      # tx.update of a native optimizer on 16-bit params: the branch returns
+      # the new params (the in-place step's), and the fp32 updates
+      # f32(p') - f32(p) are formed after it, where XLA fuses them into the
+      # caller's apply_updates. The same bits as the updates returned from
+      # the branch, without an fp32 array written by one and read by the other.
+      def apply_new():
+        return scaled(True, updates, inv_scale, state.inner_state, params, **extra_args)
+      new_params, new_inner = if_finite(
+          finite, apply_new, lambda: skipped(apply_new, state.inner_state, params),
+          elsewhere="select", branch_on_cpu=branch_on_cpu)
+      first = jax.tree.map(lambda n, p: jnp.where(finite, _native._fp32_update(n, p),
+                                                  jnp.float32(-0.0)), new_params, params)
+      return first, next_state(state, finite, new_inner)
     first, new_inner = if_finite(finite, apply,
                                  lambda: skipped(apply, state.inner_state,
                                                  params if in_place else None),
-                                 elsewhere="select",
-                                 branch_on_cpu=not _native._maybe_sharded(updates))
+                                 elsewhere="select", branch_on_cpu=branch_on_cpu)
     return first, next_state(state, finite, new_inner)
 
   def update_fn(updates, state, params=None, **extra_args):
@@ -255,6 +269,14 @@ def dynamic_loss_scale(
     return step(True, updates, state, params, extra_args)
 
   return _in_place.register(tx, update_and_apply_fn)
+
+
+def _all_16_bit(params) -> bool:
+  """Whether every leaf of ``params`` is a float narrower than 32 bits."""
+  leaves = jax.tree.leaves(params)
+  return bool(leaves) and all(
+      hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+      and jnp.dtype(x.dtype).itemsize < 4 for x in leaves)
 
 
 def _value(x):

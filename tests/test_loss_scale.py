@@ -374,3 +374,39 @@ def test_bad_arguments(kwargs, error, message):
   with pytest.raises(error, match=message):
     oh.dynamic_loss_scale(optax.identity(), **kwargs)
 
+
+
+@pytest.mark.parametrize("inner", ["adamw_bf16", "adam_fp32_master"])
+def test_tx_update_of_16_bit_params_returns_the_composed_updates_bit_for_bit(inner, monkeypatch):
+  """dynamic_loss_scale(native optimizer).update on 16-bit params forms the
+  updates after its branch: the same fp32 updates as the composed
+  transformation, on a finite step and on a skipped one (-0.0: a -0.0 param
+  stays -0.0), jitted."""
+  from optax_half import _native  # noqa: PLC0415
+
+  params = {"w": jnp.asarray([-0.0, 0.0, 1.5, -2.25, 3e-3, 7.0], jnp.bfloat16),
+            "v": jnp.linspace(-1, 1, 33).astype(jnp.float16 if inner == "adam_fp32_master"
+                                                 else jnp.bfloat16)}
+  finite = jax.tree.map(lambda x: jnp.full_like(x, 0.75 * 1024), params)
+  bad = {"w": finite["w"].at[2].set(jnp.inf), "v": finite["v"]}
+
+  def run():
+    tx = oh.dynamic_loss_scale(getattr(oh, inner)(1e-2), init_scale=1024.0)
+    state = tx.init(params)
+    out = []
+    for g in (finite, bad, finite):
+      updates, state = jax.jit(tx.update)(g, state, params)
+      out.append(updates)
+    return out
+
+  with monkeypatch.context() as m:
+    m.setattr(_native, "available", lambda: False)
+    composed = run()
+  native = run()
+  for a, b in zip(jax.tree.leaves(native), jax.tree.leaves(composed)):
+    assert bitwise_equal(a, b)
+  skipped = native[1]
+  assert all(bool((jnp.signbit(u) & (u == 0)).all()) for u in jax.tree.leaves(skipped))
+  landed = optax.apply_updates(params, skipped)
+  for a, b in zip(jax.tree.leaves(landed), jax.tree.leaves(params)):
+    assert bitwise_equal(a, b)

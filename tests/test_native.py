@@ -790,10 +790,16 @@ def test_loss_scale_unscales_in_the_kernel_as_the_composed_transformation(name, 
     scaled_calls.append(grad_scale is not None)
     return native_update(*args, grad_scale=grad_scale, **kwargs)
 
-  def run(in_place=False):
-    return _jax_run(make, ("mat", "big"), jit="step", in_place=in_place, nan_step=2,
+  def run(in_place=False, fp32_leaves=("mat", "big")):
+    return _jax_run(make, fp32_leaves, jit="step", in_place=in_place, nan_step=2,
                     grad_scale=3000.0, nan_leaf="big")
 
+  # Every leaf 16-bit: tx.update's branch returns the new params and the
+  # updates are formed after it (loss_scale's _all_16_bit path).
+  with monkeypatch.context() as m:
+    m.setattr(jax_native, "available", lambda: False)
+    composed_16 = run(fp32_leaves=())
+  _same_bits(run(fp32_leaves=()), composed_16, "16-bit leaves only, tx.update")
   with monkeypatch.context() as m:
     m.setattr(jax_native, "available", lambda: False)
     composed = run()
