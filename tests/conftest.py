@@ -57,3 +57,16 @@ def jit_step(tx):
 @pytest.fixture
 def rng():
   return np.random.default_rng(0)
+
+
+def jitted_step(tx, in_place: bool):
+  """A jitted training step ``(params, state, grads) -> (params, state)``:
+  ``oh.update_and_apply`` (``in_place``) or ``tx.update`` + ``optax.apply_updates``."""
+  import optax_half as oh  # noqa: PLC0415
+
+  def step(p, s, g):
+    if in_place:
+      return oh.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax.jit(step)

@@ -21,7 +21,7 @@ import pytest
 import optax_half as oh
 from optax_half import _flat
 from optax_half import _native as jax_native
-from conftest import bitwise_equal
+from conftest import bitwise_equal, jitted_step
 from suite_helpers import default_or_slow
 
 # 3 * 2^16 + 5 elements: the one call splits the leaves' concatenation over
@@ -58,13 +58,7 @@ def _pairwise(names):
 
 
 def _run(tx, params, grads, in_place, scale=1.0, state=None):
-  def step(p, s, g):
-    if in_place:
-      return oh.update_and_apply(tx, g, s, p)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  step = jax.jit(step)
+  step = jitted_step(tx, in_place)
   state = tx.init(params) if state is None else state
   for g in grads:
     params, state = step(params, state, jax.tree.map(lambda x: x * jnp.asarray(scale, x.dtype), g))

@@ -8,7 +8,7 @@ import pytest
 
 import optax_half as oh
 from optax_half import rounding
-from conftest import bitwise_equal, random_tree, ulp_diff
+from conftest import bitwise_equal, jitted_step, random_tree, ulp_diff
 
 SHAPES = {"w16": (17, 5), "v16": (33,), "s16": ()}
 LR = 1e-2
@@ -224,12 +224,7 @@ def _follow_run(make, in_place, loaded_at=3, steps=5):
   tx = make()
   state = tx.init(params)
 
-  @jax.jit
-  def step(p, s, g):
-    if in_place:
-      return oh.update_and_apply(tx, g, s, p)
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+  step = jitted_step(tx, in_place)
 
   before = loaded = None
   for t in range(steps):

@@ -33,6 +33,7 @@ torch = pytest.importorskip("torch")
 import torch_bridge as tb  # noqa: E402
 from torch_bridge import _native as torch_native  # noqa: E402
 from suite_helpers import default_or_slow  # noqa: E402
+from conftest import jitted_step  # noqa: E402
 
 # The JAX kernel is lowered only where JAX's default backend is the CPU
 # (_native.on_cpu); elsewhere these tests would compare the composed
@@ -402,12 +403,7 @@ def test_jax_kernel_over_calls_of_many_leaves_equals_the_composed_transformation
   def run(in_place):
     tx = oh.adamw_bf16(1e-2, compensation=compensation)
 
-    @jax.jit  # once per run, not per step
-    def step(p, s, g):
-      if in_place:
-        return oh.update_and_apply(tx, g, s, p)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
+    step = jitted_step(tx, in_place)  # once per run, not per step
 
     p, s = params, state
     if in_place:  # 32 + 4 bf16 leaves, 4 fp32 ones
@@ -599,12 +595,7 @@ def test_jax_kernel_rounds_fp16_params_subnormals_and_nans_as_the_composed_trans
   def run(in_place, kernel=True):
     tx = _JAX_F16_SPECIAL[name]()
 
-    @jax.jit
-    def step(p, s, g):
-      if in_place:
-        return oh.update_and_apply(tx, g, s, p)
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
+    step = jitted_step(tx, in_place)  # once per run, not per step
 
     params = {"w": jnp.asarray(w, jnp.float16)}
     state = tx.init(params)
