@@ -15,6 +15,11 @@ dtype silently (a saved bf16 moment read as fp32, or the reverse) and names no
 leaf. JAX arrays are immutable: a failed restore leaves ``like`` and every
 other array as they were.
 
+Flax NNX: save ``nnx.state(model)`` and ``nnx.state(optimizer)`` (each a
+pytree of arrays); to resume, build the model and ``nnx.Optimizer`` as
+before and ``nnx.update`` each with ``restore(path, nnx.state(...))`` of the
+new one (tested in tests/test_flax_drop_in.py).
+
 Resuming is exact: the restored arrays are the saved bits, so N steps equal
 N/2 steps, ``save``, ``restore`` and N/2 steps, bit for bit (tested for every
 optimizer, sharded too). Orbax is an optional dependency
