@@ -39,7 +39,7 @@ def test_eight_scaled_fp16_gradients_sum_exactly_in_fp32():
   assert q.grad.tolist() == [1.0] * 3 and q.main_grad.tolist() == [65536.0] * 3
 
 
-def test_only_16_bit_trainable_params_get_hooks_and_dtensors_are_refused():
+def test_only_16_bit_trainable_params_get_hooks():
   params = [torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16)),
             torch.zeros(2, dtype=torch.float16)]  # fp32, bf16, not requiring grad
   handle = tb.accumulate_in_fp32(params)
@@ -148,10 +148,14 @@ def test_resume_with_accumulation_is_exact():
   assert torch.equal(p, q)
 
 
-def test_a_compiled_model_accumulates_in_fp32():
+@pytest.mark.parametrize("backend", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_compiled_model_accumulates_in_fp32(backend):
+  """The hooks stay on the leaf params; a compiled forward and backward
+  (inductor: the C++ code torch.compile generates on CPU) leave them to
+  autograd's gradient accumulation, where they fire."""
   model = torch.nn.Linear(4, 1).to(torch.float16)
   handle = tb.accumulate_in_fp32(model.parameters())
-  compiled = torch.compile(model, backend="eager")
+  compiled = torch.compile(model, backend=backend)
   for _ in range(MICRO):
     compiled(torch.ones(2, 4, dtype=torch.float16)).float().sum().mul(4096.0).backward()
   assert model.weight.grad is None
@@ -192,3 +196,58 @@ def test_ddp_no_sync_then_all_reduce_averages_the_fp32_sums():
   expected = x.sum(0) / 2  # each rank's two rows summed, averaged over the ranks
   assert torch.equal(out[0], out[1])
   assert torch.allclose(out[0][0], expected)
+
+
+def _fsdp_worker(rank, port, out):
+  import os  # noqa: PLC0415
+  import torch.distributed as dist  # noqa: PLC0415
+  from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+  os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+  dist.init_process_group("gloo", rank=rank, world_size=2)
+  torch.set_num_threads(1)
+  torch.manual_seed(0)
+  model = torch.nn.Linear(4, 2).to(torch.float16)
+  fully_shard(model)
+  handle = tb.accumulate_in_fp32(model.parameters())
+  opt = tb.adam_fp32_master(model.parameters(), lr=1e-2)
+  scaler = tb.dynamic_loss_scale(init_scale=2.0 ** 13)
+  x = torch.ones(8, 4, dtype=torch.float16)
+  for k in range(8):  # 8 micro-batches, scaled gradients of 8192 each: 65536 in all
+    scaler.scale(model(x[k:k + 1]).float().sum()).backward()
+  assert model.weight.grad is None
+  out[f"main_grad{rank}"] = model.weight.main_grad.full_tensor().clone()
+  try:
+    handle.all_reduce()
+  except ValueError as e:
+    out[f"all_reduce{rank}"] = str(e)
+  scaler.step(opt)
+  scaler.update()
+  out[f"skipped{rank}"] = scaler.state_dict()["skipped_steps"]
+  out[f"weight{rank}"] = model.weight.detach().full_tensor().clone()
+  opt.zero_grad()
+  out[f"freed{rank}"] = getattr(model.weight, "main_grad", None) is None
+  dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes (gloo)
+def test_fsdp2_reduces_each_micro_batch_and_main_grad_sums_the_shards_in_fp32():
+  """Under fully_shard the hooks fire on the sharded params: each rank's fp32
+  main_grad shard sums the 8 reduce-scattered micro-batch gradients (8192
+  each: 65536, inf in fp16), the loss scaler unscales and checks them, and the
+  step is taken (not skipped), the same on both ranks."""
+  import socket  # noqa: PLC0415
+  import torch.multiprocessing as mp  # noqa: PLC0415
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  out = mp.Manager().dict()
+  mp.spawn(_fsdp_worker, args=(port, out), nprocs=2, join=True)
+  expected = torch.full((2, 4), 8 * 8192.0)
+  assert torch.equal(out["main_grad0"], expected) and torch.equal(out["main_grad1"], expected)
+  assert "already reduce-scattered" in out["all_reduce0"]
+  assert out["skipped0"] == out["skipped1"] == 0
+  assert torch.equal(out["weight0"], out["weight1"])
+  torch.manual_seed(0)
+  w0 = torch.nn.Linear(4, 2).to(torch.float16).weight.detach()
+  assert (out["weight0"] != w0).all()  # every element stepped
+  assert out["freed0"] and out["freed1"]

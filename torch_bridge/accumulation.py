@@ -17,10 +17,15 @@ A plain ``torch.optim`` optimizer does not read ``main_grad``: wrap it
 Under DDP, run every micro-batch in ``model.no_sync()`` and call
 ``handle.all_reduce()`` before the step: the fp32 sums are averaged over the
 ranks once per step (without ``no_sync`` DDP would reduce each 16-bit
-micro-batch gradient after this hook has moved it). FSDP2 (DTensor params)
-reduces gradients itself and assigns them to the sharded params without the
-hooks firing: DTensor params are refused (fp32 accumulation under FSDP2 is
-not provided here).
+micro-batch gradient after this hook has moved it). Under FSDP2
+(``fully_shard``: DTensor params) FSDP2 reduce-scatters each micro-batch's
+16-bit gradient (averaged over the ranks, in its ``MixedPrecisionPolicy``'s
+``reduce_dtype``), assigns the shard to the sharded param and runs its
+post-accumulate-grad hooks: each rank adds its shard into an fp32 DTensor
+``main_grad``, so what is summed in fp32 is the reduced micro-batch
+gradients, and nothing is left to all-reduce. Keep gradient sync on for
+every micro-batch (``set_requires_gradient_sync(False)`` makes FSDP2 sum
+the unreduced micro-batches in 16 bits itself and run the hook once).
 """
 
 from __future__ import annotations
@@ -76,6 +81,10 @@ class FP32Accumulation:
     grads = [p.main_grad for p in self.params if getattr(p, "main_grad", None) is not None]
     if not grads:
       return
+    if any(_dist.is_dtensor(g) for g in grads):
+      raise ValueError(
+          "all_reduce: these params are sharded (FSDP2 DTensors), whose gradients FSDP2 has "
+          "already reduce-scattered before they were added to main_grad; step without it.")
     world = dist.get_world_size(group)
     flat = torch.cat([g.reshape(-1) for g in grads])
     dist.all_reduce(flat, group=group)
@@ -115,12 +124,6 @@ def accumulate_in_fp32(params) -> FP32Accumulation:
   for position, p in enumerate(params):
     if not isinstance(p, torch.Tensor):
       raise TypeError(f"param {position} is a {type(p).__name__}, not a tensor.")
-    if _dist.is_dtensor(p):
-      raise ValueError(
-          f"param {position} is sharded (a DTensor, FSDP2): FSDP2 assigns reduced gradients "
-          "to its sharded params without the hooks fp32 accumulation needs, so it is not "
-          "supported under FSDP2 (its MixedPrecisionPolicy(reduce_dtype=...) sets the dtype "
-          "it reduces in).")
     if not p.requires_grad or not p.is_floating_point() or p.element_size() >= 4:
       continue
     chosen.append(p)
