@@ -1,4 +1,4 @@
-"""Train a bf16 transformer with ``flax.nnx.Optimizer`` and ``optax_half.adamw_bf16``.
+"""Train a bf16 transformer with ``optax_half.nnx.Optimizer`` and ``adamw_bf16``.
 
     python examples/flax_nnx_train.py            # 600 steps, about 15 s
     python examples/flax_nnx_train.py --quick    # 80 steps, for the tests
@@ -6,6 +6,9 @@
 The weights are stored in bf16 (2 bytes each) and the optimizer keeps bf16
 moments plus a bf16 Kahan buffer: 10 bytes per parameter in all, against 16
 for fp32 AdamW, with the same loss (``examples/demo.py`` shows it).
+``oh.nnx.Optimizer`` is ``flax.nnx.Optimizer`` with the step run by
+``oh.update_and_apply``, and ``oh.chain`` keeps the optimizer last so its
+kernel writes the params (the same bits as ``optax.chain``).
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ def main(argv=None) -> dict:
 
   model = charlm_flax.create(cfg, jnp.bfloat16)  # bf16 weights, fp32 math
   schedule = optax.warmup_cosine_decay_schedule(0.0, 2e-3, max(1, steps // 10), steps)
-  tx = optax.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(schedule, weight_decay=0.01))
-  optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+  tx = oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(schedule, weight_decay=0.01))
+  optimizer = oh.nnx.Optimizer(model, tx, wrt=nnx.Param)  # nnx.Optimizer + update_and_apply
 
   @nnx.jit
   def train_step(model, optimizer, x, y):

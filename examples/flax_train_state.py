@@ -1,4 +1,4 @@
-"""fp16 training with ``flax.training.train_state.TrainState`` and dynamic loss scaling.
+"""fp16 training with a ``TrainState`` and dynamic loss scaling.
 
     python examples/flax_train_state.py            # 600 steps
     python examples/flax_train_state.py --quick    # 80 steps, for the tests
@@ -8,8 +8,10 @@ The weights are fp16. ``optax_half.value_and_scaled_grad`` differentiates
 unscales them in fp32, skips any step whose gradients overflowed (nothing in
 the params or optimizer state changes) and adapts the scale like
 ``torch.amp.GradScaler``. ``adam_fp32_master`` keeps an fp32 master copy of
-the weights. All of it is one optax transformation, so ``TrainState`` needs
-nothing special. The scale starts too high (2**24) on purpose: the first
+the weights. All of it is one optax transformation, so Flax's ``TrainState``
+takes it as it is; ``optax_half.train_state.TrainState`` (used here) is that
+class with ``apply_gradients`` run by ``oh.update_and_apply``, and the state
+donated to the step lets the kernel write the params in place. The scale starts too high (2**24) on purpose: the first
 steps overflow, are skipped, and the scale backs off until gradients fit.
 """
 
@@ -22,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from flax.training import train_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import charlm_data  # noqa: E402
@@ -41,11 +42,11 @@ def main(argv=None) -> dict:
   def loss_fn(params, x, y):
     return charlm_flax.loss_fn(nnx.merge(graphdef, params), x, y)
 
-  state = train_state.TrainState.create(
+  state = oh.train_state.TrainState.create(
       apply_fn=graphdef.apply, params=params,
       tx=oh.dynamic_loss_scale(oh.adam_fp32_master(1e-3), init_scale=2.0**24))
 
-  @jax.jit
+  @jax.jit(donate_argnums=0)
   def train_step(state, x, y):
     loss, grads = oh.value_and_scaled_grad(loss_fn)(state.opt_state, state.params, x, y)
     return state.apply_gradients(grads=grads), loss
