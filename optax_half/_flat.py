@@ -25,10 +25,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import optax_half_native as native_lib
+
 __all__ = ["Flat", "check", "key", "pack", "relayout_state", "unpack", "template"]
 
 # The state fields that hold one buffer per param.
-FIELDS = ("mu", "nu", "compensation", "master")
+FIELDS = ("mu", "nu", *dict.fromkeys(
+    c.buffer for c in native_lib.COMPENSATIONS.values() if c.buffer))
 
 
 class Flat(NamedTuple):

@@ -34,7 +34,7 @@ __all__ = ["available", "fused"]
 TARGET = "optax_half_adamw"
 FLAT_TARGET = "optax_half_adamw_flat"
 FINITE_TARGET = "optax_half_all_finite"
-_KINDS = ("kahan", "split", "stochastic", "none", "master")
+_KINDS = tuple(native.COMPENSATIONS)
 _registered: dict = {}
 
 
@@ -155,9 +155,7 @@ def _mode(kind: str, dtype) -> str:
   param its kind's."""
   if jnp.dtype(dtype) == jnp.float32:
     return "update"
-  if kind == "split" and jnp.dtype(dtype) != jnp.bfloat16:
-    return "master"
-  return kind
+  return native.compensation_of(kind, jnp.dtype(dtype) == jnp.bfloat16).name
 
 
 def _takes(kind, params, grads, core) -> bool:
@@ -233,7 +231,8 @@ def _takes_flat(kind: str, params, grads, state) -> bool:
   elif any(d not in (jnp.bfloat16, jnp.float32) for d in moments):
     return False
   # The buffer each mode reads (buffer_type in adamw_ffi.cc).
-  want = {"kahan": [dtype], "split": [jnp.int16], "master": [jnp.float32]}.get(mode, [])
+  buffer_dtype = native.COMPENSATIONS[mode].buffer_dtype
+  want = [] if buffer_dtype is None else [dtype if buffer_dtype == "param" else buffer_dtype]
   buffer = dtypes(getattr(state, _BUFFER_FIELD[kind])) if kind in _BUFFER_FIELD else []
   return buffer == want
 
@@ -336,7 +335,7 @@ def _scalars(hyperparams, adam, count, grad_scale) -> jax.Array:
 
 
 # The wrapper state's field holding each kind's per-param buffer (None: no buffer).
-_BUFFER_FIELD = {"kahan": "compensation", "split": "master", "master": "master"}
+_BUFFER_FIELD = {c.name: c.buffer for c in native.COMPENSATIONS.values() if c.buffer}
 
 
 def _keys(kind, state, leaf) -> jax.Array:

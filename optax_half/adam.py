@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import optax_half_native as native_lib
 from optax_half import _native, rounding, wrappers
 from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_param,
                               maybe_skip_nonfinite, seed_from_key, transformation, unzip,
@@ -28,7 +29,7 @@ from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
-_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+_COMPENSATIONS = native_lib.OPTIMIZER_COMPENSATIONS
 _STATE_ROUNDINGS = ("stochastic", "nearest")
 
 

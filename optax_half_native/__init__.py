@@ -29,12 +29,13 @@ import tempfile
 import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
 __all__ = ["library", "ffi_library", "has_f16", "kernel", "lanes", "leaf_keys", "TENSOR_DTYPE",
-           "MODES", "build_errors"]
+           "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "Compensation",
+           "compensation_of", "build_errors"]
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h")
@@ -44,6 +45,42 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=
 # oh::Mode in adamw.h, by torch_bridge.adam's mode names.
 MODES = {"direct": 0, "master": 1, "split": 2, "kahan": 3, "stochastic": 4, "none": 5,
          "update": 6}
+
+
+class Compensation(NamedTuple):
+  """One way a 16-bit param keeps what its rounding loses
+  (docs/algorithms.md#wrappers), as both frameworks and the kernel name it.
+
+  ``name``: the ``compensation=`` value, the wrappers' mode and the kernel's
+  mode (a ``MODES`` key). ``buffer``: the per-param buffer's field in the
+  JAX wrapper state and its key in the torch optimizer state (None: no
+  buffer). ``buffer_dtype``: ``"param"`` (the param's own dtype),
+  ``"int16"``, ``"float32"`` or None. ``fp16``: the compensation fp16
+  params take instead (``split`` needs a bf16 high half: a full fp32 master).
+  """
+  name: str
+  buffer: Optional[str]
+  buffer_dtype: Optional[str]
+  fp16: str
+
+
+COMPENSATIONS = {c.name: c for c in (
+    Compensation("kahan", "compensation", "param", "kahan"),
+    Compensation("split", "master", "int16", "master"),
+    Compensation("stochastic", None, None, "stochastic"),
+    Compensation("none", None, None, "none"),
+    # adam_fp32_master and master_weights (not an adamw_bf16 choice)
+    Compensation("master", "master", "float32", "master"),
+)}
+# adamw_bf16's compensation= choices, its default first.
+OPTIMIZER_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+
+
+def compensation_of(name: str, bfloat16: bool) -> Compensation:
+  """The compensation a 16-bit param of compensation ``name`` takes: its own,
+  or for a param that is not bf16 its ``fp16`` one."""
+  c = COMPENSATIONS[name]
+  return c if bfloat16 else COMPENSATIONS[c.fp16]
 
 # The C struct `oh::Tensor` of adamw_threads.h, field for field.
 TENSOR_DTYPE = np.dtype([

@@ -140,3 +140,37 @@ def test_normalize_catches_dtype_drift():
   assert _normalize(jnp.float32) == _normalize(torch.float32)
   assert _normalize(jnp.float32) != _normalize(torch.bfloat16)
   assert _normalize(1e-2) != _normalize(0.0)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["kahan", "split", "stochastic", "none", "master"])
+def test_the_compensation_table_is_what_both_frameworks_keep(name, dtype):
+  """optax_half_native.COMPENSATIONS: the buffer's field (JAX) and key
+  (torch) and its dtype, the fp16 rule, and the compensation= choices."""
+  import optax_half_native as native_lib  # noqa: PLC0415
+  assert (optax_half.adam._COMPENSATIONS == torch_bridge.adam._COMPENSATIONS
+          == native_lib.OPTIMIZER_COMPENSATIONS)
+  want = native_lib.compensation_of(name, dtype == "bfloat16")
+  want_dtype = {"param": dtype, "int16": "int16", "float32": "float32", None: None}[
+      want.buffer_dtype]
+  if name == "master":
+    tx = optax_half.adam_fp32_master(1e-3)
+    opt_of = lambda ps: torch_bridge.adam_fp32_master(ps, lr=1e-3)  # noqa: E731
+  else:
+    tx = optax_half.adamw_bf16(1e-3, compensation=name)
+    opt_of = lambda ps: torch_bridge.adamw_bf16(ps, lr=1e-3, compensation=name)  # noqa: E731
+  state = tx.init({"w": jnp.ones(3, dtype)})
+  for field in ("compensation", "master"):
+    value = getattr(state, field, None)
+    if field == want.buffer:
+      assert str(value["w"].dtype) == want_dtype, (field, value)
+    else:
+      assert value is None, field
+  p = torch.nn.Parameter(torch.ones(3, dtype=getattr(torch, dtype)))
+  opt = opt_of([p])
+  p.grad = torch.ones_like(p)
+  opt.step()
+  assert set(opt.state[p]) & {"compensation", "master"} == ({want.buffer} if want.buffer
+                                                             else set())
+  if want.buffer:
+    assert str(opt.state[p][want.buffer].dtype) == f"torch.{want_dtype}"

@@ -23,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+import optax_half_native as native_lib
 from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams,
                                  check_no_float64, check_param, grad_of, init_skip_nonfinite,
@@ -31,7 +32,7 @@ from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperp
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
 
-_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+_COMPENSATIONS = native_lib.OPTIMIZER_COMPENSATIONS
 _CORE_NAME = "scale_by_adamw (the fp32 AdamW core of adamw_bf16 and adam_fp32_master)"
 _STATE_ROUNDINGS = ("stochastic", "nearest")
 
@@ -48,9 +49,8 @@ _FOLLOWED = (_MASTER, _KAHAN)  # modes whose buffer follow_param re-seeds
 def _mode(compensation: str, dtype: torch.dtype) -> str:
   if dtype.itemsize >= 4:
     return _DIRECT
-  if compensation == _SPLIT and dtype != torch.bfloat16:
-    return _MASTER  # the split layout needs a bf16 high half; fp16 keeps a full copy
-  return compensation
+  # split needs a bf16 high half: fp16 keeps a full fp32 master (the table's fp16)
+  return native_lib.compensation_of(compensation, dtype == torch.bfloat16).name
 
 
 def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
@@ -231,12 +231,14 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     state["mu"] = torch.zeros_like(p, dtype=self._mu_dtype or p.dtype)
     state["nu"] = torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)
     mode = _mode(self._compensation, p.dtype)
-    if mode == _MASTER:
-      state["master"] = p.detach().to(torch.float32, copy=True)
-    elif mode == _SPLIT:
-      state["master"] = torch.zeros_like(p, dtype=torch.int16)  # bf16 -> fp32 exact: lo = 0
-    elif mode == _KAHAN:
-      state["compensation"] = torch.zeros_like(p)
+    buffer = None if mode == _DIRECT else native_lib.COMPENSATIONS[mode]
+    if buffer is None or buffer.buffer is None:
+      return
+    if buffer.buffer_dtype == "float32":  # the master: the param, widened
+      state[buffer.buffer] = p.detach().to(torch.float32, copy=True)
+    else:  # a Kahan buffer, or the split low half (bf16 -> fp32 is exact: lo = 0)
+      state[buffer.buffer] = torch.zeros_like(
+          p, dtype=torch.int16 if buffer.buffer_dtype == "int16" else p.dtype)
 
   # -- checkpoints -----------------------------------------------------------
   # The buffers (master, split low half, Kahan buffer or none) are checked by
@@ -292,8 +294,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])
-        buffer = state.get("master", state.get("compensation"))
         mode = _mode(self._compensation, p.dtype)
+        buffer = None if mode == _DIRECT else state.get(native_lib.COMPENSATIONS[mode].buffer)
         if mode in _FOLLOWED:  # written from outside since the last step: re-seed the buffer
           self._follow(p, mode, buffer)
           stepped.append(p)

@@ -58,6 +58,7 @@ import optax
 import torch
 
 import optax_half as oh
+import optax_half_native as native_lib
 from optax_half import _flat
 from torch_bridge import _dist, dlpack
 from torch_bridge.adam import LowPrecisionAdamW
@@ -76,6 +77,10 @@ _WRAPPER_STATES = {
     "stochastic": oh.StochasticRoundingState,
     "none": oh.RoundToNearestState,
 }
+# The JAX wrapper state -> its per-param buffer's field, which is also the
+# torch state key (optax_half_native.COMPENSATIONS).
+_BUFFER_FIELDS = {_WRAPPER_STATES[c.name]: c.buffer
+                  for c in native_lib.COMPENSATIONS.values() if c.buffer}
 _CLIPPING = oh.ScaledAdamClippingState._fields
 _NONFINITE = ("notfinite_count", "last_finite", "total_notfinite")
 
@@ -313,10 +318,9 @@ def _core_of(state, compensation: str, what: str):
 
 def _buffers(wrapper, leaves: _Leaves) -> tuple:
   """(torch state key, per torch param the JAX buffer or None) of a wrapper state."""
-  if isinstance(wrapper, oh.KahanSummationState):
-    return "compensation", leaves.get(wrapper.compensation)
-  if isinstance(wrapper, oh.MasterWeightsState):
-    return "master", leaves.get(wrapper.master)
+  field = _BUFFER_FIELDS.get(type(wrapper))
+  if field is not None:
+    return field, leaves.get(getattr(wrapper, field))
   return None, [None] * len(leaves.positions)
 
 
@@ -567,11 +571,10 @@ def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
 def _fill_wrapper(wrapper, new, inner_state, seed: int, count: int):
   """A JAX wrapper state holding torch's buffers (``new(key, tree)``), seed
   and count, around ``inner_state``."""
-  if isinstance(wrapper, oh.KahanSummationState):
-    return wrapper._replace(compensation=new("compensation", wrapper.compensation),
+  field = _BUFFER_FIELDS.get(type(wrapper))
+  if field is not None:
+    return wrapper._replace(**{field: new(field, getattr(wrapper, field))},
                             inner_state=inner_state)
-  if isinstance(wrapper, oh.MasterWeightsState):
-    return wrapper._replace(master=new("master", wrapper.master), inner_state=inner_state)
   if isinstance(wrapper, oh.StochasticRoundingState):
     return wrapper._replace(seed=jnp.asarray(seed, jnp.uint32),
                             count=jnp.asarray(count, wrapper.count.dtype),

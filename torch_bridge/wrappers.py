@@ -45,6 +45,7 @@ import math
 
 import torch
 
+import optax_half_native as native_lib
 from torch_bridge import _dist, rounding
 from torch_bridge._optim import (LowPrecisionOptimizer, check_param, optimizer_kind,
                                  prepare_load, seed_from_key, step_grad, stepping_params)
@@ -143,9 +144,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     return p.dtype.itemsize < self._master_dtype.itemsize
 
   def _param_mode(self, p: torch.Tensor) -> str:
-    if self._mode == _SPLIT and p.dtype != torch.bfloat16:
-      return _MASTER
-    return self._mode
+    return native_lib.compensation_of(self._mode, p.dtype == torch.bfloat16).name
 
   @torch.no_grad()
   def _adopt(self, p: torch.Tensor) -> None:
@@ -155,15 +154,14 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     if not self._is_low(p):
       self._work[p] = p
       return
-    mode = self._param_mode(p)
-    if mode == _MASTER:
+    buffer = native_lib.COMPENSATIONS[self._param_mode(p)]
+    if buffer.buffer_dtype == "float32":  # the master (in master_dtype): the param, widened
       work = p.detach().to(self._master_dtype, copy=True)
-      self.state[p]["master"] = work
+      self.state[p][buffer.buffer] = work
     else:
-      if mode == _SPLIT:
-        self.state[p]["master"] = torch.zeros_like(p, dtype=torch.int16)
-      elif mode == _KAHAN:
-        self.state[p]["compensation"] = torch.zeros_like(p)
+      if buffer.buffer is not None:  # a Kahan buffer, or the split low half (lo = 0)
+        self.state[p][buffer.buffer] = torch.zeros_like(
+            p, dtype=torch.int16 if buffer.buffer_dtype == "int16" else p.dtype)
       work = self._empty(p)
     # State the inner optimizer already holds for p moves to the stand-in.
     moved = self.inner.state.pop(p, None)
@@ -303,7 +301,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
       mode = self._param_mode(p)
       state = self.state.get(p, {})
       if mode in (_MASTER, _KAHAN):  # written from outside since the last step: re-seed
-        self._follow(p, mode, state.get("master", state.get("compensation")))
+        self._follow(p, mode, state.get(native_lib.COMPENSATIONS[mode].buffer))
       if mode != _MASTER:
         self._fill(work, self._read(p, mode))
       work.grad = _dist.like(rounding.widen(_dist.local(step_grad(self, p))).to(work.dtype), p)
