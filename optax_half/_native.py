@@ -9,7 +9,7 @@ buffer in the same pass, where XLA:CPU would run one loop per output and
 materialise the fp32 update. The state and the returned updates are those of
 the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
 bit for bit: the kernel computes what ``scale_by_adamw`` and the wrappers
-compute, with the same fp32 scalars (``adam.coefficients``) and the same
+compute, with the same fp32 scalars (``_coefficients.coefficients``) and the same
 random keys. On other platforms, and for trees it does not take (integer
 leaves; fp16 params with bf16 moments), the composed
 transformation runs: ``lax.platform_dependent``
@@ -27,6 +27,7 @@ import optax
 
 import optax_half_native as native
 from optax_half import _flat, rounding
+from optax_half._coefficients import coefficients
 from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite
 
 __all__ = ["available", "fused"]
@@ -254,7 +255,6 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
   ``_flat``'s layout: ``init`` packs ``tx_init``'s, and a step is one call of
   the flat kernel on CPU where it takes the tree (``_takes_flat``), else the
   tree layout's step between an unpack and a pack."""
-  from optax_half import adam  # noqa: PLC0415 (adam imports this module)
   assert kind in _KINDS, kind
 
   def on_cpu(params) -> bool:
@@ -286,7 +286,7 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
       return elsewhere()
     return jax.lax.platform_dependent(
         cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
-                                   adam, in_place=in_place, grad_scale=inv_scale),
+                                   in_place=in_place, grad_scale=inv_scale),
         default=elsewhere)
 
   def flat_step(in_place, updates, state, params, extra_args, inv_scale=None):
@@ -303,7 +303,7 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
     if not (on_cpu(params) and _takes_flat(kind, params, updates, state)):
       return via_tree()
     return jax.lax.platform_dependent(
-        cpu=lambda: _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam,
+        cpu=lambda: _flat_update(kind, hyperparams, state_rounding, updates, state, params,
                                  in_place=in_place, grad_scale=inv_scale),
         default=via_tree)
 
@@ -326,9 +326,9 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
   return init, update, update_and_apply, scaled
 
 
-def _scalars(hyperparams, adam, count, grad_scale) -> jax.Array:
+def _scalars(hyperparams, count, grad_scale) -> jax.Array:
   """The kernel's f32[10] (``Scalars`` in adamw.h) of the step after ``count``."""
-  c = adam.coefficients(*hyperparams, count)
+  c = coefficients(*hyperparams, count)
   grad_scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale
   return jnp.stack([c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2, c.inv_bc1, c.inv_bc2,
                     c.eps, c.weight_decay, grad_scale]).astype(jnp.float32)
@@ -366,7 +366,7 @@ def _stepped(kind, state, mu, nu, buffers):
   return state._replace(inner_state=new_core)
 
 
-def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam,
+def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
                  in_place=False, grad_scale=None):
   """``_native_update`` for a flat state (``_takes_flat``): every leaf in one
   call of ``FLAT_TARGET``, whose operands are the leaves' params and
@@ -379,7 +379,7 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   states = [[None] if f is None else list(f.arrays.values()) for f in flats]
   # Every leaf is a float leaf: its leaf index is its position.
   keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))
-  scalars = _scalars(hyperparams, adam, core.count, grad_scale)
+  scalars = _scalars(hyperparams, core.count, grad_scale)
   p_out, new = _call(FLAT_TARGET, _mode(kind, leaves[0].dtype), state_rounding, scalars, keys,
                      leaves, grads, states, in_place)
   if in_place:
@@ -391,7 +391,7 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params, adam
   return result, _stepped(kind, state, mu, nu, buffer)
 
 
-def _native_update(kind, hyperparams, state_rounding, updates, state, params, adam,
+def _native_update(kind, hyperparams, state_rounding, updates, state, params,
                    in_place=False, grad_scale=None):
   """(updates, state), or with ``in_place`` (new params, state). With
   ``grad_scale`` (fp32), the step of the gradients ``unscaled(updates,
@@ -408,7 +408,7 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params, ad
   else:
     buffers = [optax.MaskedNode()] * len(leaves)
   core = state.inner_state
-  scalars = _scalars(hyperparams, adam, core.count, grad_scale)
+  scalars = _scalars(hyperparams, core.count, grad_scale)
   groups: dict = {}
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
     # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
