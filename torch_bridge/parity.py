@@ -514,10 +514,11 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
   """Runs optimizer ``name`` in optax_half (jitted) and torch_bridge side by side.
 
   Args:
-    name: ``"adam_fp32_master"``, ``"adamw_bf16"`` or ``"scale_by_adamw"``,
-      or a ``CONFIGS`` key, the command line's names (``"adamw_bf16/stochastic"``,
-      ``"adamw_bf16+loss_scale"``): its optimizer with its keywords and loss
-      scaling, which ``hyperparams`` and ``loss_scale`` override.
+    name: ``"adam_fp32_master"``, ``"adamw_bf16"`` or ``"scale_by_adamw"``
+      (with their defaults), or another ``CONFIGS`` key, the command line's
+      names (``"adamw_bf16/stochastic"``, ``"adamw_bf16+loss_scale"``): its
+      optimizer with its keywords and loss scaling, which ``hyperparams`` and
+      ``loss_scale`` override.
     params: a pytree of arrays (JAX, numpy or torch tensors, e.g. a Flax
       ``nnx.state(model, nnx.Param)`` or a torch ``state_dict()``). Float
       leaves are optimized; other leaves are ignored.
@@ -554,7 +555,7 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     (True, 0.0)
   """
   label = name  # the report's name: the configuration asked for
-  if name in CONFIGS:
+  if name in CONFIGS and name not in _NAMES:  # a bare optimizer name keeps its defaults
     name, config_hyperparams, config_loss_scale = CONFIGS[name]
     hyperparams = {**config_hyperparams, **hyperparams}
     loss_scale = config_loss_scale if loss_scale is None else loss_scale
@@ -707,9 +708,11 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
 
 def run_config(config: str, dtype: str, steps: int, seed: int = 0, params=None) -> ParityReport:
   """One ``CONFIGS`` entry on ``default_params`` (or ``params``) in ``dtype``."""
+  name, hyperparams, loss_scale = CONFIGS[config]
   params = default_params(seed) if params is None else params
-  report = compare(config, params, steps=steps, dtype=dtype, seed=seed,
-                   nonfinite_every=97 if CONFIGS[config][2] is not None else None)
+  report = compare(name, params, steps=steps, dtype=dtype, seed=seed, loss_scale=loss_scale,
+                   nonfinite_every=97 if loss_scale is not None else None, **hyperparams)
+  report.name = config
   return report
 
 
