@@ -14,9 +14,8 @@ simply runs.
 
 ``one_torch_thread``: torch steps small tensors on as many threads as the
 machine has cores; with two workers doing so on two cores, its threads wait
-for each other and a step costs many times its work (measured here: 300
-steps of examples/train_mlp_torch.py took 18 s of CPU on 2 threads, 0.3 s on
-one). Tests that train with torch in the worker use one thread.
+for each other and a small step costs many times its work (300 steps of
+examples/train_mlp_torch.py: 18 s of CPU on 2 threads, 0.3 s on one). Tests that train with torch in the worker use one thread.
 """
 
 from __future__ import annotations
