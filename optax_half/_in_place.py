@@ -13,46 +13,45 @@ exceptions in ``update_and_apply``'s docstring).
 
 from __future__ import annotations
 
-import weakref
-
 import optax
 
 __all__ = ["chain", "update_and_apply"]
 
-# tx.update -> its (updates, state, params, **extra_args) -> (params, state).
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# tx.update -> its scaled step (in_place, updates, inv_scale, state, params,
-# **extra_args): the bits of tx.update (in_place False) or of the in-place step
-# (True) given the gradients unscaled(updates, inv_scale) (_util.unscaled), for
-# a step that unscales the gradients as it reads them (dynamic_loss_scale).
-_SCALED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+class InPlaceTransformation(optax.GradientTransformationExtraArgs):
+  """An ``optax.GradientTransformationExtraArgs`` that carries an in-place step.
+
+  ``update_and_apply(updates, state, params, **extra_args) -> (params,
+  state)``: the bits of ``update`` followed by ``optax.apply_updates``.
+  ``scaled(in_place, updates, inv_scale, state, params, **extra_args)``, or
+  None: the bits of ``update`` (``in_place`` False) or of the in-place step
+  (True) given the gradients ``_util.unscaled(updates, inv_scale)``, for a
+  step that unscales the gradients as it reads them (``dynamic_loss_scale``).
+  A transformation built around one (``optax.chain``, ``optax.masked``)
+  is a plain one: it runs ``update`` and ``optax.apply_updates``, with the
+  same bits.
+  """
+  update_and_apply = None  # set on each instance by `register`
+  scaled = None
 
 
-def register(tx, step, scaled=None):
-  """Records ``step`` as ``tx``'s in-place step (and ``scaled``, if given, as
-  its scaled step); returns ``tx``."""
-  _STEPS[tx.update] = step
-  if scaled is not None:
-    _SCALED[tx.update] = scaled
-  return tx
-
-
-def _get(registry, tx):
-  try:
-    return registry.get(tx.update)
-  except TypeError:  # an update that cannot be a weak key: unhashable, no weak references
-    return None
+def register(tx, step, scaled=None) -> InPlaceTransformation:
+  """``tx``'s ``init`` and ``update`` as an ``InPlaceTransformation`` with
+  in-place step ``step`` (and scaled step ``scaled``)."""
+  out = InPlaceTransformation(tx.init, tx.update)
+  out.update_and_apply = step
+  out.scaled = scaled
+  return out
 
 
 def step_of(tx):
-  """``tx``'s in-place step, or None (also for an ``update`` that cannot be
-  a weak key: an unhashable callable, one without weak references)."""
-  return _get(_STEPS, tx)
+  """``tx``'s in-place step, or None."""
+  return tx.update_and_apply if isinstance(tx, InPlaceTransformation) else None
 
 
 def scaled_of(tx):
-  """``tx``'s scaled step (see ``_SCALED``), or None."""
-  return _get(_SCALED, tx)
+  """``tx``'s scaled step (``InPlaceTransformation.scaled``), or None."""
+  return tx.scaled if isinstance(tx, InPlaceTransformation) else None
 
 
 def update_and_apply(tx, updates, opt_state, params, **extra_args):

@@ -264,7 +264,7 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
 
   ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
   if it has one; the result gets one too, which keeps the params on a skip.
-  ``scaled``: ``tx``'s scaled step (``_in_place._SCALED``), if it has one; so
+  ``scaled``: ``tx``'s scaled step (``InPlaceTransformation.scaled``), if it has one; so
   does the result, which checks the unscaled gradients. ``check``:
   ``unscaled_all_finite`` or another way to compute it (``_native.all_finite``).
   """

@@ -57,3 +57,24 @@ def test_no_import_cycle_between_modules(package):
   for deps in graph.values():
     deps.discard(package)
   assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_in_place_step_is_carried_by_the_transformations_type():
+  import copy  # noqa: PLC0415
+
+  import optax  # noqa: PLC0415
+
+  import optax_half as oh  # noqa: PLC0415
+  from optax_half import _in_place  # noqa: PLC0415
+  for tx in (oh.adamw_bf16(1e-3), oh.adam_fp32_master(1e-3, skip_nonfinite=True),
+             oh.dynamic_loss_scale(oh.adamw_bf16(1e-3)),
+             oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))):
+    assert isinstance(tx, _in_place.InPlaceTransformation)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    assert _in_place.step_of(tx) is not None
+    assert _in_place.step_of(copy.deepcopy(tx)) is not None
+  assert _in_place.scaled_of(oh.adamw_bf16(1e-3)) is not None
+  # optax's wrappers build a plain transformation around it: the two calls run
+  assert _in_place.step_of(optax.chain(oh.adamw_bf16(1e-3))) is None
+  assert _in_place.step_of(optax.adam(1e-3)) is None
+  assert _in_place.step_of(oh.kahan_summation(optax.sgd(1e-3))) is None
