@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from optax_half import _in_place, _native
-from optax_half._util import if_finite, skipped, transformation, unscaled
+from optax_half._util import if_finite, is_float, skipped, transformation, unscaled
 
 __all__ = [
     "DynamicLossScaleState",
@@ -274,9 +274,7 @@ def dynamic_loss_scale(
 def _all_16_bit(params) -> bool:
   """Whether every leaf of ``params`` is a float narrower than 32 bits."""
   leaves = jax.tree.leaves(params)
-  return bool(leaves) and all(
-      hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-      and jnp.dtype(x.dtype).itemsize < 4 for x in leaves)
+  return bool(leaves) and all(is_float(x) and jnp.asarray(x).dtype.itemsize < 4 for x in leaves)
 
 
 def _value(x):

@@ -366,7 +366,7 @@ def master_weights(
       return rounding.join_f32(p, buf)
     # The master follows the param: where the param is not the master's
     # rounding (written from outside: a checkpoint loaded into the model
-    # after init), the step starts from the param (docs/algorithms.md#master-weights).
+    # after init), the step starts from the param (docs/algorithms.md#wrappers).
     # `widen`: XLA must not fold the round trip through p.dtype away.
     p_wide = rounding.widen(p).astype(master_dtype)
     return jnp.where(rounding.widen(buf.astype(p.dtype)).astype(master_dtype) == p_wide,

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+import optax_half_native as native_lib
 from torch_bridge import _dist, rounding
 
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key",
@@ -364,6 +365,19 @@ def _mark(p: torch.Tensor) -> tuple:
 
 
 _SIGNED = {1: torch.int8, 2: torch.int16}
+
+
+def new_buffer(p: torch.Tensor, mode: str, master_dtype=torch.float32):
+  """The per-param buffer of ``p`` in ``mode`` (an ``optax_half_native.COMPENSATIONS``
+  name) as a fresh optimizer holds it, or None: the master is ``p`` widened to
+  ``master_dtype``; a Kahan buffer and the split low half are zeros (bf16 ->
+  fp32 is exact: lo = 0)."""
+  buffer_dtype = native_lib.COMPENSATIONS[mode].buffer_dtype
+  if buffer_dtype is None:
+    return None
+  if buffer_dtype == "float32":
+    return p.detach().to(master_dtype, copy=True)
+  return torch.zeros_like(p, dtype=torch.int16 if buffer_dtype == "int16" else p.dtype)
 
 
 def kahan_remainder_fits(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,8 @@ import optax_half_native as native_lib
 from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams,
                                  check_no_float64, check_param, grad_of, init_skip_nonfinite,
-                                 prepare_load, seed_from_key, step_grad, torch_spellings)
+                                 new_buffer, prepare_load, seed_from_key, step_grad,
+                                 torch_spellings)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
@@ -43,7 +44,9 @@ _SPLIT = "split"     # bf16 param + int16 low half = the exact fp32 master
 _KAHAN = "kahan"     # x = p + c; c = round(x' - round(x'))
 _STOCHASTIC = "stochastic"
 _NEAREST = "none"
-_FOLLOWED = (_MASTER, _KAHAN)  # modes whose buffer follow_param re-seeds
+# Modes whose buffer follow_param re-seeds when the param was written from
+# outside; the master needs none: adamw_step compares it with the param itself.
+_FOLLOWED = (_KAHAN,)
 
 
 def _mode(compensation: str, dtype: torch.dtype) -> str:
@@ -231,14 +234,9 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     state["mu"] = torch.zeros_like(p, dtype=self._mu_dtype or p.dtype)
     state["nu"] = torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)
     mode = _mode(self._compensation, p.dtype)
-    buffer = None if mode == _DIRECT else native_lib.COMPENSATIONS[mode]
-    if buffer is None or buffer.buffer is None:
-      return
-    if buffer.buffer_dtype == "float32":  # the master: the param, widened
-      state[buffer.buffer] = p.detach().to(torch.float32, copy=True)
-    else:  # a Kahan buffer, or the split low half (bf16 -> fp32 is exact: lo = 0)
-      state[buffer.buffer] = torch.zeros_like(
-          p, dtype=torch.int16 if buffer.buffer_dtype == "int16" else p.dtype)
+    buffer = None if mode == _DIRECT else new_buffer(p, mode)
+    if buffer is not None:
+      state[native_lib.COMPENSATIONS[mode].buffer] = buffer
 
   # -- checkpoints -----------------------------------------------------------
   # The buffers (master, split low half, Kahan buffer or none) are checked by

@@ -47,7 +47,7 @@ import torch
 
 import optax_half_native as native_lib
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (LowPrecisionOptimizer, check_param, optimizer_kind,
+from torch_bridge._optim import (LowPrecisionOptimizer, check_param, new_buffer, optimizer_kind,
                                  prepare_load, seed_from_key, step_grad, stepping_params)
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
@@ -154,15 +154,12 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     if not self._is_low(p):
       self._work[p] = p
       return
-    buffer = native_lib.COMPENSATIONS[self._param_mode(p)]
-    if buffer.buffer_dtype == "float32":  # the master (in master_dtype): the param, widened
-      work = p.detach().to(self._master_dtype, copy=True)
-      self.state[p][buffer.buffer] = work
-    else:
-      if buffer.buffer is not None:  # a Kahan buffer, or the split low half (lo = 0)
-        self.state[p][buffer.buffer] = torch.zeros_like(
-            p, dtype=torch.int16 if buffer.buffer_dtype == "int16" else p.dtype)
-      work = self._empty(p)
+    mode = self._param_mode(p)
+    buffer = new_buffer(p, mode, self._master_dtype)
+    if buffer is not None:
+      self.state[p][native_lib.COMPENSATIONS[mode].buffer] = buffer
+    # The master is what the inner optimizer steps; the other modes fill a stand-in.
+    work = buffer if mode == _MASTER else self._empty(p)
     # State the inner optimizer already holds for p moves to the stand-in.
     moved = self.inner.state.pop(p, None)
     if moved:
