@@ -21,10 +21,17 @@ import statistics
 import sys
 import time
 
-# (shape, count): ~16.8M params in 16 leaves of mixed shapes, or in 512 small leaves.
+# (shape, count): ~16.8M params in 16 leaves of mixed shapes, or in 512 small
+# leaves; "transformer": the 147 tensors (9.7M params) of a 12-layer
+# transformer of width 256 (per layer: qkv, out, two feed-forward matrices,
+# their biases, two norms' scales and biases), an embedding, a final norm and a scalar.
 TREES = {
     "standard": [((4096, 1024), 4), ((1024,), 8), ((), 4)],
     "many": [((32768,), 512)],
+    "transformer": [((1000, 256), 1)] + [
+        layer for _ in range(12) for layer in (
+            ((768, 256), 1), ((768,), 1), ((256, 256), 1), ((256,), 1), ((1024, 256), 1),
+            ((1024,), 1), ((256, 1024), 1), ((256,), 1), ((256,), 4))] + [((256,), 1), ((), 1)],
     "quick": [((1024, 1024), 1), ((1024,), 1), ((1024, 256), 1), ((), 1)],
 }
 BANDWIDTH_BYTES = 256 * 2**20

@@ -11,7 +11,8 @@ native kernel or compiles ``fused=True`` code the first time in a process).
 Bytes/param count the params, one gradient and every state tensor the
 optimizer holds; "moved" is the algorithm's minimum traffic
 (benchmarks/common.py). ``optimi`` (``pip install torch-optimi``, the
-``bench`` extra) is skipped when it is not installed. Findings:
+``bench`` extra) is skipped when it is not installed; the seed's ScaledAdam
+is benchmarks/seed_scaled_adam.py. Findings:
 benchmarks/README.md.
 """
 
@@ -25,6 +26,7 @@ import torch
 import optax_half_native as native
 import torch_bridge as tb
 from benchmarks import common
+from benchmarks.seed_scaled_adam import SeedScaledAdam
 
 
 def make_tree(tree: str):
@@ -49,6 +51,14 @@ def candidates(lr=1e-3):
       "adamw_bf16 kahan, eager per-tensor (fused=False)": (
           bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False)),
       "scaled_adam": (bf16, lambda ps: tb.scaled_adam(ps, lr)),
+      "scaled_adam clip 2.0": (bf16, lambda ps: tb.scaled_adam(ps, lr, clipping_scale=2.0)),
+      "scaled_adam clip 2.0 fp32": (f32, lambda ps: tb.scaled_adam(ps, lr, clipping_scale=2.0)),
+      "scaled_adam clip 2.0 eager (fused=False)": (
+          bf16, lambda ps: tb.scaled_adam(ps, lr, clipping_scale=2.0, fused=False)),
+      "seed ScaledAdam clip 2.0 (stacked eager)": (
+          bf16, lambda ps: SeedScaledAdam(ps, lr, clipping_scale=2.0)),
+      "seed ScaledAdam clip 2.0 fp32 (stacked eager)": (
+          f32, lambda ps: SeedScaledAdam(ps, lr, clipping_scale=2.0)),
   }
   try:
     import optimi  # noqa: PLC0415

@@ -33,12 +33,13 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-__all__ = ["library", "ffi_library", "has_f16", "kernel", "lanes", "leaf_keys", "TENSOR_DTYPE",
+__all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
+           "leaf_keys", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "Compensation",
            "compensation_of", "build_errors"]
 
 _HERE = Path(__file__).resolve().parent
-_HEADERS = ("adamw.h", "adamw_threads.h")
+_HEADERS = ("adamw.h", "adamw_threads.h", "scaled_adam.h")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-pthread"]
 
@@ -88,6 +89,18 @@ TENSOR_DTYPE = np.dtype([
     ("mu", np.uint64),
     ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (10,)),
     ("keys", np.uint32, (2,)), ("index", np.uint64)], align=True)
+
+# The C struct `oh::ScaledAdamTensor` of scaled_adam.h, field for field; the
+# scalars are oh::ScaledAdamScalars, in SCALED_ADAM_SCALARS's order.
+SCALED_ADAM_SCALARS = ("grad_scale", "b1", "b2", "one_minus_b1", "one_minus_b2", "inv_bc2",
+                       "eps", "alpha", "scale_step", "rms")
+SCALED_ADAM_DTYPE = np.dtype([
+    ("numel", np.int64), ("p", np.uint64), ("g", np.uint64), ("delta", np.uint64),
+    ("v", np.uint64), ("sums", np.uint64),
+    ("scalars", np.float32, (len(SCALED_ADAM_SCALARS),)), ("size", np.int32)], align=True)
+# Elements of a tensor per float64 partial sum of scaled_adam.h (kSumBlock):
+# a tensor's sums need 3 * ceil(numel / SUM_BLOCK) doubles of scratch.
+SUM_BLOCK = 4096
 
 _M1, _M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
 _STREAMS = [np.uint32((s * 0x9E3779B9) & 0xFFFFFFFF) for s in range(2)]  # stream * golden
@@ -179,6 +192,11 @@ def _build_and_load(cxx: str, source: str, include_dirs, extra) -> ctypes.CDLL:
   if (lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize
       or offsets != [TENSOR_DTYPE.fields[name][1] for name in TENSOR_DTYPE.names]):
     raise RuntimeError("struct layout differs from TENSOR_DTYPE")
+  if hasattr(lib, "oh_scaled_adam_struct_size"):  # the ctypes library (adamw_cpu.cc)
+    offsets = [lib.oh_scaled_adam_field_offset(k) for k in range(len(SCALED_ADAM_DTYPE.names))]
+    if (lib.oh_scaled_adam_struct_size() != SCALED_ADAM_DTYPE.itemsize
+        or offsets != [SCALED_ADAM_DTYPE.fields[n][1] for n in SCALED_ADAM_DTYPE.names]):
+      raise RuntimeError("struct layout differs from SCALED_ADAM_DTYPE")
   return lib
 
 
@@ -255,6 +273,29 @@ def has_f16(lib: Optional[ctypes.CDLL]) -> bool:
   """Whether ``lib`` (``library()`` or ``ffi_library(...)``) steps fp16
   params (built where the CPU has F16C)."""
   return lib is not None and bool(lib.oh_has_f16())
+
+
+def scaled_adam_kernels(param: str, grad: str, exp_avg_sq: str):
+  """ScaledAdam's ``(sums, step)`` entry points for one configuration, or None.
+
+  Types as ``kernel``'s: "FFF", "BBB", "BFB", and where ``has_f16`` "HHF"
+  and "HFF" (fp16 params keep fp32 second moments). Each function takes
+  ``(tensors: SCALED_ADAM_DTYPE array pointer, n, nthreads)``; ``sums``
+  writes each tensor's three sums into the first three doubles of its
+  ``sums`` scratch, ``step`` steps the tensors in place (scaled_adam.h).
+  """
+  lib = library()
+  if lib is None:
+    return None
+  name = f"{param}{grad}{exp_avg_sq}"
+  fns = [getattr(lib, f"oh_scaled_adam_{kind}_{name}", None) for kind in ("sums", "step")]
+  if None in fns:
+    return None
+  for fn in fns:
+    if fn.argtypes is None:
+      fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+      fn.restype = None
+  return tuple(fns)
 
 
 def kernel(param: str, grad: str, mu: str, nu: str, mode: str, stochastic_moments: bool):

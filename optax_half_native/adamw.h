@@ -223,6 +223,7 @@ struct Lanes16 {
   }
   static F widen(F x) { return x; }
   // A vector rounded to P, widened back (the Kahan buffer's subtrahend).
+  static F widen(F x, float) { return x; }
   static F widen(__m256i h, bf16) { return widen(h); }
   static F widen(__m256i h, f16) { return _mm512_cvtph_ps(h); }
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
@@ -356,6 +357,7 @@ struct Lanes8 {
   static F widen(__m128i h) { return floats(widen16(h) << 16); }
   static F widen(F x) { return x; }
   // A vector rounded to P, widened back (the Kahan buffer's subtrahend).
+  static F widen(F x, float) { return x; }
   static F widen(__m128i h, bf16) { return widen(h); }
 #if defined(OH_F16)
   static F widen(__m128i h, f16) { return _mm256_cvtph_ps(h); }

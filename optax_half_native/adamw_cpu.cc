@@ -2,6 +2,7 @@
 // (torch_bridge): one call steps a list of tensors that share one
 // configuration (dtypes, mode, moment rounding), on `nthreads` threads.
 #include "adamw_threads.h"
+#include "scaled_adam.h"
 
 #define OH_ENTRY(NAME, P, G, M, V, MODE, SR)                                    \
   extern "C" void oh_adamw_##NAME##_##MODE##_##SR(const void* ts, int n,       \
@@ -40,6 +41,22 @@ OH_ENTRY(FFFF, float, float, float, float, 0, 0)
 using oh::f16;
 OH_UNSPLIT_MODES(f16, H, f16, H)
 OH_UNSPLIT_MODES(f16, H, float, F)
+#endif
+
+// ScaledAdam (scaled_adam.h): names are param, grad, exp_avg_sq types.
+#define OH_SCALED_ADAM(NAME, P, G, V)                                              \
+  extern "C" void oh_scaled_adam_sums_##NAME(const void* ts, int n, int nthreads) { \
+    oh::scaled_adam_sums_all<P, G>(static_cast<const oh::ScaledAdamTensor*>(ts), n, nthreads); \
+  }                                                                                 \
+  extern "C" void oh_scaled_adam_step_##NAME(const void* ts, int n, int nthreads) { \
+    oh::scaled_adam_step_all<P, G, V>(static_cast<const oh::ScaledAdamTensor*>(ts), n, nthreads); \
+  }
+OH_SCALED_ADAM(FFF, float, float, float)
+OH_SCALED_ADAM(BBB, bf16, bf16, bf16)
+OH_SCALED_ADAM(BFB, bf16, float, bf16)
+#if defined(OH_F16)
+OH_SCALED_ADAM(HHF, f16, f16, float)
+OH_SCALED_ADAM(HFF, f16, float, float)
 #endif
 
 extern "C" int oh_lanes() { return oh::kLanes; }

@@ -48,6 +48,29 @@ extern "C" int oh_tensor_field_offset(int k) {
 constexpr int64_t kAlign = 256;          // elements of the concatenation
 constexpr int64_t kMinPerThread = 1 << 16;
 
+// Runs fn(lo, hi) over [0, total) split into one span per worker (at most
+// nthreads, each at least kMinPerThread elements, spans at multiples of
+// kAlign), on an OpenMP team where built with OpenMP, else on std::threads.
+template <typename Fn>
+void split_evenly(int64_t total, int nthreads, const Fn& fn) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(nthreads, total / kMinPerThread));
+  int64_t per = (total + workers - 1) / workers;
+  per = (per + kAlign - 1) / kAlign * kAlign;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(workers) schedule(static, 1)
+  for (int64_t w = 0; w < workers; ++w) {
+    fn(std::min(total, w * per), std::min(total, (w + 1) * per));
+  }
+#else
+  std::vector<std::thread> threads;
+  for (int64_t w = 1; w < workers; ++w) {
+    threads.emplace_back([&fn, w, per, total] { fn(w * per, std::min(total, (w + 1) * per)); });
+  }
+  fn(0, std::min(total, per));
+  for (auto& th : threads) th.join();
+#endif
+}
+
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
 void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
   int64_t start = 0;
@@ -87,24 +110,9 @@ void step_all(const Tensor* ts, int n, int nthreads, const ParallelFor* parallel
     });
     return;
   }
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(nthreads, total / kMinPerThread));
-  int64_t per = (total + workers - 1) / workers;
-  per = (per + kAlign - 1) / kAlign * kAlign;
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(workers) schedule(static, 1)
-  for (int64_t w = 0; w < workers; ++w) {
-    step_span<P, G, M, V, MODE, SR>(ts, n, std::min(total, w * per),
-                                    std::min(total, (w + 1) * per));
-  }
-#else
-  std::vector<std::thread> threads;
-  for (int64_t w = 1; w < workers; ++w) {
-    threads.emplace_back(step_span<P, G, M, V, MODE, SR>, ts, n, w * per,
-                         std::min(total, (w + 1) * per));
-  }
-  step_span<P, G, M, V, MODE, SR>(ts, n, 0, std::min(total, per));
-  for (auto& th : threads) th.join();
-#endif
+  split_evenly(total, nthreads, [&](int64_t lo, int64_t hi) {
+    step_span<P, G, M, V, MODE, SR>(ts, n, lo, hi);
+  });
 }
 
 }  // namespace oh

@@ -114,6 +114,45 @@ def test_torch_benchmark_quick(tmp_path):
   assert out["cpu"]["kernel_lanes"] == native.lanes(native.library())
 
 
+def test_torch_benchmark_scaled_adam_rows_and_the_transformer_tree(tmp_path):
+  pytest.importorskip("torch")
+  from benchmarks import common, torch_step  # noqa: PLC0415
+  assert len(common.shapes("transformer")) == 147
+  path = tmp_path / "torch.json"
+  out = torch_step.main(["--quick", "--reps", "1", "--json", str(path), "--only",
+                         "scaled_adam clip 2.0,seed ScaledAdam clip 2.0 (stacked eager)"])
+  # bf16 params, delta and second moments (+ a gradient); both keep the same state.
+  _check(out, path, {"torch AdamW fused fp32 (reference)": (16, 28),
+                     "scaled_adam clip 2.0": (8, 14),
+                     "seed ScaledAdam clip 2.0 (stacked eager)": (8, 14)})
+
+
+def test_seed_scaled_adam_port_computes_scaled_adam():
+  """The benchmark's port of the seed's batched ScaledAdam follows the
+  library's ScaledAdam without clipping (where the two define the same step)
+  to fp32 rounding over 30 steps, scalars and size updates included."""
+  torch = pytest.importorskip("torch")
+  import torch_bridge as tb  # noqa: PLC0415
+  from benchmarks.seed_scaled_adam import SeedScaledAdam  # noqa: PLC0415
+  gen = torch.Generator().manual_seed(0)
+  shapes = [(8, 5), (8, 5), (7,), (), ()]
+  init = [torch.randn(s, generator=gen) * 0.5 for s in shapes]
+  grads = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(30)]
+  runs = []
+  for make in (lambda ps: SeedScaledAdam(ps, lr=0.03),
+               lambda ps: tb.scaled_adam(ps, lr=0.03, fused=False)):
+    ps = [x.clone().requires_grad_() for x in init]
+    opt = make(ps)
+    for gs in grads:
+      for p, g in zip(ps, gs):
+        p.grad = g.clone()
+      opt.step()
+    runs.append([p.detach() for p in ps])
+  for a, b, x in zip(*runs, init):
+    assert not torch.equal(b, x)
+    assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max()), (a, b)
+
+
 _MMAPPED_BLOCKS = """
 import ctypes
 from benchmarks import common

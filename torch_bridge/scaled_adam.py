@@ -23,7 +23,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from torch_bridge import _dist, rounding
+import optax_half_native as native_lib
+from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_no_float64, check_param,
                                  f32, grad_of, init_skip_nonfinite, load_nonfinite, prepare_load,
                                  step_grad, torch_spellings)
@@ -108,7 +109,8 @@ class ScaledAdam(LowPrecisionOptimizer):
                param_min_rms: float = 1e-5, param_max_rms: float = 3.0,
                scalar_max: float = 10.0, size_update_period: int = 4,
                clipping_update_period: int = 100, show_dominant_parameters: bool = False,
-               skip_nonfinite: bool = False, *, lr=None, betas=None):
+               skip_nonfinite: bool = False, *, fused: Optional[bool] = None, lr=None,
+               betas=None):
     if lr is not None and learning_rate == 3e-2:  # the default, not a second spelling
       learning_rate = None
     learning_rate, b1, b2 = torch_spellings("scaled_adam", learning_rate, lr, b1, b2, betas,
@@ -119,6 +121,7 @@ class ScaledAdam(LowPrecisionOptimizer):
     schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
     lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
     self.show_dominant_parameters = bool(show_dominant_parameters)
+    self._fused = None if fused is None else bool(fused)
     init_skip_nonfinite(self, skip_nonfinite)
     self.group_state: list = []
     defaults = dict(lr=lr0, lr_schedule=schedule, clipping_scale=clipping_scale, betas=(b1, b2),
@@ -248,56 +251,83 @@ class ScaledAdam(LowPrecisionOptimizer):
         self.state[p].update(self._new_state(
             group, p, rounding.sqrt(rms[p]) if p in rms else None))
     todo = [(i, p, self.state[p]) for i, p in stepping]
-    # Sharded params (FSDP2's DTensors) step their local shards.
-    grads = [rounding.widen(_dist.local(step_grad(self, p))) for _, p, _ in todo]
+    # CPU tensors the native kernel takes step there (rows); the others (and
+    # every tensor with fused=False) take the eager per-tensor step, whose
+    # gradients are widened to fp32 here. Sharded params (FSDP2's DTensors)
+    # step their local shards.
+    rows = _NativeRows(todo, step_grad, self) if self._fused is not False else None
+    grads = [None if rows is not None and k in rows else
+             rounding.widen(_dist.local(step_grad(self, p))) for k, (_, p, _) in enumerate(todo)]
+    factor = None
     if group["clipping_scale"] is not None:
-      factor = self._clip(group, gstate, t, todo, grads)
-      grads = [g * factor for g in grads]
-    sums = self._param_sums(group, todo, grads)
+      factor = self._clip(group, gstate, t, todo, self._clip_sums(todo, grads, rows))
+      grads = [None if g is None else g * factor for g in grads]
+    sums = self._param_sums(group, todo, grads, rows, factor)
     cache: dict = {}
-    for (_, p, state), g, (scale_grad, mean_sq) in zip(todo, grads, sums):
-      self._step_one(group, lr, p, g, state, cache, scale_grad, mean_sq)
-      state["step"] += 1
+    scale_steps = self._size_updates(group, lr, cache, todo, sums)
+    for k, ((_, p, state), g) in enumerate(zip(todo, grads)):
+      if g is not None:
+        self._step_one(group, lr, p, g, state, cache, scale_steps[k])
+        state["step"] += 1
+    if rows:
+      rows.step(self._native_scalars(group, lr, cache, todo, rows, scale_steps, factor))
     gstate["step"] = t + 1
 
-  def _param_sums(self, group: dict, todo, grads) -> list:
+  def _clip_sums(self, todo, grads, rows) -> list:
+    """Per param, ``sum((g * param_rms)^2)`` (``sum(g^2)`` for a scalar) of its
+    local gradient: from the kernel's sums, or eagerly."""
+    out = []
+    for k, ((_, p, state), g) in enumerate(zip(todo, grads)):
+      if g is None:  # the float64 sum rounded once
+        out.append(torch.tensor(np.float32(rows.sums[k][0])))
+      elif _is_scalar(p):
+        out.append((g * g).sum())
+      else:
+        gr = g * rounding.widen(state["param_rms"])
+        out.append((gr * gr).sum())
+    return out
+
+  def _param_sums(self, group: dict, todo, grads, rows, factor) -> list:
     """Per param, the reductions of its step: the scale gradient ``sum(p * g)``
     and, at a size update, ``mean(p * p)`` (None where not needed), each over
-    the whole param (one collective for all of them when params are sharded)."""
+    the whole param (one collective for all of them when params are sharded).
+    The kernel's rows take ``sum(p * g)`` of the unclipped gradient, times
+    the clipping factor."""
     S = group["size_update_period"]
     values, params, means, slots = [], [], [], []
-    for (_, p, state), g in zip(todo, grads):
+    for k, ((_, p, state), g) in enumerate(zip(todo, grads)):
       if _is_scalar(p):
         slots.append((None, None))
+        continue
+      size_step = int(state["step"]) % S == S - 1
+      if g is None:  # host fp32 values: one product, one rounding of the float64 mean
+        scale_grad = np.float32(rows.sums[k][1])
+        if factor is not None:
+          scale_grad = scale_grad * np.float32(factor.item())
+        slots.append((scale_grad, np.float32(rows.sums[k][2] / p.numel()) if size_step else None))
         continue
       p32 = rounding.widen(_dist.local(p))
       slots.append((len(values), None))
       values.append((p32 * g).sum())
       params.append(p)
       means.append(False)
-      if int(state["step"]) % S == S - 1:
+      if size_step:
         slots[-1] = (slots[-1][0], len(values))
         values.append(_local_mean(p32 * p32, p))
         params.append(p)
         means.append(True)
     values = self._reduce(values, params, means) if values else values
-    return [(None if a is None else values[a], None if b is None else values[b])
-            for a, b in slots]
+    at = lambda a: values[a] if isinstance(a, int) else a
+    return [(at(a), at(b)) for a, b in slots]
 
-  def _clip(self, group: dict, gstate: dict, t: int, todo, grads) -> torch.Tensor:
-    """The seed's ``_get_clipping_scale``: the factor (a 0-dim fp32 tensor) and stats."""
+  def _clip(self, group: dict, gstate: dict, t: int, todo, sumsq: list) -> torch.Tensor:
+    """The seed's ``_get_clipping_scale``: the factor (a 0-dim fp32 tensor) and
+    stats, from each param's local ``sumsq`` (``_clip_sums``)."""
     P = group["clipping_update_period"]
-    device = grads[0].device
+    device = sumsq[0].device
     if "model_norms" not in gstate:
       gstate.update(self._init_clipping(P, device))
     c = gstate
-    sumsq = []
-    for (_, p, state), g in zip(todo, grads):
-      if _is_scalar(p):
-        sumsq.append((g * g).sum())
-      else:
-        gr = g * rounding.widen(state["param_rms"])
-        sumsq.append((gr * gr).sum())
     sumsq = self._reduce(sumsq, [p for _, p, _ in todo], [False] * len(todo))
     tot_sumsq = torch.zeros((), dtype=torch.float32, device=device)
     for s in sumsq:  # in param order, the same sequence of fp32 adds as optax_half
@@ -365,22 +395,20 @@ class ScaledAdam(LowPrecisionOptimizer):
     return cache[key]
 
   def _step_one(self, group: dict, lr: float, p: torch.Tensor, g: torch.Tensor,
-                state: dict, cache: dict, scale_grad, mean_sq) -> None:
+                state: dict, cache: dict, scale_step) -> None:
     """The seed's ``_step_one_batch`` for one param, in place; fp32 math.
 
-    ``g``: the (local) fp32 gradient; ``scale_grad``, ``mean_sq``: ``sum(p *
-    g)`` and, at a size update, ``mean(p * p)`` over the whole param
-    (``_param_sums``). A sharded param steps its local shard.
+    ``g``: the (local) fp32 gradient; ``scale_step``: the size update's
+    log-scale step (``_size_updates``; None where there is none). A sharded
+    param steps its local shard.
     """
     t = int(state["step"])
-    S = group["size_update_period"]
     # Coefficients as the seed forms them: float64, then rounded once to fp32.
     k = self._coefficients(group, t, lr, cache)
     b1, b2, eps = k["b1"], k["b2"], k["eps"]
     one_minus_b1, one_minus_b2 = k["one_minus_b1"], k["one_minus_b2"]
-    b2_corr, one_minus_b2_corr = k["b2_corr"], k["one_minus_b2_corr"]
     lr32, size_lr, bc2, inv_bc2 = k["lr"], k["size_lr"], k["bc2"], k["inv_bc2"]
-    min_rms, max_rms = np.float32(group["param_min_rms"]), np.float32(group["param_max_rms"])
+    min_rms = np.float32(group["param_min_rms"])
     p = _dist.local(p)
     p32 = rounding.widen(p)
     delta_buf, v_buf = _dist.local(state["delta"]), _dist.local(state["exp_avg_sq"])
@@ -397,36 +425,178 @@ class ScaledAdam(LowPrecisionOptimizer):
       p.clamp_(min=-scalar_max, max=scalar_max)
       p.add_(delta_buf)
       return
-    # Size update: learn the tensor's scale, in log space, every S steps.
-    is_size_step = t % S == S - 1
-    sg = state["scale_grads"]
-    # sum(p * g) and mean(p * p), which JAX computes here, come from
-    # _param_sums: the same values, taken for all params before any steps (so
-    # that sharded params reduce them over the ranks in one collective).
-    sg[t % S] = scale_grad
-    rms_buf = state["param_rms"]
-    if is_size_step:
-      rms_buf.copy_(rounding.sqrt(mean_sq))
-      if t > 0:
-        size_bc2 = k["size_bc2"]
-        sg32 = rounding.widen(sg)
-        w_buf = state["scale_exp_avg_sq"]
-        w_buf.copy_(float(b2_corr) * rounding.widen(w_buf)
-                    + float(one_minus_b2_corr) * (sg32 * sg32).mean())
-        scale_step = (float(-size_lr * np.sqrt(size_bc2)) * sg32.sum()
-                      / (rounding.sqrt(rounding.widen(w_buf)) + float(eps)))
-        rms32 = rounding.widen(rms_buf)
-        scale_step = torch.where(rms32 < float(min_rms), 0.0, scale_step)
-        scale_step = torch.where(rms32 > float(max_rms), float(-size_lr * np.float32(S)),
-                                 scale_step)
-        delta = delta + float(one_minus_b1) * (p32 * scale_step)
+    if scale_step is not None:
+      delta = delta + float(one_minus_b1) * (p32 * scale_step)
     # The Adam-like step, scaled by the tensor's RMS.
     v_hat = v32 * float(inv_bc2) if bc2 < np.float32(0.99) else v32
     denom = rounding.sqrt(v_hat) + float(eps)
-    alpha = float(-lr32 * one_minus_b1) * torch.clamp(rounding.widen(rms_buf), min=float(min_rms))
+    alpha = float(-lr32 * one_minus_b1) * torch.clamp(rounding.widen(state["param_rms"]),
+                                                      min=float(min_rms))
     delta = delta + (g / denom) * alpha
     delta_buf.copy_(delta)
     p.add_(delta_buf)
+
+  def _size_updates(self, group: dict, lr: float, cache: dict, todo, sums) -> list:
+    """The size updates of a group step, for params of one step count, dtype
+    and device at once: each param with more than one element records its
+    scale gradient and, every S steps, takes its new RMS from ``mean(p * p)``
+    and gets the log-scale step (``sums``: ``_param_sums``). Returns, per
+    param of ``todo``, its scale step (a 0-dim fp32 tensor) or None."""
+    S = group["size_update_period"]
+    min_rms, max_rms = np.float32(group["param_min_rms"]), np.float32(group["param_max_rms"])
+    batches: dict = {}
+    for k, ((_, p, state), _) in enumerate(zip(todo, sums)):
+      if not _is_scalar(p):
+        sg = state["scale_grads"]
+        batches.setdefault((int(state["step"]), sg.dtype, sg.device), []).append(k)
+    out = [None] * len(todo)
+    for (t, dtype, device), ks in batches.items():
+      states = [todo[k][2] for k in ks]
+      sg = torch.stack([s["scale_grads"] for s in states])
+      sg[:, t % S] = _stack([sums[k][0] for k in ks], device)
+      torch._foreach_copy_([s["scale_grads"] for s in states], list(sg.unbind(0)))
+      if t % S != S - 1:
+        continue
+      # sum(p * g) and mean(p * p), which JAX computes here, come from
+      # _param_sums: taken for all params before any steps (so that sharded
+      # params reduce them over the ranks in one collective).
+      rms = rounding.sqrt(_stack([sums[k][1] for k in ks], device)).to(dtype)
+      torch._foreach_copy_([s["param_rms"] for s in states], list(rms.unbind(0)))
+      if t == 0:
+        continue
+      k_ = self._coefficients(group, t, lr, cache)
+      size_lr, eps = k_["size_lr"], k_["eps"]
+      sg32 = rounding.widen(sg)
+      w = torch.stack([s["scale_exp_avg_sq"] for s in states])
+      w = (float(k_["b2_corr"]) * rounding.widen(w)
+           + float(k_["one_minus_b2_corr"]) * (sg32 * sg32).mean(dim=1)).to(w.dtype)
+      torch._foreach_copy_([s["scale_exp_avg_sq"] for s in states], list(w.unbind(0)))
+      scale_step = (float(-size_lr * np.sqrt(k_["size_bc2"])) * sg32.sum(dim=1)
+                    / (rounding.sqrt(rounding.widen(w)) + float(eps)))
+      rms32 = rounding.widen(rms)
+      scale_step = torch.where(rms32 < float(min_rms), 0.0, scale_step)
+      scale_step = torch.where(rms32 > float(max_rms), float(-size_lr * np.float32(S)),
+                               scale_step)
+      for k, v in zip(ks, scale_step.unbind(0)):
+        out[k] = v
+    return out
+
+  def _native_scalars(self, group: dict, lr: float, cache: dict, todo, rows,
+                      scale_steps, factor) -> dict:
+    """``_step_one``'s per-tensor scalars for the kernel's rows, as
+    SCALED_ADAM_SCALARS orders them, and whether each adds the size term:
+    host values (the kernel's tensors are on the CPU), the same fp32 values."""
+    ks = [k for k in range(len(todo)) if k in rows]
+    rms = torch.stack([rounding.widen(todo[k][2]["param_rms"]) for k in ks]).numpy()
+    steps = torch.stack([s for s in (
+        scale_steps[k] if scale_steps[k] is not None else _ZERO for k in ks)]).numpy()
+    grad_scale = 1.0 if factor is None else factor.item()
+    out = {}
+    for j, k in enumerate(ks):
+      t = int(todo[k][2]["step"])
+      c = self._coefficients(group, t, lr, cache)
+      # torch.clamp's min (NaN-propagating) on the fp32 RMS; then one fp32 product.
+      alpha = (-c["lr"] * c["one_minus_b1"]) * np.maximum(rms[j],
+                                                           np.float32(group["param_min_rms"]))
+      inv_bc2 = c["inv_bc2"] if c["bc2"] < np.float32(0.99) else np.float32(1)
+      out[k] = ((grad_scale, c["b1"], c["b2"], c["one_minus_b1"], c["one_minus_b2"], inv_bc2,
+                 c["eps"], alpha, steps[j], rms[j]), scale_steps[k] is not None)
+    return out
+
+
+_ZERO = torch.zeros(())
+
+
+def _stack(values: list, device) -> torch.Tensor:
+  """Host fp32 numbers or 0-dim fp32 tensors, stacked on ``device``."""
+  if not any(torch.is_tensor(v) for v in values):
+    return torch.from_numpy(np.array(values, np.float32)).to(device)
+  return torch.stack([v if torch.is_tensor(v) else torch.tensor(v, device=device)
+                      for v in values])
+
+
+_KERNELS: dict = {}  # (param, grad, exp_avg_sq dtypes) -> (sums, step) or None
+
+
+class _NativeRows:
+  """The params of one group step that the native kernel (scaled_adam.h) steps.
+
+  Taken: params with more than one element whose param, gradient, delta and
+  second moments are contiguous CPU tensors of a configuration the kernel
+  was built for (not sharded). On creation the kernel takes their sums (one
+  pass over params and gradients); ``scalars`` then gives each row its step's
+  scalars and ``step`` steps them all, one call per configuration.
+  """
+
+  def __init__(self, todo, grad_of_param, optimizer):
+    self._rows: dict = {}  # position in todo -> (configuration, p, g, delta, v, state)
+    for k, (_, p, state) in enumerate(todo):
+      if _is_scalar(p) or _dist.is_dtensor(p):
+        continue
+      g = grad_of_param(optimizer, p)
+      tensors = (p, g, state["delta"], state["exp_avg_sq"])
+      if not all(t.is_cpu and t.is_contiguous() for t in tensors) or g.shape != p.shape:
+        continue
+      config = (p.dtype, g.dtype, state["exp_avg_sq"].dtype)
+      fns = _KERNELS.get(config, False)
+      if fns is False:  # looked up once per configuration
+        codes = [_native._CODES.get(d) for d in config]
+        fns = None if None in codes else native_lib.scaled_adam_kernels(*codes)
+        _KERNELS[config] = fns
+      if fns is not None and state["delta"].dtype == p.dtype:
+        self._rows[k] = (config, *tensors, state)
+    # Per row: float64 sum((g r)^2), sum(p g), sum(p p).
+    self.sums = self._take_sums(todo)
+
+  def __contains__(self, k) -> bool:
+    return k in self._rows
+
+  def __len__(self) -> int:
+    return len(self._rows)
+
+  def _tables(self, rows):
+    """One SCALED_ADAM_DTYPE table per configuration: ((sums, step), row keys, table)."""
+    by_config: dict = {}
+    for k in rows:
+      by_config.setdefault(self._rows[k][0], []).append(k)
+    for config, ks in by_config.items():
+      table = np.zeros(len(ks), native_lib.SCALED_ADAM_DTYPE)
+      rows_k = [self._rows[k] for k in ks]
+      table["numel"] = [r[1].numel() for r in rows_k]
+      for name, j in (("p", 1), ("g", 2), ("delta", 3), ("v", 4)):
+        table[name] = [r[j].data_ptr() for r in rows_k]
+      yield _KERNELS[config], ks, table
+
+  def _take_sums(self, todo) -> dict:
+    if not self._rows:
+      return {}
+    threads = torch.get_num_threads()
+    rms = torch.stack([rounding.widen(self._rows[k][5]["param_rms"]) for k in self._rows])
+    rms = dict(zip(self._rows, rms.tolist()))
+    sums = {}
+    for (sums_fn, _), ks, table in self._tables(self._rows):
+      blocks = [-(-int(n) // native_lib.SUM_BLOCK) for n in table["numel"]]
+      scratch = np.zeros(3 * sum(blocks), np.float64)
+      offsets = np.cumsum([0] + blocks[:-1])
+      table["sums"] = scratch.ctypes.data + 24 * offsets
+      table["scalars"][:, native_lib.SCALED_ADAM_SCALARS.index("rms")] = [rms[k] for k in ks]
+      sums_fn(table.ctypes.data, len(ks), threads)
+      for k, o in zip(ks, offsets):
+        sums[k] = scratch[3 * o:3 * o + 3].copy()
+    return sums
+
+  def step(self, scalars: dict) -> None:
+    """Steps every row with its ``(scalars, size term)`` of ``scalars``, then
+    advances their step counts."""
+    threads = torch.get_num_threads()
+    for (_, step_fn), ks, table in self._tables(self._rows):
+      table["scalars"] = [scalars[k][0] for k in ks]
+      table["size"] = [scalars[k][1] for k in ks]
+      step_fn(table.ctypes.data, len(ks), threads)
+    rows = self._rows.values()
+    # Written through raw pointers: tell autograd, as an in-place op would.
+    torch.autograd.graph.increment_version([t for r in rows for t in (r[1], r[3], r[4])])
+    torch._foreach_add_([r[5]["step"] for r in rows], 1)
 
 
 def _local_mean(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -519,6 +689,7 @@ def scaled_adam(
     show_dominant_parameters: bool = False,
     skip_nonfinite: bool = False,
     *,
+    fused: Optional[bool] = None,
     lr=None,
     betas=None,
 ) -> ScaledAdam:
@@ -528,6 +699,15 @@ def scaled_adam(
     params: ``model.parameters()``, ``model.named_parameters()`` (names show
       up in the statistics) or a list of param-group dicts.
     learning_rate: a float or a schedule ``count -> lr`` (e.g. ``eden(...)``).
+    fused: how the step runs (torch only). None or True: params whose
+      tensors are contiguous CPU tensors of fp32, bf16 or fp16 (where the CPU
+      has F16C) step in the native kernel (``optax_half_native``: one pass for
+      the sums, one for the step), the others (scalars, other devices,
+      sharded params) in the eager per-tensor step; False: the eager step
+      everywhere (the reference). The elementwise step is the same bits in
+      both; the sums are not summed in the same order, so the clipping
+      factor, scale gradient and RMS may differ by an ULP
+      (docs/algorithms.md#scaledadam-and-eden).
     lr, betas: torch's (and icefall's) spellings of ``learning_rate`` and ``(b1, b2)``.
     The rest: as ``optax_half.scaled_adam``.
 
@@ -548,4 +728,4 @@ def scaled_adam(
   return ScaledAdam(params, learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                     param_min_rms, param_max_rms, scalar_max, size_update_period,
                     clipping_update_period, show_dominant_parameters, skip_nonfinite,
-                    lr=lr, betas=betas)
+                    fused=fused, lr=lr, betas=betas)

@@ -1,0 +1,213 @@
+// ScaledAdam's per-element work (docs/algorithms.md#scaledadam-and-eden) as
+// two loops over a tensor's elements, for torch_bridge.scaled_adam's CPU path:
+//
+//  * scaled_adam_sums: the tensor-wide sums a step needs, in one pass over
+//    the param and the gradient: sum((g r)^2) (the clipping norm's term, r
+//    the tensor's stored RMS), sum(p g) (the scale gradient, before the
+//    clipping factor) and sum(p p) (the RMS at a size update). Each product
+//    is the framework's fp32 product; the sums are float64, per fixed block
+//    of kSumBlock elements in 16 lanes, the blocks then added in order: the
+//    result depends on neither the thread count nor the lane width, and is
+//    the exact sum of the fp32 products to about 1e-13 relative.
+//  * scaled_adam_range: the step itself, line for line
+//    torch_bridge.scaled_adam.ScaledAdam._step_one after its tensor-wide
+//    scalars are known, every operation rounded to fp32 as torch's eager
+//    ops round it (built like adamw.h: no FMA, no reassociation).
+#pragma once
+
+#include <vector>
+
+#include "adamw_threads.h"
+
+namespace oh {
+
+constexpr int64_t kSumBlock = 4096;  // elements of one tensor per float64 partial sum
+constexpr int kSumLanes = 16;
+
+// The fp32 scalars of one tensor's ScaledAdam step (ScaledAdam._step_one):
+// grad_scale, the clipping factor every gradient element is multiplied by
+// as it is read (1: no clipping); inv_bc2, 1 / (1 - b2^t) or 1 where the
+// step does not correct (x * 1 is x); alpha = -lr (1 - b1) max(rms, min_rms);
+// scale_step, the size update's log-scale step (used where `size` is set).
+struct ScaledAdamScalars {
+  float grad_scale, b1, b2, one_minus_b1, one_minus_b2, inv_bc2, eps, alpha, scale_step, rms;
+};
+
+// One tensor of a ScaledAdam call. Mirrored by optax_half_native.SCALED_ADAM_DTYPE.
+struct ScaledAdamTensor {
+  int64_t numel;
+  uint64_t p, g, delta, v;  // addresses: param, gradient, delta (param dtype), exp_avg_sq
+  uint64_t sums;            // double[3 * blocks]: per block, sum (g r)^2, sum p g, sum p p
+  ScaledAdamScalars s;
+  int32_t size;             // 1: this step is a size update (adds (1 - b1) p scale_step)
+};
+
+extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
+extern "C" int oh_scaled_adam_field_offset(int k) {
+  const size_t offsets[] = {offsetof(ScaledAdamTensor, numel), offsetof(ScaledAdamTensor, p),
+                            offsetof(ScaledAdamTensor, g), offsetof(ScaledAdamTensor, delta),
+                            offsetof(ScaledAdamTensor, v), offsetof(ScaledAdamTensor, sums),
+                            offsetof(ScaledAdamTensor, s), offsetof(ScaledAdamTensor, size)};
+  return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
+}
+
+// The fp32 products of the sums for the L::kWidth elements from i, stored
+// at `at` into each of the three arrays.
+template <typename L, typename P, typename G>
+inline __attribute__((always_inline)) void sum_products(const P* p, const G* g, int64_t i,
+                                                        float r, int at, float* clip, float* pg,
+                                                        float* pp) {
+  using F = typename L::F;
+  const F gi = L::get(g, i), pi = L::get(p, i);
+  const F gr = gi * r;
+  L::put(clip, at, gr * gr);
+  L::put(pg, at, pi * gi);
+  L::put(pp, at, pi * pi);
+}
+
+// The three partial sums of elements [begin, end) of one tensor (one block):
+// element begin + j goes to float64 lane j mod kSumLanes, the lanes then
+// added in order (so every lane width L gives the same sums).
+template <typename P, typename G>
+void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, float r,
+                            double out[3]) {
+  double clip[kSumLanes] = {}, pg[kSumLanes] = {}, pp[kSumLanes] = {};
+  float c32[kSumLanes], pg32[kSumLanes], pp32[kSumLanes];
+  int64_t i = begin;
+#if defined(OH_LANES16)
+  // The same lanes in registers: elements 0-7 of each 16 in one float64
+  // vector, 8-15 in the other.
+  __m512d acc[6] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
+                    _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
+  for (; i + kSumLanes <= end; i += kSumLanes) {
+    const __m512 gi = Lanes16::get(g, i), pi = Lanes16::get(p, i);
+    const __m512 gr = gi * r;
+    const __m512 products[3] = {gr * gr, pi * gi, pi * pi};
+    for (int j = 0; j < 3; ++j) {
+      acc[2 * j] += _mm512_cvtps_pd(_mm512_castps512_ps256(products[j]));
+      acc[2 * j + 1] += _mm512_cvtps_pd(_mm512_extractf32x8_ps(products[j], 1));
+    }
+  }
+  double* sums[3] = {clip, pg, pp};
+  for (int j = 0; j < 3; ++j) {
+    _mm512_storeu_pd(sums[j], acc[2 * j]);
+    _mm512_storeu_pd(sums[j] + 8, acc[2 * j + 1]);
+  }
+#endif
+  for (; i + kSumLanes <= end; i += kSumLanes) {
+#if defined(OH_LANES8)
+    sum_products<Lanes8>(p, g, i, r, 0, c32, pg32, pp32);
+    sum_products<Lanes8>(p, g, i + 8, r, 8, c32, pg32, pp32);
+#else
+    for (int k = 0; k < kSumLanes; ++k) sum_products<Scalar>(p, g, i + k, r, k, c32, pg32, pp32);
+#endif
+    for (int k = 0; k < kSumLanes; ++k) {
+      clip[k] += double(c32[k]);
+      pg[k] += double(pg32[k]);
+      pp[k] += double(pp32[k]);
+    }
+  }
+  for (int k = 0; i < end; ++i, ++k) {
+    sum_products<Scalar>(p, g, i, r, 0, c32, pg32, pp32);
+    clip[k] += double(c32[0]);
+    pg[k] += double(pg32[0]);
+    pp[k] += double(pp32[0]);
+  }
+  out[0] = out[1] = out[2] = 0.0;
+  for (int k = 0; k < kSumLanes; ++k) {
+    out[0] += clip[k];
+    out[1] += pg[k];
+    out[2] += pp[k];
+  }
+}
+
+// The step of one tensor's elements [begin, end), as ScaledAdam._step_one.
+template <typename L, typename P, typename G, typename V, bool SIZE>
+inline __attribute__((always_inline)) void scaled_adam_lanes(
+    int64_t i, P* p, const G* g, P* __restrict delta_buf, V* __restrict v_buf,
+    const ScaledAdamScalars& s) {
+  using F = typename L::F;
+  const F gi = L::get(g, i) * s.grad_scale;
+  const F p32 = L::get(p, i);
+  F delta = s.b1 * L::get(delta_buf, i);
+  const auto v_new = L::to(s.b2 * L::get(v_buf, i) + s.one_minus_b2 * (gi * gi), V{});
+  const F v32 = L::widen(v_new, V{});
+  if constexpr (SIZE) delta = delta + s.one_minus_b1 * (p32 * s.scale_step);
+  const F denom = L::sqrt(v32 * s.inv_bc2) + s.eps;
+  delta = delta + (gi / denom) * s.alpha;
+  const auto delta_new = L::to(delta, P{});
+  L::put(v_buf, i, v_new);
+  L::put(delta_buf, i, delta_new);
+  L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
+}
+
+template <typename P, typename G, typename V, bool SIZE>
+void scaled_adam_range(int64_t begin, int64_t end, P* p, const G* g, P* __restrict delta,
+                       V* __restrict v, const ScaledAdamScalars& scalars) {
+  const ScaledAdamScalars s = scalars;  // a local copy: stays in registers
+  int64_t i = begin;
+#if defined(OH_LANES16)
+  for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
+    scaled_adam_lanes<Lanes16, P, G, V, SIZE>(i, p, g, delta, v, s);
+  }
+#elif defined(OH_LANES8)
+  for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
+    scaled_adam_lanes<Lanes8, P, G, V, SIZE>(i, p, g, delta, v, s);
+  }
+#endif
+  for (; i < end; ++i) scaled_adam_lanes<Scalar, P, G, V, SIZE>(i, p, g, delta, v, s);
+}
+
+// The sums of every tensor of a call: each block is summed by the thread
+// whose span holds its first element, then each tensor's blocks are added in
+// order into its first three slots (the totals: sum (g r)^2, sum p g, sum p p).
+template <typename P, typename G>
+void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads) {
+  std::vector<int64_t> starts(n + 1, 0);
+  for (int k = 0; k < n; ++k) starts[k + 1] = starts[k] + ts[k].numel;
+  split_evenly(starts[n], nthreads, [&](int64_t lo, int64_t hi) {
+    for (int k = 0; k < n; ++k) {
+      const ScaledAdamTensor& t = ts[k];
+      double* sums = reinterpret_cast<double*>(t.sums);
+      for (int64_t b = 0; b < t.numel; b += kSumBlock) {
+        if (starts[k] + b < lo || starts[k] + b >= hi) continue;
+        scaled_adam_block_sums(reinterpret_cast<const P*>(t.p), reinterpret_cast<const G*>(t.g),
+                               b, std::min(t.numel, b + kSumBlock), t.s.rms,
+                               sums + 3 * (b / kSumBlock));
+      }
+    }
+  });
+  for (int k = 0; k < n; ++k) {
+    double* sums = reinterpret_cast<double*>(ts[k].sums);
+    const int64_t blocks = (ts[k].numel + kSumBlock - 1) / kSumBlock;
+    for (int64_t b = 1; b < blocks; ++b) {
+      for (int j = 0; j < 3; ++j) sums[j] += sums[3 * b + j];
+    }
+  }
+}
+
+// The steps of every tensor of a call, their elements split over threads.
+template <typename P, typename G, typename V>
+void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads) {
+  int64_t total = 0;
+  for (int k = 0; k < n; ++k) total += ts[k].numel;
+  split_evenly(total, nthreads, [&](int64_t lo, int64_t hi) {
+    int64_t start = 0;
+    for (int k = 0; k < n && start < hi; ++k) {
+      const ScaledAdamTensor& t = ts[k];
+      const int64_t end = start + t.numel;
+      const int64_t b = std::max(lo, start), e = std::min(hi, end);
+      if (b < e) {
+        P* p = reinterpret_cast<P*>(t.p);
+        const G* g = reinterpret_cast<const G*>(t.g);
+        P* delta = reinterpret_cast<P*>(t.delta);
+        V* v = reinterpret_cast<V*>(t.v);
+        if (t.size) scaled_adam_range<P, G, V, true>(b - start, e - start, p, g, delta, v, t.s);
+        else scaled_adam_range<P, G, V, false>(b - start, e - start, p, g, delta, v, t.s);
+      }
+      start = end;
+    }
+  });
+}
+
+}  // namespace oh
