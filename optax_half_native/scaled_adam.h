@@ -2,9 +2,10 @@
 // two loops over a tensor's elements, for torch_bridge.scaled_adam's CPU path:
 //
 //  * scaled_adam_sums: the tensor-wide sums a step needs, in one pass over
-//    the param and the gradient: sum((g r)^2) (the clipping norm's term, r
-//    the tensor's stored RMS), sum(p g) (the scale gradient, before the
-//    clipping factor) and sum(p p) (the RMS at a size update). Each product
+//    the param and the gradient: sum(p g) (the scale gradient, before the
+//    clipping factor) and, where asked, sum((g r)^2) (the clipping norm's
+//    term, r the tensor's stored RMS) and sum(p p) (the RMS at a size
+//    update); a sum not asked for is 0. Each product
 //    is the framework's fp32 product; the sums are float64, per fixed block
 //    of kSumBlock elements in 16 lanes, the blocks then added in order: the
 //    result depends on neither the thread count nor the lane width, and is
@@ -40,6 +41,7 @@ struct ScaledAdamTensor {
   uint64_t sums;            // double[3 * blocks]: per block, sum (g r)^2, sum p g, sum p p
   ScaledAdamScalars s;
   int32_t size;             // 1: this step is a size update (adds (1 - b1) p scale_step)
+  int32_t want;             // sums: 1 | 2 takes sum (g r)^2 | sum p p too (sum p g always)
 };
 
 extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
@@ -47,7 +49,8 @@ extern "C" int oh_scaled_adam_field_offset(int k) {
   const size_t offsets[] = {offsetof(ScaledAdamTensor, numel), offsetof(ScaledAdamTensor, p),
                             offsetof(ScaledAdamTensor, g), offsetof(ScaledAdamTensor, delta),
                             offsetof(ScaledAdamTensor, v), offsetof(ScaledAdamTensor, sums),
-                            offsetof(ScaledAdamTensor, s), offsetof(ScaledAdamTensor, size)};
+                            offsetof(ScaledAdamTensor, s), offsetof(ScaledAdamTensor, size),
+                            offsetof(ScaledAdamTensor, want)};
   return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
 }
 
@@ -68,7 +71,7 @@ inline __attribute__((always_inline)) void sum_products(const P* p, const G* g, 
 // The three partial sums of elements [begin, end) of one tensor (one block):
 // element begin + j goes to float64 lane j mod kSumLanes, the lanes then
 // added in order (so every lane width L gives the same sums).
-template <typename P, typename G>
+template <typename P, typename G, bool CLIP, bool PP>
 void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, float r,
                             double out[3]) {
   double clip[kSumLanes] = {}, pg[kSumLanes] = {}, pp[kSumLanes] = {};
@@ -84,6 +87,7 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
     const __m512 gr = gi * r;
     const __m512 products[3] = {gr * gr, pi * gi, pi * pi};
     for (int j = 0; j < 3; ++j) {
+      if ((j == 0 && !CLIP) || (j == 2 && !PP)) continue;
       acc[2 * j] += _mm512_cvtps_pd(_mm512_castps512_ps256(products[j]));
       acc[2 * j + 1] += _mm512_cvtps_pd(_mm512_extractf32x8_ps(products[j], 1));
     }
@@ -119,6 +123,8 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
     out[1] += pg[k];
     out[2] += pp[k];
   }
+  if (!CLIP) out[0] = 0.0;
+  if (!PP) out[2] = 0.0;
 }
 
 // The step of one tensor's elements [begin, end), as ScaledAdam._step_one.
@@ -171,9 +177,16 @@ void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads) {
       double* sums = reinterpret_cast<double*>(t.sums);
       for (int64_t b = 0; b < t.numel; b += kSumBlock) {
         if (starts[k] + b < lo || starts[k] + b >= hi) continue;
-        scaled_adam_block_sums(reinterpret_cast<const P*>(t.p), reinterpret_cast<const G*>(t.g),
-                               b, std::min(t.numel, b + kSumBlock), t.s.rms,
-                               sums + 3 * (b / kSumBlock));
+        const P* tp = reinterpret_cast<const P*>(t.p);
+        const G* tg = reinterpret_cast<const G*>(t.g);
+        const int64_t e = std::min(t.numel, b + kSumBlock);
+        double* out = sums + 3 * (b / kSumBlock);
+        switch (t.want & 3) {
+          case 0: scaled_adam_block_sums<P, G, false, false>(tp, tg, b, e, t.s.rms, out); break;
+          case 1: scaled_adam_block_sums<P, G, true, false>(tp, tg, b, e, t.s.rms, out); break;
+          case 2: scaled_adam_block_sums<P, G, false, true>(tp, tg, b, e, t.s.rms, out); break;
+          default: scaled_adam_block_sums<P, G, true, true>(tp, tg, b, e, t.s.rms, out);
+        }
       }
     }
   });

@@ -255,7 +255,7 @@ class ScaledAdam(LowPrecisionOptimizer):
     # every tensor with fused=False) take the eager per-tensor step, whose
     # gradients are widened to fp32 here. Sharded params (FSDP2's DTensors)
     # step their local shards.
-    rows = _NativeRows(todo, step_grad, self) if self._fused is not False else None
+    rows = _NativeRows(todo, step_grad, self, group) if self._fused is not False else None
     grads = [None if rows is not None and k in rows else
              rounding.widen(_dist.local(step_grad(self, p))) for k, (_, p, _) in enumerate(todo)]
     factor = None
@@ -277,9 +277,10 @@ class ScaledAdam(LowPrecisionOptimizer):
     """Per param, ``sum((g * param_rms)^2)`` (``sum(g^2)`` for a scalar) of its
     local gradient: from the kernel's sums, or eagerly."""
     out = []
+    native = rows.clip_sums() if rows else {}
     for k, ((_, p, state), g) in enumerate(zip(todo, grads)):
-      if g is None:  # the float64 sum rounded once
-        out.append(torch.tensor(np.float32(rows.sums[k][0])))
+      if g is None:
+        out.append(native[k])
       elif _is_scalar(p):
         out.append((g * g).sum())
       else:
@@ -482,26 +483,29 @@ class ScaledAdam(LowPrecisionOptimizer):
     return out
 
   def _native_scalars(self, group: dict, lr: float, cache: dict, todo, rows,
-                      scale_steps, factor) -> dict:
-    """``_step_one``'s per-tensor scalars for the kernel's rows, as
-    SCALED_ADAM_SCALARS orders them, and whether each adds the size term:
-    host values (the kernel's tensors are on the CPU), the same fp32 values."""
-    ks = [k for k in range(len(todo)) if k in rows]
-    rms = torch.stack([rounding.widen(todo[k][2]["param_rms"]) for k in ks]).numpy()
-    steps = torch.stack([s for s in (
-        scale_steps[k] if scale_steps[k] is not None else _ZERO for k in ks)]).numpy()
-    grad_scale = 1.0 if factor is None else factor.item()
-    out = {}
-    for j, k in enumerate(ks):
-      t = int(todo[k][2]["step"])
-      c = self._coefficients(group, t, lr, cache)
+                      scale_steps, factor) -> tuple:
+    """``_step_one``'s per-tensor scalars for the kernel's rows (in
+    ``rows.keys`` order, columns as SCALED_ADAM_SCALARS), and whether each
+    adds the size term: host values (the kernel's tensors are on the CPU),
+    the fp32 values ``_step_one`` computes."""
+    states = [todo[k][2] for k in rows.keys]
+    rms = rounding.widen(torch.stack([s["param_rms"] for s in states])).numpy()
+    steps = torch.stack([_ZERO if scale_steps[k] is None else scale_steps[k]
+                         for k in rows.keys]).numpy()
+    counts = np.array([int(s["step"]) for s in states])
+    out = np.empty((len(states), len(native_lib.SCALED_ADAM_SCALARS)), np.float32)
+    out[:, 0] = 1.0 if factor is None else factor.item()
+    for t in np.unique(counts):
+      at = counts == t
+      c = self._coefficients(group, int(t), lr, cache)
       # torch.clamp's min (NaN-propagating) on the fp32 RMS; then one fp32 product.
-      alpha = (-c["lr"] * c["one_minus_b1"]) * np.maximum(rms[j],
+      alpha = (-c["lr"] * c["one_minus_b1"]) * np.maximum(rms[at],
                                                            np.float32(group["param_min_rms"]))
       inv_bc2 = c["inv_bc2"] if c["bc2"] < np.float32(0.99) else np.float32(1)
-      out[k] = ((grad_scale, c["b1"], c["b2"], c["one_minus_b1"], c["one_minus_b2"], inv_bc2,
-                 c["eps"], alpha, steps[j], rms[j]), scale_steps[k] is not None)
-    return out
+      out[at, 1:7] = (c["b1"], c["b2"], c["one_minus_b1"], c["one_minus_b2"], inv_bc2, c["eps"])
+      out[at, 7] = alpha
+    out[:, 8], out[:, 9] = steps, rms
+    return out, np.array([scale_steps[k] is not None for k in rows.keys], np.int32)
 
 
 _ZERO = torch.zeros(())
@@ -528,7 +532,7 @@ class _NativeRows:
   scalars and ``step`` steps them all, one call per configuration.
   """
 
-  def __init__(self, todo, grad_of_param, optimizer):
+  def __init__(self, todo, grad_of_param, optimizer, group: dict):
     self._rows: dict = {}  # position in todo -> (configuration, p, g, delta, v, state)
     for k, (_, p, state) in enumerate(todo):
       if _is_scalar(p) or _dist.is_dtensor(p):
@@ -545,8 +549,15 @@ class _NativeRows:
         _KERNELS[config] = fns
       if fns is not None and state["delta"].dtype == p.dtype:
         self._rows[k] = (config, *tensors, state)
+    self.keys = list(self._rows)
+    # The sums each row needs: sum((g r)^2) when clipping, sum(p p) at a size update.
+    S = group["size_update_period"]
+    clipping = int(group["clipping_scale"] is not None)
+    self._want = np.array([clipping | 2 * (int(self._rows[k][5]["step"]) % S == S - 1)
+                           for k in self.keys], np.int32)
+    self._tables = self._make_tables()
     # Per row: float64 sum((g r)^2), sum(p g), sum(p p).
-    self.sums = self._take_sums(todo)
+    self.sums = self._take_sums()
 
   def __contains__(self, k) -> bool:
     return k in self._rows
@@ -554,45 +565,54 @@ class _NativeRows:
   def __len__(self) -> int:
     return len(self._rows)
 
-  def _tables(self, rows):
-    """One SCALED_ADAM_DTYPE table per configuration: ((sums, step), row keys, table)."""
+  def _make_tables(self) -> list:
+    """One SCALED_ADAM_DTYPE table per configuration: ((sums, step), rows' positions in
+    ``keys``, table)."""
     by_config: dict = {}
-    for k in rows:
-      by_config.setdefault(self._rows[k][0], []).append(k)
-    for config, ks in by_config.items():
-      table = np.zeros(len(ks), native_lib.SCALED_ADAM_DTYPE)
-      rows_k = [self._rows[k] for k in ks]
-      table["numel"] = [r[1].numel() for r in rows_k]
-      for name, j in (("p", 1), ("g", 2), ("delta", 3), ("v", 4)):
-        table[name] = [r[j].data_ptr() for r in rows_k]
-      yield _KERNELS[config], ks, table
+    for j, k in enumerate(self.keys):
+      by_config.setdefault(self._rows[k][0], []).append(j)
+    tables = []
+    for config, js in by_config.items():
+      table = np.zeros(len(js), native_lib.SCALED_ADAM_DTYPE)
+      rows = [self._rows[self.keys[j]] for j in js]
+      table["numel"] = [r[1].numel() for r in rows]
+      for name, i in (("p", 1), ("g", 2), ("delta", 3), ("v", 4)):
+        table[name] = [r[i].data_ptr() for r in rows]
+      tables.append((_KERNELS[config], np.array(js), table))
+    return tables
 
-  def _take_sums(self, todo) -> dict:
+  def _take_sums(self) -> dict:
     if not self._rows:
       return {}
     threads = torch.get_num_threads()
-    rms = torch.stack([rounding.widen(self._rows[k][5]["param_rms"]) for k in self._rows])
-    rms = dict(zip(self._rows, rms.tolist()))
+    rms = rounding.widen(torch.stack([self._rows[k][5]["param_rms"] for k in self.keys])).numpy()
     sums = {}
-    for (sums_fn, _), ks, table in self._tables(self._rows):
-      blocks = [-(-int(n) // native_lib.SUM_BLOCK) for n in table["numel"]]
-      scratch = np.zeros(3 * sum(blocks), np.float64)
-      offsets = np.cumsum([0] + blocks[:-1])
-      table["sums"] = scratch.ctypes.data + 24 * offsets
-      table["scalars"][:, native_lib.SCALED_ADAM_SCALARS.index("rms")] = [rms[k] for k in ks]
-      sums_fn(table.ctypes.data, len(ks), threads)
-      for k, o in zip(ks, offsets):
-        sums[k] = scratch[3 * o:3 * o + 3].copy()
+    for (sums_fn, _), js, table in self._tables:
+      blocks = (table["numel"] + native_lib.SUM_BLOCK - 1) // native_lib.SUM_BLOCK
+      scratch = np.zeros(3 * int(blocks.sum()), np.float64)
+      offsets = np.cumsum(blocks) - blocks
+      table["sums"] = scratch.ctypes.data + 24 * offsets.astype(np.uint64)
+      table["scalars"][:, native_lib.SCALED_ADAM_SCALARS.index("rms")] = rms[js]
+      table["want"] = self._want[js]
+      sums_fn(table.ctypes.data, len(js), threads)
+      for j, o in zip(js, offsets):
+        sums[self.keys[j]] = scratch[3 * o:3 * o + 3]
     return sums
 
-  def step(self, scalars: dict) -> None:
-    """Steps every row with its ``(scalars, size term)`` of ``scalars``, then
-    advances their step counts."""
+  def clip_sums(self) -> dict:
+    """Row -> ``sum((g r)^2)``, the float64 sum rounded once, as 0-dim fp32 tensors."""
+    values = torch.from_numpy(np.array([self.sums[k][0] for k in self.keys], np.float32))
+    return dict(zip(self.keys, values.unbind(0)))
+
+  def step(self, scalars) -> None:
+    """Steps every row with its scalars (``(values, size term)`` arrays in
+    ``keys`` order), then advances their step counts."""
+    values, size = scalars
     threads = torch.get_num_threads()
-    for (_, step_fn), ks, table in self._tables(self._rows):
-      table["scalars"] = [scalars[k][0] for k in ks]
-      table["size"] = [scalars[k][1] for k in ks]
-      step_fn(table.ctypes.data, len(ks), threads)
+    for (_, step_fn), js, table in self._tables:
+      table["scalars"] = values[js]
+      table["size"] = size[js]
+      step_fn(table.ctypes.data, len(js), threads)
     rows = self._rows.values()
     # Written through raw pointers: tell autograd, as an in-place op would.
     torch.autograd.graph.increment_version([t for r in rows for t in (r[1], r[3], r[4])])
