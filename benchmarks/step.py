@@ -66,6 +66,10 @@ def candidates(lr=1e-3):
       "dynamic_loss_scale(adam_fp32_master) fp16": (
           f16, oh.dynamic_loss_scale(oh.adam_fp32_master(lr))),
       "scaled_adam": (bf16, oh.scaled_adam(lr)),
+      "scaled_adam clip 2.0 fp32": (f32, oh.scaled_adam(lr, clipping_scale=2.0)),
+      "scaled_adam clip 2.0": (bf16, oh.scaled_adam(lr, clipping_scale=2.0)),
+      "kahan_summation(scaled_adam clip 2.0)": (
+          bf16, oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0))),
   }
 
 

@@ -49,6 +49,7 @@ import torch
 
 import optax_half as oh
 from optax_half._util import is_float
+from optax_half.scaled_adam import leaf_names as leaf_names_of
 import torch_bridge as tb
 from torch_bridge import dlpack
 
@@ -66,13 +67,17 @@ class Tolerance:
 
   ``max_rel``: max relative error; ``max_ulp``: max distance in ULPs of the
   buffer's dtype; ``min_equal``: min fraction of bitwise-equal elements (over
-  the whole buffer, all leaves, at each step). ``None``: not checked.
+  the whole buffer, all leaves, at each step); ``max_tensor_rel``: max error
+  of a leaf relative to the largest magnitude the leaf has had at any
+  recorded step so far (for buffers whose reductions or order of operations
+  differ between the frameworks, where an element near 0, or a momentum
+  crossing 0, says nothing). ``None``: not checked.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from torch_bridge import parity
     >>> parity.TOLERANCES["16bit"]
-    Tolerance(max_rel=None, max_ulp=1, min_equal=0.999)
+    Tolerance(max_rel=None, max_ulp=1, min_equal=0.999, max_tensor_rel=None)
     >>> bitwise = {"16bit": parity.Tolerance(max_ulp=0, min_equal=1.0)}  # equal bits only
     >>> params = {"w": jnp.ones((4, 4), jnp.bfloat16)}
     >>> parity.compare("scale_by_adamw", params, steps=2, tolerances=bitwise).ok
@@ -81,6 +86,7 @@ class Tolerance:
   max_rel: Optional[float] = None
   max_ulp: Optional[float] = None
   min_equal: Optional[float] = None
+  max_tensor_rel: Optional[float] = None
 
 
 TOLERANCES = {
@@ -95,14 +101,27 @@ TOLERANCES = {
     # its residual changes sign, so the residual's own ULP or relative error
     # says nothing; the param's bound covers the pair.
     "residual": Tolerance(),
+    # Optimizers whose frameworks sum in different orders (ScaledAdam's
+    # reductions: the clipping norm, sum(p * g), the RMS) or order their
+    # elementwise operations differently (torch.optim's Adam and SGD against
+    # optax's): per leaf, relative to its largest element; fp32 buffers, and
+    # 16-bit ones (one rounding the other way is 2^-8 of an element in bf16).
+    "per-tensor": Tolerance(max_tensor_rel=1e-4),
+    "per-tensor 16bit": Tolerance(max_tensor_rel=2 ** -6),
+    # ScaledAdam's clipping statistics (ParityReport.clipping): the gradient
+    # norm, factor and threshold; the number clipped and the dominant
+    # parameter must be equal.
+    "clipping": Tolerance(max_rel=1e-5),
 }
 
 
-def _kind(buffer: str, dtype, compensation: Optional[str]) -> str:
+def _kind(buffer: str, dtype, compensation: Optional[str], per_tensor: bool = False) -> str:
   if buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
     return "exact"
   if buffer == "compensation":
     return "residual"
+  if per_tensor:
+    return "per-tensor" if np.dtype(dtype).itemsize >= 4 else "per-tensor 16bit"
   if buffer == "params" and compensation == "stochastic" and np.dtype(dtype).itemsize < 4:
     return "exact"
   return "fp32" if np.dtype(dtype).itemsize >= 4 else "16bit"
@@ -114,8 +133,38 @@ def _kind(buffer: str, dtype, compensation: Optional[str]) -> str:
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
-_NAMES = ("adam_fp32_master", "adamw_bf16", "scale_by_adamw")
+_NAMES = ("adam_fp32_master", "adamw_bf16", "scale_by_adamw", "scaled_adam")
+# Wrappers around an optimizer of either framework: "master_weights(adam)"
+# wraps optax.adam and torch.optim.Adam, "kahan_summation(scaled_adam)" the
+# two ScaledAdams. Stock optimizers and their keywords in each framework.
+_WRAPPERS = ("master_weights", "kahan_summation")
+_STOCK = {
+    "adam": (lambda hp: optax.adam(hp["learning_rate"], b1=hp.get("b1", 0.9),
+                                   b2=hp.get("b2", 0.999), eps=hp.get("eps", 1e-8)),
+             lambda ps, hp: torch.optim.Adam(ps, lr=hp["learning_rate"], betas=(
+                 hp.get("b1", 0.9), hp.get("b2", 0.999)), eps=hp.get("eps", 1e-8))),
+    "sgd": (lambda hp: optax.sgd(hp["learning_rate"], momentum=hp.get("momentum")),
+            lambda ps, hp: torch.optim.SGD(ps, lr=hp["learning_rate"],
+                                           momentum=hp.get("momentum") or 0.0)),
+}
+# torch state keys -> the JAX buffer names they are compared with, per optimizer.
+_TORCH_BUFFERS = {"adam": {"exp_avg": "mu", "exp_avg_sq": "nu"},
+                  "sgd": {"momentum_buffer": "trace"},
+                  "scaled_adam": {k: k for k in ("delta", "exp_avg_sq", "param_rms",
+                                                 "scale_exp_avg_sq", "scale_grads")}}
 _DTYPE_KEYWORDS = ("mu_dtype", "nu_dtype")
+_SCALED_ADAM_CLIP = {"clipping_scale": 2.0, "clipping_update_period": 10}
+
+
+def _parts(name: str) -> tuple:
+  """``"kahan_summation(scaled_adam)"`` -> ``("kahan_summation", "scaled_adam")``;
+  a bare name -> ``(None, name)``; None if ``name`` is neither."""
+  wrapper, _, rest = name.partition("(")
+  if rest:
+    inner = rest.removesuffix(")")
+    ok = wrapper in _WRAPPERS and rest.endswith(")") and (inner in _NAMES or inner in _STOCK)
+    return (wrapper, inner) if ok else None
+  return (None, name) if name in _NAMES else None
 
 # name -> (optimizer, hyperparameters, loss-scale keywords or None)
 CONFIGS: dict[str, tuple[str, dict, Optional[dict]]] = {
@@ -134,7 +183,19 @@ CONFIGS: dict[str, tuple[str, dict, Optional[dict]]] = {
                               {"init_scale": 2.0 ** 10, "growth_interval": 20}),
     "adam_fp32_master+loss_scale": ("adam_fp32_master", {"weight_decay": 0.1},
                                     {"init_scale": 2.0 ** 10, "growth_interval": 20}),
+    "scaled_adam": ("scaled_adam", {}, None),
+    "scaled_adam/clip": ("scaled_adam", _SCALED_ADAM_CLIP, None),
+    "kahan_summation(scaled_adam)/clip": ("kahan_summation(scaled_adam)", _SCALED_ADAM_CLIP,
+                                          None),
+    "master_weights(scaled_adam)/clip": ("master_weights(scaled_adam)", _SCALED_ADAM_CLIP,
+                                         None),
+    "master_weights(adam)": ("master_weights(adam)", {}, None),
+    "kahan_summation(sgd)": ("kahan_summation(sgd)", {"momentum": 0.9}, None),
 }
+# The configurations whose frameworks compute the same bits (the AdamW family,
+# its wrappers and loss scaling); the others are held to per-tensor bounds.
+BITWISE = tuple(c for c, (name, _, _) in CONFIGS.items() if _parts(name)[0] is None
+                and name != "scaled_adam")
 
 
 def _framework_hyperparams(hyperparams: dict, dtypes) -> dict:
@@ -154,14 +215,22 @@ def _dtype_name(d) -> str:
 
 
 def _jax_optimizer(name: str, hyperparams: dict, loss_scale: Optional[dict]):
-  tx = getattr(oh, name)(**_framework_hyperparams(hyperparams, jnp.dtype))
+  wrapper, inner = _parts(name)
+  hp = _framework_hyperparams(hyperparams, jnp.dtype)
+  tx = _STOCK[inner][0](hp) if inner in _STOCK else getattr(oh, inner)(**hp)
+  tx = getattr(oh, wrapper)(tx) if wrapper else tx
   return oh.dynamic_loss_scale(tx, **loss_scale) if loss_scale is not None else tx
 
 
 def _torch_optimizer(name: str, params: list, hyperparams: dict, loss_scale: Optional[dict],
                      torch_options: Optional[dict] = None):
+  wrapper, inner = _parts(name)
   hp = _framework_hyperparams(hyperparams, lambda n: getattr(torch, n))
-  optimizer = getattr(tb, name)(params, **hp, **(torch_options or {}))
+  if inner in _STOCK:
+    optimizer = _STOCK[inner][1](params, hp)
+  else:
+    optimizer = getattr(tb, inner)(params, **hp, **(torch_options or {}))
+  optimizer = getattr(tb, wrapper)(optimizer) if wrapper else optimizer
   scaler = tb.dynamic_loss_scale(**loss_scale) if loss_scale is not None else None
   return optimizer, scaler
 
@@ -183,18 +252,20 @@ def _ordered(a: np.ndarray) -> np.ndarray:
   return np.where(sign == 1, -magnitude, magnitude)
 
 
-def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
-  """(max abs, max rel, max ULP, number bitwise equal) of two same-dtype arrays.
+def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int, float]:
+  """(max abs, max rel, max ULP, number bitwise equal, max abs relative to the
+  largest element) of two same-dtype arrays.
 
   The relative error is ``|a - b| / max(|a|, |b|, tiny)`` with ``tiny`` the
   dtype's smallest normal number, so that an ULP among subnormals near 0 is
-  not a relative error of 1.
+  not a relative error of 1; the last measure divides the max abs error by
+  ``max(max |a|, max |b|, tiny)`` instead.
   """
   if a.size == 0:
-    return 0.0, 0.0, 0.0, 0
+    return 0.0, 0.0, 0.0, 0, 0.0
   n_equal = int(np.sum(a.view(_UINT[a.dtype.itemsize]) == b.view(_UINT[b.dtype.itemsize])))
   if n_equal == a.size:
-    return 0.0, 0.0, 0.0, n_equal
+    return 0.0, 0.0, 0.0, n_equal, 0.0
   if jnp.issubdtype(a.dtype, jnp.floating):  # also ml_dtypes' bfloat16, float8_*
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     nan_a, nan_b = np.isnan(a64), np.isnan(b64)
@@ -207,19 +278,23 @@ def _stats(a: np.ndarray, b: np.ndarray) -> tuple[float, float, float, int]:
       ulp = np.where(same, 0, np.abs(_ordered(a) - _ordered(b))).astype(np.float64)
     bad = (nan_a != nan_b) | (np.isinf(a64) & ~same) | (np.isinf(b64) & ~same)
     diff, rel, ulp = (np.where(bad, np.inf, x) for x in (diff, rel, ulp))
-    return float(diff.max()), float(rel.max()), float(ulp.max()), n_equal
+    finite = np.where(np.isfinite(scale), scale, 0.0)
+    largest = max(float(finite.max()), tiny)
+    return float(diff.max()), float(rel.max()), float(ulp.max()), n_equal, \
+        float(diff.max()) / largest
   a64, b64 = a.astype(np.int64), b.astype(np.int64)
   diff = np.abs(a64 - b64).astype(np.float64)
   scale = np.maximum(np.abs(a64), np.abs(b64)).astype(np.float64)
   rel = np.where(diff == 0, 0.0, diff / np.where(scale == 0, 1.0, scale))
-  return float(diff.max()), float(rel.max()), float(diff.max()), n_equal
+  return float(diff.max()), float(rel.max()), float(diff.max()), n_equal, \
+      float(diff.max()) / max(float(scale.max()), 1.0)
 
 
 # ----------------------------------------------------------------------------
 # The report.
 # ----------------------------------------------------------------------------
 
-_COLUMNS = ("max_abs", "max_rel", "max_ulp", "n_equal")
+_COLUMNS = ("max_abs", "max_rel", "max_ulp", "n_equal", "tensor_rel")
 
 
 @dataclasses.dataclass
@@ -234,13 +309,21 @@ class ParityReport:
     buffers: buffer name -> ``(kind, dtype name)``; kind keys ``tolerances``.
     leaves: buffer name -> leaf names (tree paths).
     sizes: buffer name -> elements per leaf.
-    errors: buffer name -> float64 array ``[len(recorded), n_leaves, 4]`` of
-      (max abs, max rel, max ULP, number of bitwise-equal elements).
+    errors: buffer name -> float64 array ``[len(recorded), n_leaves, 5]`` of
+      (max abs, max rel, max ULP, number of bitwise-equal elements, max abs
+      relative to the largest magnitude of the leaf at any recorded step so far).
     tolerances: kind -> ``Tolerance``.
     copies: arrays that could not cross the boundary without a copy.
     counters: the JAX side's scalar state at the last step (``count``,
       ``loss_scale``, ``growth_tracker``, ``skipped_steps``), for context.
     seconds: wall time of the run.
+    clipping: with a clipping ScaledAdam, its statistics side by side
+      (``_clipping_summary``): the worst relative differences of the gradient
+      norm, clipping factor and threshold over the recorded steps (bounded
+      by ``tolerances["clipping"]``), how many of them JAX clipped, at how
+      many of them the number clipped
+      and the dominant parameter agree (all must), and the last step's
+      statistics of both sides; None otherwise.
 
   Example:
     >>> import jax.numpy as jnp
@@ -249,15 +332,15 @@ class ParityReport:
     >>> report = parity.compare("scale_by_adamw", params, steps=3)
     >>> report.recorded, report.buffers["params"]
     ([1, 2, 3], ('16bit', 'bfloat16'))
-    >>> report.errors["params"].shape  # (recorded steps, leaves, 4 measures)
-    (3, 1, 4)
+    >>> report.errors["params"].shape  # (recorded steps, leaves, 5 measures)
+    (3, 1, 5)
     >>> print(report.table())
     scale_by_adamw [bfloat16], 3 steps: ok
-      buffer          dtype     kind         max abs    max rel  max ULP    bitwise
-      params          bfloat16  16bit              0          0        0  100.0000%
-      mu              bfloat16  16bit              0          0        0  100.0000%
-      nu              bfloat16  16bit              0          0        0  100.0000%
-      count           int64     exact              0          0        0  100.0000%
+      buffer            dtype     kind                 max abs    max rel  max ULP    bitwise  tensor rel
+      params            bfloat16  16bit                      0          0        0  100.0000%           0
+      mu                bfloat16  16bit                      0          0        0  100.0000%           0
+      nu                bfloat16  16bit                      0          0        0  100.0000%           0
+      count             int64     exact                      0          0        0  100.0000%           0
   """
   name: str
   dtype: str
@@ -273,6 +356,7 @@ class ParityReport:
   copies: list
   counters: dict = dataclasses.field(default_factory=dict)
   seconds: float = 0.0
+  clipping: Optional[dict] = None
 
   def _keys(self, buffer: str) -> list:
     """``buffer`` itself, or its per-dtype entries (``params[bfloat16]``, ...)."""
@@ -298,6 +382,7 @@ class ParityReport:
     return {"max_abs": float(e[:, :, 0].max(initial=0.0)),
             "max_rel": float(e[:, :, 1].max(initial=0.0)),
             "max_ulp": float(e[:, :, 2].max(initial=0.0)),
+            "tensor_rel": float(e[:, :, 4].max(initial=0.0)),
             "equal": float(frac.min(initial=1.0)),
             "equal_final": float(frac[-1]) if len(frac) else 1.0}
 
@@ -316,7 +401,8 @@ class ParityReport:
       if not e.size:
         continue
       worst = self.worst(buffer)
-      for column, bound in (("max_rel", tol.max_rel), ("max_ulp", tol.max_ulp)):
+      for column, bound in (("max_rel", tol.max_rel), ("max_ulp", tol.max_ulp),
+                            ("tensor_rel", tol.max_tensor_rel)):
         if bound is None:
           continue
         values = e[:, :, _COLUMNS.index(column)]
@@ -327,6 +413,15 @@ class ParityReport:
       if tol.min_equal is not None and worst["equal"] < tol.min_equal:
         out.append(f"{buffer} ({dtype}, {kind}): {100 * worst['equal']:.4f}% bitwise equal "
                    f"< {100 * tol.min_equal:g}%")
+    c, bound = self.clipping, self.tolerances["clipping"].max_rel
+    if c is not None:
+      for measure in ("grad_norm", "clipping_factor", "threshold"):
+        if c[f"{measure}_max_rel"] > bound:
+          out.append(f"clipping: {measure} differs by {c[measure + '_max_rel']:.3g} > {bound:g}")
+      for measure in ("num_clipped", "dominant_parameter"):
+        if c[f"{measure}_equal"] < c["steps"]:
+          out.append(f"clipping: {measure} differs at {c['steps'] - c[measure + '_equal']} "
+                     f"of {c['steps']} recorded steps")
     return out
 
   @property
@@ -338,21 +433,37 @@ class ParityReport:
     last step, worst relative error of any fp32 buffer, verdict."""
     params = self.worst("params")
     fp32 = [self.worst(b)["max_rel"] for b, (k, _) in self.buffers.items() if k == "fp32"]
+    per_tensor = [self.worst(b)["tensor_rel"] for b, (k, _) in self.buffers.items()
+                  if k.startswith("per-tensor")]
     return {"optimizer": self.name, "dtype": self.dtype, "steps": self.steps,
             "param_max_ulp": params["max_ulp"], "param_equal": params["equal_final"],
             "fp32_max_rel": max(fp32) if fp32 else None,
+            "tensor_rel": max(per_tensor) if per_tensor else None,
             "verdict": "ok" if self.ok else "FAIL"}
 
   def table(self) -> str:
     """Worst error per buffer over all steps and leaves, one line each."""
     lines = [f"{self.name} [{self.dtype}], {self.steps} steps: "
              + ("ok" if self.ok else "FAIL"),
-             f"  {'buffer':<16}{'dtype':<10}{'kind':<9}{'max abs':>11}{'max rel':>11}"
-             f"{'max ULP':>9}{'bitwise':>11}"]
+             f"  {'buffer':<18}{'dtype':<10}{'kind':<17}{'max abs':>11}{'max rel':>11}"
+             f"{'max ULP':>9}{'bitwise':>11}{'tensor rel':>12}"]
     for buffer, (kind, dtype) in self.buffers.items():
       w = self.worst(buffer)
-      lines.append(f"  {buffer:<16}{dtype:<10}{kind:<9}{w['max_abs']:>11.3g}"
-                   f"{w['max_rel']:>11.3g}{w['max_ulp']:>9.3g}{100 * w['equal']:>10.4f}%")
+      lines.append(f"  {buffer:<18}{dtype:<10}{kind:<17}{w['max_abs']:>11.3g}"
+                   f"{w['max_rel']:>11.3g}{w['max_ulp']:>9.3g}{100 * w['equal']:>10.4f}%"
+                   f"{w['tensor_rel']:>12.3g}")
+    c = self.clipping
+    if c is not None:
+      lines.append(
+          f"  clipping, {c['steps']} recorded steps ({c['clipped_steps']} clipped): max rel "
+          f"grad norm "
+          f"{c['grad_norm_max_rel']:.3g}, factor {c['clipping_factor_max_rel']:.3g}, "
+          f"threshold {c['threshold_max_rel']:.3g}; num clipped equal at "
+          f"{c['num_clipped_equal']}, dominant parameter at {c['dominant_parameter_equal']}")
+      last = c["last"]
+      for key in ("grad_norm", "clipping_factor", "model_norm_threshold", "num_clipped",
+                  "percent_clipped", "dominant_parameter"):
+        lines.append(f"    {key:<22}JAX {last['jax'][key]!s:<24}torch {last['torch'][key]!s}")
     lines += [f"  FAIL {f}" for f in self.failures()]
     lines += [f"  copied: {c}" for c in self.copies]
     return "\n".join(lines)
@@ -364,6 +475,7 @@ class ParityReport:
     return _jsonable({
         **self.summary(), "hyperparams": self.hyperparams, "loss_scale": self.loss_scale,
         "counters": self.counters, "seconds": self.seconds, "copies": list(self.copies),
+        "clipping": self.clipping,
         "failures": self.failures(),
         "tolerances": {k: dataclasses.asdict(v) for k, v in self.tolerances.items()},
         "recorded": list(self.recorded),
@@ -371,6 +483,31 @@ class ParityReport:
                         "max_ulp_per_step": self.series(b, "max_ulp").tolist(),
                         "max_rel_per_step": self.series(b, "max_rel").tolist()}
                     for b, (k, d) in self.buffers.items()}})
+
+
+def _largest(a: np.ndarray, b: np.ndarray) -> float:
+  """The largest finite magnitude in ``a`` or ``b``."""
+  both = np.abs(np.concatenate([a.ravel(), b.ravel()]).astype(np.float64))
+  both = both[np.isfinite(both)]
+  return float(both.max()) if both.size else 0.0
+
+
+def _clipping_summary(records: Optional[list]) -> Optional[dict]:
+  """``ParityReport.clipping`` from ``(step, JAX stats, torch stats)`` records."""
+  if not records:
+    return None
+  def rel(key, name=None):
+    return max(abs(j[key] - t[key]) / max(abs(j[key]), abs(t[key]), 1e-30)
+               for _, j, t in records)
+  return {"steps": len(records), "clipped_steps": sum(j["clipping_factor"] < 1
+                                                     for _, j, _ in records),
+          "grad_norm_max_rel": rel("grad_norm"),
+          "clipping_factor_max_rel": rel("clipping_factor"),
+          "threshold_max_rel": rel("model_norm_threshold"),
+          "num_clipped_equal": sum(j["num_clipped"] == t["num_clipped"] for _, j, t in records),
+          "dominant_parameter_equal": sum(j["dominant_parameter"] == t["dominant_parameter"]
+                                          for _, j, t in records),
+          "last": {"step": records[-1][0], "jax": records[-1][1], "torch": records[-1][2]}}
 
 
 def _jsonable(x):
@@ -444,10 +581,16 @@ def _jax_buffers(state, treedef, positions) -> dict:
     out[name] = [flat[i] if isinstance(flat[i], jax.Array) else None for i in positions]
 
   def visit(s):
-    if isinstance(s, oh.ScaleByAdamWState):
+    if isinstance(s, (oh.ScaleByAdamWState, optax.ScaleByAdamState)):
       per_leaf("mu", s.mu)
       per_leaf("nu", s.nu)
       out["count"] = [s.count] * len(positions)
+    elif isinstance(s, oh.ScaledAdamState):
+      for field in _TORCH_BUFFERS["scaled_adam"]:
+        per_leaf(field, getattr(s, field))
+      out["count"] = [s.count] * len(positions)
+    elif isinstance(s, optax.TraceState):
+      per_leaf("trace", s.trace)
     elif isinstance(s, oh.KahanSummationState):
       per_leaf("compensation", s.compensation)
     elif isinstance(s, oh.MasterWeightsState):
@@ -464,12 +607,21 @@ def _jax_buffers(state, treedef, positions) -> dict:
   return out
 
 
-def _torch_buffers(optimizer, scaler, params: list) -> dict:
+def _torch_buffers(optimizer, scaler, params: list, inner_name: str) -> dict:
+  """Buffer name -> per param tensor, named as the JAX side names them; a
+  wrapper's own buffers from its state, the wrapped optimizer's from its
+  state of the param's stand-in."""
   out: dict = {}
+  inner = getattr(optimizer, "inner", None)
+  renames = _TORCH_BUFFERS.get(inner_name, {})
   for i, p in enumerate(params):
     state = optimizer.state[p]
     for name in ("mu", "nu", "compensation", "master"):
       out.setdefault(name, [None] * len(params))[i] = state.get(name)
+    if inner is not None:
+      state = inner.state.get(optimizer._work.get(p, p), {})
+    for key, name in renames.items():
+      out.setdefault(name, [None] * len(params))[i] = state.get(key)
     # A host-side int64 counter (JAX would store it as int32: no DLPack here).
     step = state.get("step")
     out.setdefault("count", [None] * len(params))[i] = \
@@ -491,10 +643,12 @@ def _split_master(param, master, copies: list):
   return oh.rounding.join_f32(_jax_leaf(hi, "param", copies), _jax_leaf(master, "master", copies))
 
 
-def _random_grads(seed: int, nonfinite_every: Optional[int]):
+def _random_grads(seed: int, nonfinite_every: Optional[int], spike_every: Optional[int] = None):
   rng = np.random.default_rng([seed, 1])
 
   def grads(step, params, scale=1.0):
+    if spike_every and step % spike_every == spike_every - 1:
+      scale = scale * 10.0
     def one(p):
       if not is_float(p):
         return None
@@ -508,7 +662,8 @@ def _random_grads(seed: int, nonfinite_every: Optional[int]):
 
 
 def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed: int = 0,
-            loss_scale=None, nonfinite_every: Optional[int] = None, record_every: int = 1,
+            loss_scale=None, nonfinite_every: Optional[int] = None,
+            spike_every: Optional[int] = None, record_every: int = 1,
             tolerances: Optional[dict] = None, torch_options: Optional[dict] = None,
             **hyperparams) -> ParityReport:
   """Runs optimizer ``name`` in optax_half (jitted) and torch_bridge side by side.
@@ -537,6 +692,8 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
       are then the *scaled* gradients.
     nonfinite_every: with random gradients, put a NaN into one element of
       every ``nonfinite_every``-th step (to exercise skipped steps).
+    spike_every: with random gradients, make every ``spike_every``-th step's
+      gradients 10 times larger (to exercise gradient clipping).
     record_every: measure every this many steps (and always the last).
     tolerances: overrides of ``TOLERANCES`` (kind -> ``Tolerance``).
     torch_options: torch-only keywords, e.g. ``{"fused": True}``.
@@ -559,9 +716,12 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     name, config_hyperparams, config_loss_scale = CONFIGS[name]
     hyperparams = {**config_hyperparams, **hyperparams}
     loss_scale = config_loss_scale if loss_scale is None else loss_scale
-  if name not in _NAMES:
-    raise ValueError(f"compare() knows {_NAMES} and the CONFIGS {tuple(CONFIGS)}; "
-                     f"got {name!r}.")
+  if _parts(name) is None:
+    raise ValueError(f"compare() knows {_NAMES}, {' and '.join(_WRAPPERS)} of those or of "
+                     f"{tuple(_STOCK)} (e.g. 'master_weights(adam)'), and the CONFIGS "
+                     f"{tuple(CONFIGS)}; got {name!r}.")
+  inner_name = _parts(name)[1]
+  per_tensor = inner_name == "scaled_adam" or inner_name in _STOCK
   if steps < 1 or record_every < 1:
     raise ValueError(f"steps and record_every must be >= 1; got {steps}, {record_every}.")
   if isinstance(hyperparams.get("key"), jax.Array):
@@ -600,7 +760,7 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     return optax.apply_updates(p, u), s
 
   if grads is None:
-    random = _random_grads(seed, nonfinite_every)
+    random = _random_grads(seed, nonfinite_every, spike_every)
     if loss_scale is not None:
       def next_grads(t, p):
         return random(t, p, float(oh.loss_scale(state)))
@@ -622,10 +782,19 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
   buffer_leaves: dict = {}
   sizes: dict = {}
   counters: dict = {}
+  seen: dict = {}  # (buffer, leaf) -> the largest finite magnitude recorded so far
+  # ScaledAdam's clipping statistics of both sides at each recorded step.
+  clipping = [] if inner_name == "scaled_adam" and hyperparams.get("clipping_scale") else None
+  dotted = leaf_names_of(jparams) if clipping is not None else None
 
   def measure(step):
     jb = _jax_buffers(state, treedef, positions)
-    tbuf = _torch_buffers(optimizer, scaler, tparams)
+    tbuf = _torch_buffers(optimizer, scaler, tparams, inner_name)
+    if clipping is not None:  # torch names params by position: use the JAX names
+      jstats, tstats = oh.scaled_adam_stats(state), tb.scaled_adam_stats(optimizer)
+      index = tstats["dominant_parameter"]
+      tstats["dominant_parameter"] = dotted[int(index)] if index is not None else None
+      clipping.append((step, jstats, tstats))
     jb["params"] = [leaves[i] for i in positions]
     tbuf["params"] = tparams
     for side in (jb, tbuf):  # split: compare the fp32 master the two halves encode
@@ -651,8 +820,16 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
           raise AssertionError(
               f"{buffer}[{k}]: JAX has {a_np.dtype}{a_np.shape}, torch {b_np.dtype}{b_np.shape}")
         name = leaf_names[k] if len(pairs) == len(positions) else buffer
-        rows.setdefault((buffer, a_np.dtype.name), []).append(
-            (name, _stats(a_np, b_np), a_np.size))
+        stats = _stats(a_np, b_np)
+        if stats[3] < a_np.size and jnp.issubdtype(a_np.dtype, jnp.floating):
+          # The error relative to the largest magnitude this leaf has had at a
+          # recorded step (a momentum crossing 0 is not a relative error of 1).
+          largest = _largest(a_np, b_np)
+          largest = seen[(buffer, k)] = max(seen.get((buffer, k), 0.0), largest)
+          stats = (*stats[:4], stats[0] / max(largest, float(jnp.finfo(a_np.dtype).tiny)))
+        elif jnp.issubdtype(a_np.dtype, jnp.floating):
+          seen[(buffer, k)] = max(seen.get((buffer, k), 0.0), _largest(a_np, b_np))
+        rows.setdefault((buffer, a_np.dtype.name), []).append((name, stats, a_np.size))
     # One entry per buffer, or per buffer and dtype when a tree mixes dtypes
     # (each dtype has its own tolerance).
     per_buffer: dict = {}
@@ -660,8 +837,8 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
       per_buffer.setdefault(buffer, []).append(dtype_name)
     for (buffer, dtype_name), entries in rows.items():
       key = buffer if len(per_buffer[buffer]) == 1 else f"{buffer}[{dtype_name}]"
-      buffers.setdefault(key, (_kind(buffer, np.dtype(jnp.dtype(dtype_name)), compensation),
-                               dtype_name))
+      buffers.setdefault(key, (_kind(buffer, np.dtype(jnp.dtype(dtype_name)), compensation,
+                                     per_tensor), dtype_name))
       errors.setdefault(key, []).append([e[1] for e in entries])
       buffer_leaves[key] = [e[0] for e in entries]
       sizes[key] = [e[2] for e in entries]
@@ -699,7 +876,8 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
       loss_scale=loss_scale, recorded=recorded, buffers=buffers, leaves=buffer_leaves,
       sizes=sizes, errors={b: np.asarray(e, np.float64) for b, e in errors.items()},
       tolerances={**TOLERANCES, **(tolerances or {})}, copies=sorted(set(copies)),
-      counters=counters, seconds=time.perf_counter() - started)
+      counters=counters, seconds=time.perf_counter() - started,
+      clipping=_clipping_summary(clipping))
 
 
 # ----------------------------------------------------------------------------
@@ -707,19 +885,23 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
 # ----------------------------------------------------------------------------
 
 def run_config(config: str, dtype: str, steps: int, seed: int = 0, params=None) -> ParityReport:
-  """One ``CONFIGS`` entry on ``default_params`` (or ``params``) in ``dtype``."""
+  """One ``CONFIGS`` entry on ``default_params`` (or ``params``) in ``dtype``:
+  random gradients, with a NaN every 97 steps under loss scaling and 10 times
+  larger gradients every 23 steps under ScaledAdam's clipping."""
   name, hyperparams, loss_scale = CONFIGS[config]
   params = default_params(seed) if params is None else params
   report = compare(name, params, steps=steps, dtype=dtype, seed=seed, loss_scale=loss_scale,
-                   nonfinite_every=97 if loss_scale is not None else None, **hyperparams)
+                   nonfinite_every=97 if loss_scale is not None else None,
+                   spike_every=23 if hyperparams.get("clipping_scale") else None, **hyperparams)
   report.name = config
   return report
 
 
 def _format_row(s: dict) -> str:
   rel = "-" if s["fp32_max_rel"] is None else f"{s['fp32_max_rel']:.2g}"
-  return (f"{s['optimizer']:<30}{s['dtype']:<10}{s['steps']:>6}{s['param_max_ulp']:>10.3g}"
-          f"{100 * s['param_equal']:>11.4f}%{rel:>12}  {s['verdict']}")
+  tensor = "-" if s["tensor_rel"] is None else f"{s['tensor_rel']:.2g}"
+  return (f"{s['optimizer']:<35}{s['dtype']:<10}{s['steps']:>6}{s['param_max_ulp']:>10.3g}"
+          f"{100 * s['param_equal']:>11.4f}%{rel:>12}{tensor:>12}  {s['verdict']}")
 
 
 def main(argv=None) -> int:
@@ -736,8 +918,8 @@ def main(argv=None) -> int:
   Example:
     >>> from torch_bridge import parity
     >>> parity.main(["--optimizer", "scale_by_adamw", "--dtype", "bf16", "--steps", "1"])
-    optimizer                     dtype      steps worst ULP     bitwise    fp32 rel  verdict
-    scale_by_adamw                bfloat16       1         0   100.0000%           -  ok
+    optimizer                          dtype      steps worst ULP     bitwise    fp32 rel  tensor rel  verdict
+    scale_by_adamw                     bfloat16       1         0   100.0000%           -           -  ok
     <BLANKLINE>
     1/1 within tolerance (params: worst ULP over all steps, ...
     0
@@ -762,8 +944,8 @@ def main(argv=None) -> int:
   configs = list(CONFIGS) if args.optimizer == "all" else [args.optimizer]
   dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
 
-  print(f"{'optimizer':<30}{'dtype':<10}{'steps':>6}{'worst ULP':>10}{'bitwise':>12}"
-        f"{'fp32 rel':>12}  verdict", flush=True)
+  print(f"{'optimizer':<35}{'dtype':<10}{'steps':>6}{'worst ULP':>10}{'bitwise':>12}"
+        f"{'fp32 rel':>12}{'tensor rel':>12}  verdict", flush=True)
   reports = []
   for config in configs:
     for dtype in dtypes:
@@ -775,7 +957,9 @@ def main(argv=None) -> int:
   failed = sum(not r.ok for r in reports)
   print(f"\n{len(reports) - failed}/{len(reports)} within tolerance "
         "(params: worst ULP over all steps, % bitwise-equal elements at the last step; "
-        "fp32 rel: worst relative error of any fp32 buffer).")
+        "fp32 rel: worst relative error of any fp32 buffer; tensor rel: worst error "
+        "relative to the largest magnitude of its leaf so far, where the frameworks "
+        "sum or order operations differently).")
   if args.json:
     with open(args.json, "w") as f:
       json.dump([r.to_dict() for r in reports], f, indent=1, allow_nan=False)
