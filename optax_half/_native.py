@@ -30,11 +30,13 @@ from optax_half import _flat, rounding
 from optax_half._coefficients import coefficients
 from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite
 
-__all__ = ["available", "fused"]
+__all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_sums", "scaled_adam_step"]
 
 TARGET = "optax_half_adamw"
 FLAT_TARGET = "optax_half_adamw_flat"
 FINITE_TARGET = "optax_half_all_finite"
+SCALED_SUMS_TARGET = "optax_half_scaled_adam_sums"
+SCALED_STEP_TARGET = "optax_half_scaled_adam_step"
 _KINDS = tuple(native.COMPENSATIONS)
 _registered: dict = {}
 
@@ -48,6 +50,10 @@ def available() -> bool:
       jax.ffi.register_ffi_target(FLAT_TARGET, jax.ffi.pycapsule(lib.OhAdamwFlat),
                                   platform="cpu")
       jax.ffi.register_ffi_target(FINITE_TARGET, jax.ffi.pycapsule(lib.OhAllFinite),
+                                  platform="cpu")
+      jax.ffi.register_ffi_target(SCALED_SUMS_TARGET, jax.ffi.pycapsule(lib.OhScaledAdamSums),
+                                  platform="cpu")
+      jax.ffi.register_ffi_target(SCALED_STEP_TARGET, jax.ffi.pycapsule(lib.OhScaledAdamStep),
                                   platform="cpu")
     _registered["ok"] = lib is not None
   return _registered["ok"]
@@ -437,3 +443,75 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
   buffers_tree = unflat(new_buffers) if kind in _BUFFER_FIELD else None
   return unflat(out), _stepped(kind, state, unflat(new_mu), unflat(new_nu), buffers_tree)
+
+
+# -- ScaledAdam (optax_half_native/scaled_adam.h) -------------------------------
+
+
+def scaled_adam_takes(p, g, v) -> bool:
+  """Whether the kernel steps this ScaledAdam leaf (trace time: dtypes and
+  shapes): more than one element; fp32 params (and second moments) with
+  fp32 or 16-bit gradients (a wrapper's fp32 stand-in); bf16 params with
+  bf16 or fp32 gradients and bf16 second moments; fp16 params with fp16 or
+  fp32 gradients and fp32 second moments; fp16 where the library has it."""
+  p, g, v = (jnp.asarray(x) if not hasattr(x, "dtype") else x for x in (p, g, v))
+  if np.size(p) <= 1 or np.shape(g) != np.shape(p) or np.shape(v) != np.shape(p):
+    return False
+  config = (jnp.dtype(p.dtype), jnp.dtype(g.dtype), jnp.dtype(v.dtype))
+  f32, bf16, f16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
+  if config in ((f32, f32, f32), (f32, bf16, f32), (bf16, bf16, bf16), (bf16, f32, bf16)):
+    return True
+  return config in ((f16, f16, f32), (f16, f32, f32), (f32, f16, f32)) and has_f16()
+
+
+def _groups(leaves, grads) -> list:
+  """Positions of the leaves by (param, gradient) dtypes, in chunks of at
+  most ``_LEAVES_PER_CALL``: one custom call each."""
+  by_config: dict = {}
+  for k, (p, g) in enumerate(zip(leaves, grads)):
+    by_config.setdefault((p.dtype, g.dtype), []).append(k)
+  return [ks[i:i + _LEAVES_PER_CALL] for ks in by_config.values()
+          for i in range(0, len(ks), _LEAVES_PER_CALL)]
+
+
+def scaled_adam_sums(leaves, grads, rms, want) -> jax.Array:
+  """f32[n, 3]: per leaf ``sum((g r)^2)``, ``sum(p g)`` and ``mean(p p)``
+  (``r = rms[k]``; ``want[k]``: 1 asks for the first, 2 for the last, which
+  are 0 otherwise): the kernel's float64 sums, each rounded once."""
+  rows = [None] * len(leaves)
+  for ks in _groups(leaves, grads):
+    call = jax.ffi.ffi_call(SCALED_SUMS_TARGET, jax.ShapeDtypeStruct((len(ks), 3), jnp.float32),
+                            vmap_method="sequential")
+    out = call(jnp.stack([rms[k] for k in ks]), jnp.stack([want[k] for k in ks]),
+               *[leaves[k] for k in ks], *[grads[k] for k in ks], nthreads=np.int32(_threads()))
+    for j, k in enumerate(ks):
+      rows[k] = out[j]
+  return jnp.stack(rows)
+
+
+def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, write_p: bool):
+  """The kernel's step of ScaledAdam leaves: ``scalars`` f32[n, 10] and
+  ``size`` int32[n] per leaf (``ScaledAdamScalars``; whether the step adds
+  the size term). Returns the new deltas, second moments and, with
+  ``write_p``, params: each written into its operand's buffer (donated to the
+  jitted step, nothing is copied)."""
+  n = len(leaves)
+  new = [[None] * n for _ in range(3)]
+  for ks in _groups(leaves, grads):
+    m = len(ks)
+    operands = ([leaves[k] for k in ks] + [grads[k] for k in ks] + [deltas[k] for k in ks]
+                + [vs[k] for k in ks])
+    # Operands: scalars, size, p..., g..., delta..., v...; results: delta..., v..., p....
+    aliases = {2 + 2 * m + j: j for j in range(2 * m)}
+    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands[2 * m:]]
+    if write_p:
+      aliases.update({2 + j: 2 * m + j for j in range(m)})
+      results += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands[:m]]
+    call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
+                            vmap_method="sequential")
+    out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands,
+               write_p=bool(write_p), nthreads=np.int32(_threads()))
+    for j, k in enumerate(ks):
+      for field in range(3 if write_p else 2):
+        new[field][k] = out[field * m + j]
+  return new[0], new[1], (new[2] if write_p else None)

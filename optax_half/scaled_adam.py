@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 from optax import MaskedNode
 
-from optax_half import rounding
+from optax_half import _native, rounding
 from optax_half._util import (check_no_float64, check_trees, is_float, maybe_skip_nonfinite,
                               transformation, zeros_like_param)
 
@@ -337,6 +337,21 @@ def scaled_adam(
     ps = treedef.flatten_up_to(params)
     ps = [jnp.asarray(p) for p in ps]  # Python scalars are leaves too
     grads = [jnp.asarray(g) for g in grads]
+    vs = treedef.flatten_up_to(state.exp_avg_sq)
+    # The leaves the native kernel steps on CPU (scaled_adam.h: the sums in
+    # one pass, the step in another), decided at trace time from dtypes and
+    # shapes; XLA's per-leaf ops elsewhere and for the other leaves.
+    native = tuple(k for k, (p, g, v) in enumerate(zip(ps, grads, vs))
+                   if _native.scaled_adam_takes(p, g, v))
+    if native and (jax.default_backend() != "cpu" or _native._maybe_sharded(params)
+                   or not _native.available()):
+      native = ()
+    if not native:
+      return _update(treedef, ps, grads, state, ())
+    return jax.lax.platform_dependent(cpu=lambda: _update(treedef, ps, grads, state, native),
+                                      default=lambda: _update(treedef, ps, grads, state, ()))
+
+  def _update(treedef, ps, grads, state, native: tuple):
     names = leaf_names(jax.tree.unflatten(treedef, ps))
     deltas = treedef.flatten_up_to(state.delta)
     vs = treedef.flatten_up_to(state.exp_avg_sq)
@@ -352,15 +367,29 @@ def scaled_adam(
     one_minus_b1, one_minus_b2 = _f32(1 - b1), _f32(1 - b2)
     b2_corr, one_minus_b2_corr = _f32(b2 ** S), _f32(1 - b2 ** S)  # b2 ** S: per size update
     zero = rounding.opaque_zero(t)
-    g32 = [rounding.widen(g) for g in grads]
-    p32 = [rounding.widen(p) for p in ps]
+    is_size_step = (t % S) == (S - 1)
+    do_size_update = is_size_step & (t > 0)
     rms_old = [None if isinstance(r, MaskedNode) else rounding.widen(r) for r in rmss]
+    # The kernel's leaves: sum((g r)^2), sum(p g) and mean(p p) in one pass
+    # (float64 sums, each rounded once; the scale gradient is then the
+    # unclipped sum times the clipping factor).
+    sums = {}
+    if native:
+      want = jnp.int32(0 if clipping_scale is None else 1) + 2 * is_size_step.astype(jnp.int32)
+      out = _native.scaled_adam_sums([ps[k] for k in native], [grads[k] for k in native],
+                                     [rms_old[k] for k in native], [want] * len(native))
+      sums = {k: out[j] for j, k in enumerate(native)}
+    g32 = [None if k in sums else rounding.widen(g) for k, g in enumerate(grads)]
+    p32 = [rounding.widen(p) for p in ps]
 
     # -- gradient clipping (the seed's _get_clipping_scale) ------------------
     clipping = state.clipping
+    factor = None
     if clipping_scale is not None:
-      factor, clipping = _clip(g32, rms_old, t, clipping)
-      g32 = [g * factor for g in g32]
+      sumsq = [sums[k][0] if k in sums else jnp.sum(g * g) if r is None
+               else jnp.sum((g * r) * (g * r)) for k, (g, r) in enumerate(zip(g32, rms_old))]
+      factor, clipping = _clip(sumsq, t, clipping)
+      g32 = [None if g is None else g * factor for g in g32]
       if show_dominant_parameters or logger.isEnabledFor(logging.INFO):
         _log(t, clipping, names)
 
@@ -368,14 +397,43 @@ def scaled_adam(
     # 1 - b2 ** (t + 1): bias correction of the second moments, fp32, no pow.
     bc2 = rounding.one_minus_pow(b2, t + 1, zero, one_minus_b=one_minus_b2)
     inv_bc2 = 1 / bc2
-    is_size_step = (t % S) == (S - 1)
-    do_size_update = is_size_step & (t > 0)
     # 1 - (b2 ** S) ** k, k = (t + 1) // S: the scale gradients' bias correction.
     size_bc2 = rounding.one_minus_pow(b2_corr, (t + 1) // S, zero,
                                       one_minus_b=one_minus_b2_corr)
     size_lr = lr * _f32(scalar_lr_scale)
-    new = {k: [] for k in ("u", "delta", "v", "rms", "w", "sg")}
-    for p, p_, g, d, v, r_old, w, sg in zip(ps, p32, g32, deltas, vs, rmss, ws, sgs):
+
+    def size_update(sg, w, r_old, scale_grad, mean_sq):
+      """Records the scale gradient; every S steps the new RMS and the
+      log-scale step (0 on other steps); and the step's RMS factor alpha."""
+      sg_new = sg.at[t % S].set(scale_grad.astype(sg.dtype))
+      sg32 = rounding.widen(sg_new)
+      rms_new = jnp.where(is_size_step, jnp.sqrt(mean_sq).astype(r_old.dtype), r_old)
+      w_new = (b2_corr * rounding.widen(w) + one_minus_b2_corr * jnp.mean(sg32 * sg32)
+               ).astype(w.dtype)
+      w_new = jnp.where(do_size_update, w_new, w)
+      scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32)
+                    / (jnp.sqrt(rounding.widen(w_new)) + eps_))
+      rms32 = rounding.widen(rms_new)
+      scale_step = jnp.where(rms32 < _f32(param_min_rms), 0.0, scale_step)
+      scale_step = jnp.where(rms32 > _f32(param_max_rms), -size_lr * S, scale_step)
+      scale_step = jnp.where(do_size_update, scale_step, 0.0)  # delta + 0 = delta
+      alpha = (-lr * one_minus_b1) * jnp.maximum(rms32, _f32(param_min_rms))
+      return sg_new, rms_new, w_new, scale_step, alpha, rms32
+
+    n = len(ps)
+    new = {key: [None] * n for key in ("u", "delta", "v", "rms", "w", "sg")}
+    rows = []
+    for k, (p, p_, g, d, v, r_old, w, sg) in enumerate(
+        zip(ps, p32, g32, deltas, vs, rmss, ws, sgs)):
+      if k in sums:  # the kernel's step, given its scalars (ScaledAdamScalars)
+        scale_grad = sums[k][1] if factor is None else sums[k][1] * factor
+        sg_new, rms_new, w_new, scale_step, alpha, rms32 = size_update(
+            sg, w, r_old, scale_grad, sums[k][2])
+        rows.append(jnp.stack([
+            _f32(1.0) if factor is None else factor, b1_, b2_, one_minus_b1, one_minus_b2,
+            jnp.where(bc2 < _f32(0.99), inv_bc2, _f32(1.0)), eps_, alpha, scale_step, rms32]))
+        new["rms"][k], new["w"][k], new["sg"][k] = rms_new, w_new, sg_new
+        continue
       # Stored buffers are read back as stored (rounded to their dtype), as the
       # seed's in-place updates are; for fp32 params every round is exact.
       delta = b1_ * rounding.widen(d)
@@ -391,36 +449,30 @@ def scaled_adam(
         # fp32 update (whatever the param dtype): apply_updates then lands on
         # round(clip(p) + delta) even for a 16-bit p far beyond scalar_max.
         u = jnp.where(clamped, (p_clamped + rounding.widen(delta)) - p_, rounding.widen(delta))
-        new["u"].append(u)
-        new["rms"].append(MaskedNode())
-        new["w"].append(MaskedNode())
-        new["sg"].append(MaskedNode())
+        new["u"][k] = u
+        new["rms"][k] = new["w"][k] = new["sg"][k] = MaskedNode()
       else:
         # Size update: learn the tensor's scale, in log space, every S steps.
-        sg_new = sg.at[t % S].set(jnp.sum(p_ * g).astype(sg.dtype))
-        sg32 = rounding.widen(sg_new)
-        rms_new = jnp.where(is_size_step, jnp.sqrt(jnp.mean(p_ * p_)).astype(r_old.dtype), r_old)
-        w_new = (b2_corr * rounding.widen(w) + one_minus_b2_corr * jnp.mean(sg32 * sg32)
-                 ).astype(w.dtype)
-        w_new = jnp.where(do_size_update, w_new, w)
-        scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32)
-                      / (jnp.sqrt(rounding.widen(w_new)) + eps_))
-        rms32 = rounding.widen(rms_new)
-        scale_step = jnp.where(rms32 < _f32(param_min_rms), 0.0, scale_step)
-        scale_step = jnp.where(rms32 > _f32(param_max_rms), -size_lr * S, scale_step)
-        scale_step = jnp.where(do_size_update, scale_step, 0.0)  # delta + 0 = delta
+        sg_new, rms_new, w_new, scale_step, alpha, _ = size_update(
+            sg, w, r_old, jnp.sum(p_ * g), jnp.mean(p_ * p_))
         delta = delta + one_minus_b1 * (p_ * scale_step)
         # The Adam-like step, scaled by the tensor's RMS.
         v_hat = jnp.where(bc2 < _f32(0.99), v32 * inv_bc2, v32)
         denom = jnp.sqrt(v_hat) + eps_
-        alpha = (-lr * one_minus_b1) * jnp.maximum(rms32, _f32(param_min_rms))
         delta = (delta + (g / denom) * alpha).astype(d.dtype)
-        new["u"].append(delta.astype(p.dtype))
-        new["rms"].append(rms_new)
-        new["w"].append(w_new)
-        new["sg"].append(sg_new)
-      new["delta"].append(delta.astype(d.dtype))
-      new["v"].append(v_new)
+        new["u"][k] = delta.astype(p.dtype)
+        new["rms"][k], new["w"][k], new["sg"][k] = rms_new, w_new, sg_new
+      new["delta"][k] = delta.astype(d.dtype)
+      new["v"][k] = v_new
+    if native:
+      kernel_deltas, kernel_vs, _ = _native.scaled_adam_step(
+          jnp.stack(rows), jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(native),)),
+          [ps[k] for k in native], [grads[k] for k in native], [deltas[k] for k in native],
+          [vs[k] for k in native], write_p=False)
+      for j, k in enumerate(native):
+        # The update is the new delta (the param's dtype), as XLA's leaves return it.
+        new["u"][k] = new["delta"][k] = kernel_deltas[j]
+        new["v"][k] = kernel_vs[j]
 
     tree = lambda xs: jax.tree.unflatten(treedef, xs)
     new_state = ScaledAdamState(
@@ -433,10 +485,9 @@ def scaled_adam(
         clipping=clipping)
     return tree(new["u"]), new_state
 
-  def _clip(g32, rms_old, t, c: ScaledAdamClippingState):
-    """The clipping factor of step ``t`` and the new statistics (all arrays)."""
-    sumsq = [jnp.sum(g * g) if r is None else jnp.sum((g * r) * (g * r))
-             for g, r in zip(g32, rms_old)]
+  def _clip(sumsq, t, c: ScaledAdamClippingState):
+    """The clipping factor of step ``t`` and the new statistics (all arrays),
+    from each leaf's ``sum((g * rms)^2)`` (``sum(g^2)`` for a scalar)."""
     tot_sumsq = jnp.zeros([], jnp.float32)
     for s in sumsq:  # in leaf order, the same sequence of fp32 adds as torch_bridge
       tot_sumsq = tot_sumsq + s

@@ -279,8 +279,9 @@ def has_f16(lib: Optional[ctypes.CDLL]) -> bool:
 def scaled_adam_kernels(param: str, grad: str, exp_avg_sq: str):
   """ScaledAdam's ``(sums, step)`` entry points for one configuration, or None.
 
-  Types as ``kernel``'s: "FFF", "BBB", "BFB", and where ``has_f16`` "HHF"
-  and "HFF" (fp16 params keep fp32 second moments). Each function takes
+  Types as ``kernel``'s: "FFF", "FBF", "BBB", "BFB", and where ``has_f16``
+  "HHF", "HFF" and "FHF" (fp16 params keep fp32 second moments; fp32 params
+  with 16-bit gradients are the wrappers' fp32 stand-ins). Each function takes
   ``(tensors: SCALED_ADAM_DTYPE array pointer, n, nthreads)``; ``sums``
   writes each tensor's three sums into the first three doubles of its
   ``sums`` scratch, ``step`` steps the tensors in place (scaled_adam.h).

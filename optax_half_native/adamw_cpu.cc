@@ -52,11 +52,13 @@ OH_UNSPLIT_MODES(f16, H, float, F)
     oh::scaled_adam_step_all<P, G, V>(static_cast<const oh::ScaledAdamTensor*>(ts), n, nthreads); \
   }
 OH_SCALED_ADAM(FFF, float, float, float)
+OH_SCALED_ADAM(FBF, float, bf16, float)
 OH_SCALED_ADAM(BBB, bf16, bf16, bf16)
 OH_SCALED_ADAM(BFB, bf16, float, bf16)
 #if defined(OH_F16)
 OH_SCALED_ADAM(HHF, f16, f16, float)
 OH_SCALED_ADAM(HFF, f16, float, float)
+OH_SCALED_ADAM(FHF, float, f16, float)
 #endif
 
 extern "C" int oh_lanes() { return oh::kLanes; }

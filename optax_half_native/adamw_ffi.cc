@@ -13,6 +13,10 @@
 // leaves, leaf k's elements at the sum of the sizes of leaves 0..k-1.
 // Attributes: mode (oh::Mode; kUpdate for fp32 params: p_out is the update),
 // sr (stochastic moment writes), nthreads.
+//
+// optax_half_scaled_adam_sums and optax_half_scaled_adam_step
+// (OhScaledAdamSums, OhScaledAdamStep): ScaledAdam's two passes
+// (scaled_adam.h) over a list of leaves that share their dtypes.
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -22,6 +26,7 @@
 #include <vector>
 
 #include "adamw_threads.h"
+#include "scaled_adam.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -303,9 +308,187 @@ ffi::Error AllFiniteImpl(ffi::ThreadPool pool, ffi::AnyBuffer g, ffi::Buffer<ffi
   return ffi::Error::Success();
 }
 
+// Calls f(P, G, V tags) for ScaledAdam's configurations: fp32 params with
+// fp32, bf16 or fp16 gradients (the wrappers' fp32 x with the 16-bit
+// params' gradients); bf16 params with bf16 or fp32 gradients (bf16 second
+// moments); fp16 params with fp16 or fp32 gradients (fp32 second moments);
+// fp16 only where built; false for others.
+template <typename F>
+bool with_scaled_adam_types(ffi::DataType p, ffi::DataType g, F&& f) {
+  using T = ffi::DataType;
+  if (p == T::F32 && g == T::F32) return f(float{}, float{}, float{});
+  if (p == T::F32 && g == T::BF16) return f(float{}, bf16{}, float{});  // kahan_summation's x
+  if (p == T::BF16 && g == T::BF16) return f(bf16{}, bf16{}, bf16{});
+  if (p == T::BF16 && g == T::F32) return f(bf16{}, float{}, bf16{});
+#if defined(OH_F16)
+  if (p == T::F16 && g == T::F16) return f(oh::f16{}, oh::f16{}, float{});
+  if (p == T::F16 && g == T::F32) return f(oh::f16{}, float{}, float{});
+  if (p == T::F32 && g == T::F16) return f(float{}, oh::f16{}, float{});
+#endif
+  return false;
+}
+
+// Operands: rms f32[n] (each leaf's stored RMS, widened), want s32[n] (the
+// sums each needs: 1 sum (g r)^2, 2 sum p p), p_0..p_{n-1}, g_0..g_{n-1}.
+// Result: f32[n, 3]: per leaf sum((g r)^2), sum(p g) and mean(p p), each
+// the float64 sum (scaled_adam_sums_all) rounded once, the mean divided in
+// float64 first; a sum not asked for is 0.
+ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
+                              ffi::Buffer<ffi::S32> want, ffi::RemainingArgs args,
+                              ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t nthreads) {
+  auto invalid = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("oh_scaled_adam_sums: " + what);
+  };
+  const size_t n = rms.element_count();
+  if (n == 0 || want.element_count() != n || args.size() != 2 * n ||
+      out->element_count() != 3 * n) {
+    return invalid("operands rms f32[n], want s32[n], p..., g...; result f32[n, 3]");
+  }
+  std::vector<oh::ScaledAdamTensor> ts(n);
+  std::vector<int64_t> offsets(n);
+  int64_t blocks = 0;
+  ffi::DataType types[2] = {ffi::DataType::INVALID, ffi::DataType::INVALID};
+  for (size_t k = 0; k < n; ++k) {
+    ffi::ErrorOr<ffi::AnyBuffer> p = args.get<ffi::AnyBuffer>(k), g = args.get<ffi::AnyBuffer>(n + k);
+    if (p.has_error()) return p.error();
+    if (g.has_error()) return g.error();
+    if (k == 0) {
+      types[0] = p->element_type();
+      types[1] = g->element_type();
+    } else if (p->element_type() != types[0] || g->element_type() != types[1]) {
+      return invalid("the leaves of one call share dtypes");
+    }
+    if (g->element_count() != p->element_count()) return invalid("p and g must have one size");
+    oh::ScaledAdamTensor& t = ts[k];
+    t = oh::ScaledAdamTensor{};
+    t.numel = int64_t(p->element_count());
+    t.p = reinterpret_cast<uint64_t>(p->untyped_data());
+    t.g = reinterpret_cast<uint64_t>(g->untyped_data());
+    t.s.rms = rms.typed_data()[k];
+    t.want = want.typed_data()[k];
+    offsets[k] = blocks;
+    blocks += (t.numel + oh::kSumBlock - 1) / oh::kSumBlock;
+  }
+  std::vector<double> scratch(size_t(3 * std::max<int64_t>(blocks, 1)), 0.0);
+  for (size_t k = 0; k < n; ++k) ts[k].sums = reinterpret_cast<uint64_t>(&scratch[3 * offsets[k]]);
+  const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
+  if (!with_scaled_adam_types(types[0], types[1], [&](auto pt, auto gt, auto) {
+        oh::scaled_adam_sums_all<decltype(pt), decltype(gt)>(ts.data(), int(n), 1, &parallel);
+        return true;
+      })) {
+    return invalid("unsupported dtypes");
+  }
+  float* o = out->typed_data();
+  for (size_t k = 0; k < n; ++k) {
+    const double* s = &scratch[3 * offsets[k]];
+    o[3 * k] = ts[k].numel ? float(s[0]) : 0.0f;
+    o[3 * k + 1] = ts[k].numel ? float(s[1]) : 0.0f;
+    o[3 * k + 2] = ts[k].numel ? float(s[2] / double(ts[k].numel)) : 0.0f;
+  }
+  return ffi::Error::Success();
+}
+
+// Operands: scalars f32[n, 10] (oh::ScaledAdamScalars per leaf), size s32[n]
+// (1: the leaf's step adds the size term), p..., g..., delta..., v....
+// Results: delta..., v... (aliased to their operands: updated in place),
+// then with write_p the new params p_out... (aliased to p by the caller to
+// step in place); without it the params are only read.
+ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
+                              ffi::Buffer<ffi::S32> size, ffi::RemainingArgs args,
+                              ffi::RemainingRets rets, bool write_p, int32_t nthreads) {
+  auto invalid = [](const std::string& what) {
+    return ffi::Error::InvalidArgument("oh_scaled_adam_step: " + what);
+  };
+  const size_t n = size.element_count();
+  if (n == 0 || scalars.element_count() != 10 * n || args.size() != 4 * n ||
+      rets.size() != (write_p ? 3 : 2) * n) {
+    return invalid("operands scalars f32[n, 10], size s32[n], p..., g..., delta..., v...; "
+                   "results delta..., v... (and p_out... with write_p)");
+  }
+  std::vector<oh::ScaledAdamTensor> ts(n);
+  ffi::DataType types[3] = {ffi::DataType::INVALID, ffi::DataType::INVALID,
+                            ffi::DataType::INVALID};
+  std::vector<std::pair<ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>>> copies;
+  for (size_t k = 0; k < n; ++k) {
+    ffi::ErrorOr<ffi::AnyBuffer> in[4] = {args.get<ffi::AnyBuffer>(k), args.get<ffi::AnyBuffer>(n + k),
+                                          args.get<ffi::AnyBuffer>(2 * n + k),
+                                          args.get<ffi::AnyBuffer>(3 * n + k)};
+    for (auto& a : in) {
+      if (a.has_error()) return a.error();
+    }
+    const ffi::AnyBuffer &p = *in[0], &g = *in[1], &d = *in[2], &v = *in[3];
+    if (k == 0) {
+      types[0] = p.element_type();
+      types[1] = g.element_type();
+      types[2] = v.element_type();
+    } else if (p.element_type() != types[0] || g.element_type() != types[1] ||
+               v.element_type() != types[2]) {
+      return invalid("the leaves of one call share dtypes");
+    }
+    const size_t numel = p.element_count();
+    if (g.element_count() != numel || d.element_count() != numel || v.element_count() != numel ||
+        d.element_type() != types[0]) {
+      return invalid("p, g, delta and v must have one size, delta p's dtype");
+    }
+    // Results: delta, v (and p_out), each its operand's copy unless aliased to it.
+    const ffi::AnyBuffer* sources[3] = {&d, &v, &p};
+    uint64_t at[3] = {0, 0, reinterpret_cast<uint64_t>(p.untyped_data())};
+    for (int r = 0; r < (write_p ? 3 : 2); ++r) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> res = rets.get<ffi::AnyBuffer>(r * n + k);
+      if (res.has_error()) return res.error();
+      if ((*res)->element_count() != numel || (*res)->element_type() != sources[r]->element_type()) {
+        return invalid("a result differs from its operand");
+      }
+      copies.emplace_back(*sources[r], *res);
+      at[r] = reinterpret_cast<uint64_t>((*res)->untyped_data());
+    }
+    oh::ScaledAdamTensor& t = ts[k];
+    t = oh::ScaledAdamTensor{};
+    t.numel = int64_t(numel);
+    t.p = at[2];
+    t.g = reinterpret_cast<uint64_t>(g.untyped_data());
+    t.delta = at[0];
+    t.v = at[1];
+    std::memcpy(&t.s, scalars.typed_data() + 10 * k, sizeof(oh::ScaledAdamScalars));
+    t.size = size.typed_data()[k];
+  }
+  // Checked: the state (and params) into their results (in place when aliased).
+  for (auto& c : copies) same_or_copy(c.first, c.second);
+  const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
+  const bool ok = with_scaled_adam_types(types[0], types[1], [&](auto pt, auto gt, auto vt) {
+    using P = decltype(pt);
+    using G = decltype(gt);
+    using V = decltype(vt);
+    if (types[2] != (std::is_same_v<V, float> ? ffi::DataType::F32 : types[0])) return false;
+    if (write_p) oh::scaled_adam_step_all<P, G, V, true>(ts.data(), int(n), 1, &parallel);
+    else oh::scaled_adam_step_all<P, G, V, false>(ts.data(), int(n), 1, &parallel);
+    return true;
+  });
+  return ok ? ffi::Error::Success() : invalid("unsupported dtypes");
+}
+
 }  // namespace
 
 extern "C" int oh_lanes() { return oh::kLanes; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamSums, ScaledAdamSumsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("nthreads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamStep, ScaledAdamStepImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<bool>("write_p")
+                                  .Attr<int32_t>("nthreads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,
                               ffi::Ffi::Bind()

@@ -99,18 +99,22 @@ using ParallelFor = std::function<void(int64_t nchunks, const std::function<void
 // with its workers, which spin for milliseconds after each parallel op), the
 // spans go to an OpenMP team; otherwise (the XLA FFI library) to std::threads.
 // Which thread steps which span changes no bit.
+template <typename Fn>
+void for_spans(int64_t total, int nthreads, const ParallelFor* parallel, const Fn& fn) {
+  if (parallel != nullptr && total > kMinPerThread) {
+    (*parallel)((total + kMinPerThread - 1) / kMinPerThread, [&](int64_t c) {
+      fn(c * kMinPerThread, std::min(total, (c + 1) * kMinPerThread));
+    });
+    return;
+  }
+  split_evenly(total, nthreads, fn);
+}
+
 template <typename P, typename G, typename M, typename V, int MODE, bool SR>
 void step_all(const Tensor* ts, int n, int nthreads, const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
   for (int k = 0; k < n; ++k) total += ts[k].numel;
-  if (parallel != nullptr && total > kMinPerThread) {
-    (*parallel)((total + kMinPerThread - 1) / kMinPerThread, [&](int64_t c) {
-      step_span<P, G, M, V, MODE, SR>(ts, n, c * kMinPerThread,
-                                      std::min(total, (c + 1) * kMinPerThread));
-    });
-    return;
-  }
-  split_evenly(total, nthreads, [&](int64_t lo, int64_t hi) {
+  for_spans(total, nthreads, parallel, [&](int64_t lo, int64_t hi) {
     step_span<P, G, M, V, MODE, SR>(ts, n, lo, hi);
   });
 }

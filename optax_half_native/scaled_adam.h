@@ -128,7 +128,9 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
 }
 
 // The step of one tensor's elements [begin, end), as ScaledAdam._step_one.
-template <typename L, typename P, typename G, typename V, bool SIZE>
+// WRITE_P: p takes the new param (torch, and JAX in place); otherwise only
+// delta and v are written (JAX's update is the new delta).
+template <typename L, typename P, typename G, typename V, bool SIZE, bool WRITE_P>
 inline __attribute__((always_inline)) void scaled_adam_lanes(
     int64_t i, P* p, const G* g, P* __restrict delta_buf, V* __restrict v_buf,
     const ScaledAdamScalars& s) {
@@ -144,39 +146,43 @@ inline __attribute__((always_inline)) void scaled_adam_lanes(
   const auto delta_new = L::to(delta, P{});
   L::put(v_buf, i, v_new);
   L::put(delta_buf, i, delta_new);
-  L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
+  if constexpr (WRITE_P) L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
 }
 
-template <typename P, typename G, typename V, bool SIZE>
+template <typename P, typename G, typename V, bool SIZE, bool WRITE_P>
 void scaled_adam_range(int64_t begin, int64_t end, P* p, const G* g, P* __restrict delta,
                        V* __restrict v, const ScaledAdamScalars& scalars) {
   const ScaledAdamScalars s = scalars;  // a local copy: stays in registers
   int64_t i = begin;
 #if defined(OH_LANES16)
   for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
-    scaled_adam_lanes<Lanes16, P, G, V, SIZE>(i, p, g, delta, v, s);
+    scaled_adam_lanes<Lanes16, P, G, V, SIZE, WRITE_P>(i, p, g, delta, v, s);
   }
 #elif defined(OH_LANES8)
   for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
-    scaled_adam_lanes<Lanes8, P, G, V, SIZE>(i, p, g, delta, v, s);
+    scaled_adam_lanes<Lanes8, P, G, V, SIZE, WRITE_P>(i, p, g, delta, v, s);
   }
 #endif
-  for (; i < end; ++i) scaled_adam_lanes<Scalar, P, G, V, SIZE>(i, p, g, delta, v, s);
+  for (; i < end; ++i) scaled_adam_lanes<Scalar, P, G, V, SIZE, WRITE_P>(i, p, g, delta, v, s);
 }
 
 // The sums of every tensor of a call: each block is summed by the thread
 // whose span holds its first element, then each tensor's blocks are added in
 // order into its first three slots (the totals: sum (g r)^2, sum p g, sum p p).
 template <typename P, typename G>
-void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads) {
+void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads,
+                          const ParallelFor* parallel = nullptr) {
   std::vector<int64_t> starts(n + 1, 0);
   for (int k = 0; k < n; ++k) starts[k + 1] = starts[k] + ts[k].numel;
-  split_evenly(starts[n], nthreads, [&](int64_t lo, int64_t hi) {
+  for_spans(starts[n], nthreads, parallel, [&](int64_t lo, int64_t hi) {
     for (int k = 0; k < n; ++k) {
+      if (starts[k + 1] <= lo || starts[k] >= hi) continue;
       const ScaledAdamTensor& t = ts[k];
       double* sums = reinterpret_cast<double*>(t.sums);
-      for (int64_t b = 0; b < t.numel; b += kSumBlock) {
-        if (starts[k] + b < lo || starts[k] + b >= hi) continue;
+      // The blocks whose first element lies in [lo, hi).
+      const int64_t first = std::max<int64_t>(0, lo - starts[k]);
+      for (int64_t b = (first + kSumBlock - 1) / kSumBlock * kSumBlock;
+           b < t.numel && starts[k] + b < hi; b += kSumBlock) {
         const P* tp = reinterpret_cast<const P*>(t.p);
         const G* tg = reinterpret_cast<const G*>(t.g);
         const int64_t e = std::min(t.numel, b + kSumBlock);
@@ -200,11 +206,12 @@ void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads) {
 }
 
 // The steps of every tensor of a call, their elements split over threads.
-template <typename P, typename G, typename V>
-void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads) {
+template <typename P, typename G, typename V, bool WRITE_P = true>
+void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
+                          const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
   for (int k = 0; k < n; ++k) total += ts[k].numel;
-  split_evenly(total, nthreads, [&](int64_t lo, int64_t hi) {
+  for_spans(total, nthreads, parallel, [&](int64_t lo, int64_t hi) {
     int64_t start = 0;
     for (int k = 0; k < n && start < hi; ++k) {
       const ScaledAdamTensor& t = ts[k];
@@ -215,8 +222,11 @@ void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads) {
         const G* g = reinterpret_cast<const G*>(t.g);
         P* delta = reinterpret_cast<P*>(t.delta);
         V* v = reinterpret_cast<V*>(t.v);
-        if (t.size) scaled_adam_range<P, G, V, true>(b - start, e - start, p, g, delta, v, t.s);
-        else scaled_adam_range<P, G, V, false>(b - start, e - start, p, g, delta, v, t.s);
+        if (t.size) {
+          scaled_adam_range<P, G, V, true, WRITE_P>(b - start, e - start, p, g, delta, v, t.s);
+        } else {
+          scaled_adam_range<P, G, V, false, WRITE_P>(b - start, e - start, p, g, delta, v, t.s);
+        }
       }
       start = end;
     }

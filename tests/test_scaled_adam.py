@@ -870,3 +870,61 @@ def test_native_run_stays_within_the_summation_bound_of_the_eager_run(dtype):
   for x, y in zip(a, b):
     x, y = x.detach().float(), y.detach().float()
     assert float((x - y).abs().max()) <= bound * max(float(y.abs().max()), 1e-30), x.shape
+
+
+# ---------------------------------------------------------------------------
+# JAX's native CPU path (the same kernel, through XLA FFI).
+# ---------------------------------------------------------------------------
+
+
+def _jax_run_with(monkeypatch, native: bool, dtype, steps=30):
+  from optax_half import _native
+  if not native:
+    monkeypatch.setattr(_native, "scaled_adam_takes", lambda p, g, v: False)
+  params = {k: jnp.asarray(v).astype(dtype) for k, v in _parity_tree().items()}
+  grads = _grads(_parity_tree(), steps, seed=3, spikes=(12, 25))
+  tx = oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  text = step.lower(params, state, params).as_text()
+  for g in grads:
+    params, state = step(params, state, {k: jnp.asarray(v).astype(dtype) for k, v in g.items()})
+  monkeypatch.undo()
+  return params, state, text
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
+def test_jax_native_path_equals_the_xla_path_within_the_summation_bound(dtype, monkeypatch):
+  """The kernel steps the leaves of more than one element (one sums call and
+  one step call per dtype); its sums are float64 and it contracts nothing
+  into FMAs, so fp32 differs from XLA's ops by ULPs of the sums: per tensor
+  <= 1e-5 of its largest element after 30 clipped steps. bf16 params: <= one
+  bf16 rounding of the largest element."""
+  a, sa, native_text = _jax_run_with(monkeypatch, True, dtype)
+  b, sb, xla_text = _jax_run_with(monkeypatch, False, dtype)
+  assert "optax_half_scaled_adam_step" in native_text
+  assert "optax_half_scaled_adam" not in xla_text
+  assert int(sa.clipping.num_clipped) + int(sa.clipping.percent_clipped) > 0
+  bound = 1e-5 if dtype == jnp.float32 else 2 ** -7
+  for k in a:
+    x, y = np.asarray(a[k], np.float32), np.asarray(b[k], np.float32)
+    assert np.abs(x - y).max() <= bound * np.abs(y).max(), k
+
+
+def test_bf16_scaled_adam_same_bits_in_jax_and_torch():
+  """With both frameworks stepping bf16 params through the kernel (its sums,
+  then its step), 100 clipped steps give the same bits in every buffer, the
+  clipping statistics equal. (fp32 runs differ by ULPs: the size update's
+  4-element sums and XLA's FMAs in the per-tensor scalars.)"""
+  from torch_bridge import parity
+  report = parity.run_config("scaled_adam/clip", "bf16", steps=100)
+  assert report.ok, report.table()
+  for buffer in report.buffers:
+    assert report.worst(buffer)["equal"] == 1.0, report.table()
+  assert report.clipping["clipped_steps"] >= 1
+  assert report.clipping["clipping_factor_max_rel"] == 0.0
