@@ -607,7 +607,7 @@ def _jax_buffers(state, treedef, positions) -> dict:
   return out
 
 
-def _torch_buffers(optimizer, scaler, params: list, inner_name: str) -> dict:
+def _torch_buffers(optimizer, scaler, params: list, inner_name: str = "") -> dict:
   """Buffer name -> per param tensor, named as the JAX side names them; a
   wrapper's own buffers from its state, the wrapped optimizer's from its
   state of the param's stand-in."""
