@@ -404,14 +404,16 @@ def scaled_adam(
 
     def size_update(sg, w, r_old, scale_grad, mean_sq):
       """Records the scale gradient; every S steps the new RMS and the
-      log-scale step (0 on other steps); and the step's RMS factor alpha."""
-      sg_new = sg.at[t % S].set(scale_grad.astype(sg.dtype))
+      log-scale step (0 on other steps); and the step's RMS factor alpha.
+      For one leaf (``sg`` of shape (S,)) or a batch of them ((n, S), the
+      other arguments (n,))."""
+      sg_new = sg.at[..., t % S].set(scale_grad.astype(sg.dtype))
       sg32 = rounding.widen(sg_new)
       rms_new = jnp.where(is_size_step, jnp.sqrt(mean_sq).astype(r_old.dtype), r_old)
-      w_new = (b2_corr * rounding.widen(w) + one_minus_b2_corr * jnp.mean(sg32 * sg32)
+      w_new = (b2_corr * rounding.widen(w) + one_minus_b2_corr * jnp.mean(sg32 * sg32, axis=-1)
                ).astype(w.dtype)
       w_new = jnp.where(do_size_update, w_new, w)
-      scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32)
+      scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32, axis=-1)
                     / (jnp.sqrt(rounding.widen(w_new)) + eps_))
       rms32 = rounding.widen(rms_new)
       scale_step = jnp.where(rms32 < _f32(param_min_rms), 0.0, scale_step)
@@ -422,17 +424,30 @@ def scaled_adam(
 
     n = len(ps)
     new = {key: [None] * n for key in ("u", "delta", "v", "rms", "w", "sg")}
-    rows = []
+    rows = {}
+    # The kernel's leaves: their size updates batched, one (leaves, S) array
+    # per buffer dtypes (a few XLA ops for all of them instead of a few per
+    # leaf), then their scalars (ScaledAdamScalars) as rows.
+    batches: dict = {}
+    for k in sums:
+      batches.setdefault((sgs[k].dtype, ws[k].dtype, rmss[k].dtype), []).append(k)
+    for ks in batches.values():
+      out = jnp.stack([sums[k] for k in ks])
+      scale_grad = out[:, 1] if factor is None else out[:, 1] * factor
+      sg_new, rms_new, w_new, scale_step, alpha, rms32 = size_update(
+          jnp.stack([sgs[k] for k in ks]), jnp.stack([ws[k] for k in ks]),
+          jnp.stack([rmss[k] for k in ks]), scale_grad, out[:, 2])
+      ones = jnp.ones([len(ks)], jnp.float32)
+      columns = [ones if factor is None else factor * ones, b1_ * ones, b2_ * ones,
+                 one_minus_b1 * ones, one_minus_b2 * ones,
+                 jnp.where(bc2 < _f32(0.99), inv_bc2, _f32(1.0)) * ones, eps_ * ones, alpha,
+                 scale_step, rms32]
+      for j, (k, row) in enumerate(zip(ks, jnp.stack(columns, axis=1))):
+        rows[k] = row
+        new["rms"][k], new["w"][k], new["sg"][k] = rms_new[j], w_new[j], sg_new[j]
     for k, (p, p_, g, d, v, r_old, w, sg) in enumerate(
         zip(ps, p32, g32, deltas, vs, rmss, ws, sgs)):
-      if k in sums:  # the kernel's step, given its scalars (ScaledAdamScalars)
-        scale_grad = sums[k][1] if factor is None else sums[k][1] * factor
-        sg_new, rms_new, w_new, scale_step, alpha, rms32 = size_update(
-            sg, w, r_old, scale_grad, sums[k][2])
-        rows.append(jnp.stack([
-            _f32(1.0) if factor is None else factor, b1_, b2_, one_minus_b1, one_minus_b2,
-            jnp.where(bc2 < _f32(0.99), inv_bc2, _f32(1.0)), eps_, alpha, scale_step, rms32]))
-        new["rms"][k], new["w"][k], new["sg"][k] = rms_new, w_new, sg_new
+      if k in sums:  # the kernel's step, below
         continue
       # Stored buffers are read back as stored (rounded to their dtype), as the
       # seed's in-place updates are; for fp32 params every round is exact.
@@ -466,7 +481,7 @@ def scaled_adam(
       new["v"][k] = v_new
     if native:
       kernel_deltas, kernel_vs, _ = _native.scaled_adam_step(
-          jnp.stack(rows), jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(native),)),
+          jnp.stack([rows[k] for k in native]), jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(native),)),
           [ps[k] for k in native], [grads[k] for k in native], [deltas[k] for k in native],
           [vs[k] for k in native], write_p=False)
       for j, k in enumerate(native):
