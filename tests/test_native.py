@@ -1221,17 +1221,23 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
   rounding), run the lanes of every one, subnormals and NaNs included: torch
   kernel == eager step in every configuration, bf16 and fp16 params. JAX
   runs what only its library has: mode "update" (fp32 leaves, beside a Kahan
-  group) and the finiteness check, jitted and op by op."""
+  group) and the finiteness check, jitted and op by op. ScaledAdam's kernel
+  (scaled_adam.h: the sums' generic lanes, the step's Lanes8) against the
+  eager step in torch, its sums against exact sums, and JAX's FFI path."""
   # OMP_WAIT_POLICY: torch's OpenMP threads wait without spinning, so on
   # cores the other pytest-xdist worker keeps busy they do not take its time
   # (spinning, the torch tests below took many times as long).
   env = dict(os.environ, OPTAX_HALF_CACHE=str(tmp_path / "cache"),
              OPTAX_HALF_NATIVE_FLAGS="-mno-avx512f", OMP_WAIT_POLICY="PASSIVE")
   # pyproject's addopts deselect the slow cases: make test's ones run.
+  scaled_adam_tests = os.path.join(os.path.dirname(__file__), "test_scaled_adam.py")
   out = subprocess.run(
-      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+       scaled_adam_tests, "-k",
        "lanes_as_the_cpu or torch_kernel or "
-       "(jax_kernel_and_the_in_place_step and kahan-stochastic-param) or finiteness_check"],
+       "(jax_kernel_and_the_in_place_step and kahan-stochastic-param) or finiteness_check or "
+       "native_step_equals_the_eager_step or native_sums_are_float64 or "
+       "jax_native_path_equals"],
       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
   assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
   assert " passed" in out.stdout and "failed" not in out.stdout, out.stdout[-2000:]
