@@ -19,6 +19,7 @@ picks at lowering time, so nothing is decided on the host at run time.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,8 @@ from optax_half import _flat, rounding
 from optax_half._coefficients import coefficients
 from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite
 
-__all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_sums", "scaled_adam_step"]
+__all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
+           "scaled_adam_sums", "scaled_adam_step", "ScaledAdamStep"]
 
 TARGET = "optax_half_adamw"
 FLAT_TARGET = "optax_half_adamw_flat"
@@ -474,44 +476,85 @@ def _groups(leaves, grads) -> list:
           for i in range(0, len(ks), _LEAVES_PER_CALL)]
 
 
-def scaled_adam_sums(leaves, grads, rms, want) -> jax.Array:
+def scaled_adam_takes_kahan(p, g, c, delta, v) -> bool:
+  """Whether the kernel steps this leaf of ``kahan_summation(scaled_adam)``
+  whole: a bf16 (or, where the library has it, fp16) param of more than one
+  element, its compensation, a gradient of its dtype or fp32, and
+  ScaledAdam's fp32 state for ``p + c``."""
+  dtype = jnp.dtype(p.dtype)
+  if np.size(p) <= 1 or any(np.shape(x) != np.shape(p) for x in (g, c, delta, v)):
+    return False
+  if dtype != jnp.bfloat16 and not (dtype == jnp.float16 and has_f16()):
+    return False
+  return (jnp.dtype(c.dtype) == dtype and jnp.dtype(g.dtype) in (dtype, jnp.float32)
+          and jnp.dtype(delta.dtype) == jnp.float32 == jnp.dtype(v.dtype))
+
+
+def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
   """f32[n, 3]: per leaf ``sum((g r)^2)``, ``sum(p g)`` and ``mean(p p)``
   (``r = rms[k]``; ``want[k]``: 1 asks for the first, 2 for the last, which
-  are 0 otherwise): the kernel's float64 sums, each rounded once."""
+  are 0 otherwise): the kernel's float64 sums, each rounded once. With
+  ``comps`` (Kahan compensations) the param is ``p + c``."""
   rows = [None] * len(leaves)
   for ks in _groups(leaves, grads):
     call = jax.ffi.ffi_call(SCALED_SUMS_TARGET, jax.ShapeDtypeStruct((len(ks), 3), jnp.float32),
                             vmap_method="sequential")
+    extra = [comps[k] for k in ks] if comps is not None else []
     out = call(jnp.stack([rms[k] for k in ks]), jnp.stack([want[k] for k in ks]),
-               *[leaves[k] for k in ks], *[grads[k] for k in ks], nthreads=np.int32(_threads()))
+               *[leaves[k] for k in ks], *[grads[k] for k in ks], *extra,
+               kahan=comps is not None, nthreads=np.int32(_threads()))
     for j, k in enumerate(ks):
       rows[k] = out[j]
   return jnp.stack(rows)
 
 
-def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, write_p: bool):
+class ScaledAdamStep(NamedTuple):
+  """What ``scaled_adam_step`` returns, per leaf: the new deltas and second
+  moments, and the new params (``write_p``), compensations and fp32 updates
+  (``comps``) or None."""
+  deltas: list
+  vs: list
+  params: Optional[list]
+  comps: Optional[list]
+  updates: Optional[list]
+
+
+def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, write_p: bool,
+                     comps=None) -> ScaledAdamStep:
   """The kernel's step of ScaledAdam leaves: ``scalars`` f32[n, 10] and
   ``size`` int32[n] per leaf (``ScaledAdamScalars``; whether the step adds
-  the size term). Returns the new deltas, second moments and, with
-  ``write_p``, params: each written into its operand's buffer (donated to the
-  jitted step, nothing is copied)."""
+  the size term). The state (and with ``write_p`` the params, with ``comps``
+  the Kahan compensations) is written into its operands' buffers (donated to
+  the jitted step, nothing is copied). With ``comps`` the param is ``p + c``
+  and the step is ``kahan_summation``'s: without ``write_p`` it returns the
+  fp32 updates ``p' - p``."""
   n = len(leaves)
-  new = [[None] * n for _ in range(3)]
+  kahan = comps is not None
+  fields = ["deltas", "vs"] + (["comps"] if kahan else []) + (
+      ["params"] if write_p else ["updates"] if kahan else [])
+  new = {f: [None] * n for f in fields}
   for ks in _groups(leaves, grads):
     m = len(ks)
     operands = ([leaves[k] for k in ks] + [grads[k] for k in ks] + [deltas[k] for k in ks]
-                + [vs[k] for k in ks])
-    # Operands: scalars, size, p..., g..., delta..., v...; results: delta..., v..., p....
-    aliases = {2 + 2 * m + j: j for j in range(2 * m)}
-    results = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands[2 * m:]]
-    if write_p:
-      aliases.update({2 + j: 2 * m + j for j in range(m)})
-      results += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands[:m]]
+                + [vs[k] for k in ks] + ([comps[k] for k in ks] if kahan else []))
+    # Operands: scalars, size, p..., g..., delta..., v..., (c...); results in
+    # `fields` order, the state (and params) aliased to their operands.
+    source = {"deltas": 2 * m, "vs": 3 * m, "comps": 4 * m, "params": 0}
+    aliases, results = {}, []
+    for r, f in enumerate(fields):
+      for j in range(m):
+        if f == "updates":
+          results.append(jax.ShapeDtypeStruct(operands[j].shape, jnp.float32))
+          continue
+        aliases[2 + source[f] + j] = r * m + j
+        results.append(jax.ShapeDtypeStruct(operands[source[f] + j].shape,
+                                            operands[source[f] + j].dtype))
     call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
                             vmap_method="sequential")
     out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands,
-               write_p=bool(write_p), nthreads=np.int32(_threads()))
-    for j, k in enumerate(ks):
-      for field in range(3 if write_p else 2):
-        new[field][k] = out[field * m + j]
-  return new[0], new[1], (new[2] if write_p else None)
+               write_p=bool(write_p), kahan=kahan, nthreads=np.int32(_threads()))
+    for r, f in enumerate(fields):
+      for j, k in enumerate(ks):
+        new[f][k] = out[r * m + j]
+  return ScaledAdamStep(new["deltas"], new["vs"], new.get("params"), new.get("comps"),
+                        new.get("updates"))

@@ -121,6 +121,14 @@ class ScaledAdamState(NamedTuple):
   clipping: ScaledAdamClippingState
 
 
+class ScaledAdamTransformation(optax.GradientTransformationExtraArgs):
+  """``scaled_adam``'s transformation: an ``optax.GradientTransformationExtraArgs``
+  that also carries ``kahan_update``, the step ``kahan_summation`` takes
+  when it wraps it (the kernel steps a 16-bit param, its compensation and
+  ScaledAdam's fp32 state in one pass on CPU; the same bits)."""
+  kahan_update = None  # set on each instance by scaled_adam
+
+
 def _f32(x) -> jax.Array:
   return jnp.asarray(x, jnp.float32)
 
@@ -347,11 +355,49 @@ def scaled_adam(
                    or not _native.available()):
       native = ()
     if not native:
-      return _update(treedef, ps, grads, state, ())
-    return jax.lax.platform_dependent(cpu=lambda: _update(treedef, ps, grads, state, native),
-                                      default=lambda: _update(treedef, ps, grads, state, ()))
+      return _update(treedef, ps, grads, state, ())[:2]
+    return jax.lax.platform_dependent(
+        cpu=lambda: _update(treedef, ps, grads, state, native)[:2],
+        default=lambda: _update(treedef, ps, grads, state, ())[:2])
 
-  def _update(treedef, ps, grads, state, native: tuple):
+  def kahan_update(grads, state, x, leaves, finish, **extra_args):
+    """``kahan_summation(scaled_adam)``'s step with the kernel taking the
+    16-bit leaves and their compensations whole (``_lowp_wrapper``'s
+    ``fused``): the same bits as the wrapper around ``update``. None where
+    the kernel takes no leaf (trace time)."""
+    del extra_args
+    gs, treedef = jax.tree.flatten(grads)
+    xs = treedef.flatten_up_to(x)
+    ds = treedef.flatten_up_to(state.delta)
+    vs = treedef.flatten_up_to(state.exp_avg_sq)
+    whole = tuple(k for k, (p, g, c, _, _) in enumerate(leaves)
+                  if c is not None and _native.scaled_adam_takes_kahan(p, g, c, ds[k], vs[k]))
+    if not whole or (jax.default_backend() != "cpu" or _native._maybe_sharded(x)
+                     or not _native.available()):
+      return None
+    # The other leaves the kernel takes as update would (fp32 params, with no
+    # compensation): the same calls as in the wrapper's plain step.
+    native = tuple(k for k in range(len(xs)) if k in whole
+                   or _native.scaled_adam_takes(xs[k], gs[k], vs[k]))
+
+    def body(kernel: bool):
+      kahan = {k: leaves[k][:3] for k in whole} if kernel else None
+      u, new_state, kernel_done = _update(treedef, xs, gs, state,
+                                          native if kernel else (), kahan=kahan)
+      us = treedef.flatten_up_to(u)
+      done = {leaves[k][4]: kernel_done[k] if kernel else
+              finish(leaves[k][0], leaves[k][2], xs[k], us[k], leaves[k][4]) for k in whole}
+      return u, new_state, done
+
+    return jax.lax.platform_dependent(cpu=lambda: body(True), default=lambda: body(False))
+
+  def _update(treedef, ps, grads, state, native: tuple, kahan=None):
+    """The step of the leaves ``ps`` (those in ``native`` in the kernel). With
+    ``kahan`` (position -> (16-bit param, its gradient, its compensation),
+    for the positions in ``native``), ``ps`` are the fp32 ``p + c`` and the
+    kernel takes each such leaf's whole ``kahan_summation`` step; returns
+    ``(updates, state, {position: (update, new compensation)})`` (the last
+    empty without ``kahan``)."""
     names = leaf_names(jax.tree.unflatten(treedef, ps))
     deltas = treedef.flatten_up_to(state.delta)
     vs = treedef.flatten_up_to(state.exp_avg_sq)
@@ -374,11 +420,21 @@ def scaled_adam(
     # (float64 sums, each rounded once; the scale gradient is then the
     # unclipped sum times the clipping factor).
     sums = {}
-    if native:
-      want = jnp.int32(0 if clipping_scale is None else 1) + 2 * is_size_step.astype(jnp.int32)
-      out = _native.scaled_adam_sums([ps[k] for k in native], [grads[k] for k in native],
-                                     [rms_old[k] for k in native], [want] * len(native))
-      sums = {k: out[j] for j, k in enumerate(native)}
+    # Kernel calls: (positions, params, gradients, compensations or None),
+    # the leaves it takes as they are, then those it takes with kahan_summation's.
+    kahan = kahan or {}
+    calls = []
+    for ks in ([k for k in native if k not in kahan], [k for k in native if k in kahan]):
+      if ks:
+        with_comps = ks[0] in kahan
+        calls.append((ks, [kahan[k][0] if with_comps else ps[k] for k in ks],
+                       [kahan[k][1] if with_comps else grads[k] for k in ks],
+                       [kahan[k][2] for k in ks] if with_comps else None))
+    want = jnp.int32(0 if clipping_scale is None else 1) + 2 * is_size_step.astype(jnp.int32)
+    for ks, kernel_ps, kernel_gs, comps in calls:
+      out = _native.scaled_adam_sums(kernel_ps, kernel_gs, [rms_old[k] for k in ks],
+                                     [want] * len(ks), comps=comps)
+      sums.update({k: out[j] for j, k in enumerate(ks)})
     g32 = [None if k in sums else rounding.widen(g) for k, g in enumerate(grads)]
     p32 = [rounding.widen(p) for p in ps]
 
@@ -479,15 +535,19 @@ def scaled_adam(
         new["rms"][k], new["w"][k], new["sg"][k] = rms_new, w_new, sg_new
       new["delta"][k] = delta.astype(d.dtype)
       new["v"][k] = v_new
-    if native:
-      kernel_deltas, kernel_vs, _ = _native.scaled_adam_step(
-          jnp.stack([rows[k] for k in native]), jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(native),)),
-          [ps[k] for k in native], [grads[k] for k in native], [deltas[k] for k in native],
-          [vs[k] for k in native], write_p=False)
-      for j, k in enumerate(native):
-        # The update is the new delta (the param's dtype), as XLA's leaves return it.
-        new["u"][k] = new["delta"][k] = kernel_deltas[j]
-        new["v"][k] = kernel_vs[j]
+    kernel_done = {}
+    for ks, kernel_ps, kernel_gs, comps in calls:
+      size = jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(ks),))
+      out = _native.scaled_adam_step(
+          jnp.stack([rows[k] for k in ks]), size, kernel_ps, kernel_gs,
+          [deltas[k] for k in ks], [vs[k] for k in ks], write_p=False, comps=comps)
+      for j, k in enumerate(ks):
+        new["delta"][k], new["v"][k] = out.deltas[j], out.vs[j]
+        if comps is not None:  # the wrapper's update and compensation
+          new["u"][k] = out.updates[j]
+          kernel_done[k] = (out.updates[j], out.comps[j])
+        else:  # the update is the new delta (the param's dtype), as XLA's leaves return it
+          new["u"][k] = out.deltas[j]
 
     tree = lambda xs: jax.tree.unflatten(treedef, xs)
     new_state = ScaledAdamState(
@@ -498,7 +558,7 @@ def scaled_adam(
         scale_exp_avg_sq=tree(new["w"]),
         scale_grads=tree(new["sg"]),
         clipping=clipping)
-    return tree(new["u"]), new_state
+    return tree(new["u"]), new_state, kernel_done
 
   def _clip(sumsq, t, c: ScaledAdamClippingState):
     """The clipping factor of step ``t`` and the new statistics (all arrays),
@@ -545,8 +605,12 @@ def scaled_adam(
     due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
     jax.lax.cond(due, lambda: jax.debug.callback(host_log, t, c), lambda: None)
 
-  return maybe_skip_nonfinite(transformation(init, update, "scaled_adam"),
-                              skip_nonfinite)
+  tx = transformation(init, update, "scaled_adam")
+  if skip_nonfinite:  # a skipped step must skip the wrapper's part too: no fused step
+    return maybe_skip_nonfinite(tx, skip_nonfinite)
+  out = ScaledAdamTransformation(tx.init, tx.update)
+  out.kahan_update = kahan_update
+  return out
 
 
 def _stats_dict(c: ScaledAdamClippingState, names) -> dict:

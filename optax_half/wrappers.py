@@ -189,25 +189,23 @@ def _lowp_wrapper(
       _check_not_nested(name, inner_state)
     return buffers, inner_state
 
-  def step(grads, buffers, inner_state, params, ctx, **extra_args):
+  def step(grads, buffers, inner_state, params, ctx, fused=None, **extra_args):
+    """The wrapper's step. ``fused(g, inner_state, x, leaves, finish,
+    **extra_args)``, or None: an inner step that may take the whole step of
+    some leaves (the inner's own ``kahan_update``); ``leaves`` lists, per
+    leaf the inner sees, ``(param, gradient, buffer or None, x, leaf index)``;
+    it returns None (not taken) or ``(inner updates, inner state, done)``
+    with ``done`` mapping a leaf index to its ``(update, new buffer)``, the
+    bits ``finish`` would give."""
     check_trees(name, grads, params)
     params = jax.tree.map(jnp.asarray, params)
     if buffers is None:  # wrappers without per-leaf buffers
       buffers = jax.tree.map(lambda _: MaskedNode(), params)
     rl = roles(params)
-    x = view(params, buffers, rl)
-    g = jax.tree.map(
-        lambda p, g_, r: MaskedNode() if r == _FROZEN
-        else rounding.widen(g_).astype(work_dtype(jnp.dtype(p.dtype))),
-        params, grads, rl)
-    inner_updates, inner_state = inner.update(g, inner_state, x, **extra_args)
-    index = leaf_indices(params)
 
-    def one(p, buf, xi, ui, r, i):
-      if r == _FROZEN:
-        return jnp.zeros_like(p), buf
-      if r == _DIRECT:
-        return ui, buf
+    def finish(p, buf, xi, ui, i):
+      """A 16-bit leaf's end of the step: x' = x + u stored back, and the fp32
+      update that makes optax.apply_updates land on the new param."""
       # x' = x + u, rounded like optax.apply_updates rounds it.
       x_new = jnp.asarray(xi + ui).astype(xi.dtype)
       new_p, new_buf = write(x_new, p, buf, i, ctx)
@@ -216,6 +214,34 @@ def _lowp_wrapper(
       u = (rounding.widen(new_p).astype(x_new.dtype)
            - rounding.widen(p).astype(x_new.dtype))
       return u, new_buf
+
+    x = view(params, buffers, rl)
+    g = jax.tree.map(
+        lambda p, g_, r: MaskedNode() if r == _FROZEN
+        else rounding.widen(g_).astype(work_dtype(jnp.dtype(p.dtype))),
+        params, grads, rl)
+    index = leaf_indices(params)
+    taken = None
+    if fused is not None:
+      treedef = jax.tree.structure(params)
+      flat = [treedef.flatten_up_to(t) for t in (params, grads, buffers, x, rl, index)]
+      leaves = [(p, g_, b if r == _LOW else None, xi, i)
+                for p, g_, b, xi, r, i in zip(*flat) if r != _FROZEN]
+      taken = fused(g, inner_state, x, leaves, finish, **extra_args)
+    if taken is None:
+      inner_updates, inner_state = inner.update(g, inner_state, x, **extra_args)
+      done = {}
+    else:
+      inner_updates, inner_state, done = taken
+
+    def one(p, buf, xi, ui, r, i):
+      if r == _FROZEN:
+        return jnp.zeros_like(p), buf
+      if i in done:
+        return done[i]
+      if r == _DIRECT:
+        return ui, buf
+      return finish(p, buf, xi, ui, i)
 
     pairs = jax.tree.map(one, params, buffers, x, inner_updates, rl, index)
     updates, buffers = unzip(params, pairs, 2)
@@ -460,9 +486,14 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
   def init(params):
     return KahanSummationState(*init_fn(params))
 
+  # An inner transformation may step its 16-bit leaves and their compensation
+  # in one kernel pass (scaled_adam on CPU: the same bits).
+  fused = getattr(inner, "kahan_update", None)
+
   def update(updates, state, params=None, **extra_args):
     updates, comp, inner_state = step(
-        updates, state.compensation, state.inner_state, params, None, **extra_args)
+        updates, state.compensation, state.inner_state, params, None, fused=fused,
+        **extra_args)
     return updates, KahanSummationState(comp, inner_state)
 
   return transformation(init, update, "kahan_summation")

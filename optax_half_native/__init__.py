@@ -98,7 +98,7 @@ SCALED_ADAM_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("g", np.uint64), ("delta", np.uint64),
     ("v", np.uint64), ("sums", np.uint64),
     ("scalars", np.float32, (len(SCALED_ADAM_SCALARS),)), ("size", np.int32),
-    ("want", np.int32)], align=True)
+    ("want", np.int32), ("comp", np.uint64), ("update", np.uint64)], align=True)
 # Elements of a tensor per float64 partial sum of scaled_adam.h (kSumBlock):
 # a tensor's sums need 3 * ceil(numel / SUM_BLOCK) doubles of scratch.
 SUM_BLOCK = 4096

@@ -329,20 +329,23 @@ bool with_scaled_adam_types(ffi::DataType p, ffi::DataType g, F&& f) {
 }
 
 // Operands: rms f32[n] (each leaf's stored RMS, widened), want s32[n] (the
-// sums each needs: 1 sum (g r)^2, 2 sum p p), p_0..p_{n-1}, g_0..g_{n-1}.
+// sums each needs: 1 sum (g r)^2, 2 sum p p), p_0..p_{n-1}, g_0..g_{n-1},
+// and with kahan the compensations c_0..c_{n-1} (the param is p + c).
 // Result: f32[n, 3]: per leaf sum((g r)^2), sum(p g) and mean(p p), each
 // the float64 sum (scaled_adam_sums_all) rounded once, the mean divided in
 // float64 first; a sum not asked for is 0.
 ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
                               ffi::Buffer<ffi::S32> want, ffi::RemainingArgs args,
-                              ffi::Result<ffi::Buffer<ffi::F32>> out, int32_t nthreads) {
+                              ffi::Result<ffi::Buffer<ffi::F32>> out, bool kahan,
+                              int32_t nthreads) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("oh_scaled_adam_sums: " + what);
   };
   const size_t n = rms.element_count();
-  if (n == 0 || want.element_count() != n || args.size() != 2 * n ||
+  if (n == 0 || want.element_count() != n || args.size() != (kahan ? 3 : 2) * n ||
       out->element_count() != 3 * n) {
-    return invalid("operands rms f32[n], want s32[n], p..., g...; result f32[n, 3]");
+    return invalid("operands rms f32[n], want s32[n], p..., g... (c... with kahan); "
+                   "result f32[n, 3]");
   }
   std::vector<oh::ScaledAdamTensor> ts(n);
   std::vector<int64_t> offsets(n);
@@ -361,6 +364,15 @@ ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
     if (g->element_count() != p->element_count()) return invalid("p and g must have one size");
     oh::ScaledAdamTensor& t = ts[k];
     t = oh::ScaledAdamTensor{};
+    if (kahan) {
+      ffi::ErrorOr<ffi::AnyBuffer> c = args.get<ffi::AnyBuffer>(2 * n + k);
+      if (c.has_error()) return c.error();
+      if (c->element_type() != types[0] || c->element_count() != p->element_count() ||
+          types[0] == ffi::DataType::F32) {
+        return invalid("c must be a 16-bit param's compensation, of its dtype and size");
+      }
+      t.comp = reinterpret_cast<uint64_t>(c->untyped_data());
+    }
     t.numel = int64_t(p->element_count());
     t.p = reinterpret_cast<uint64_t>(p->untyped_data());
     t.g = reinterpret_cast<uint64_t>(g->untyped_data());
@@ -373,7 +385,10 @@ ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
   for (size_t k = 0; k < n; ++k) ts[k].sums = reinterpret_cast<uint64_t>(&scratch[3 * offsets[k]]);
   const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
   if (!with_scaled_adam_types(types[0], types[1], [&](auto pt, auto gt, auto) {
-        oh::scaled_adam_sums_all<decltype(pt), decltype(gt)>(ts.data(), int(n), 1, &parallel);
+        using P = decltype(pt);
+        using G = decltype(gt);
+        if (kahan) oh::scaled_adam_sums_all<P, G, true>(ts.data(), int(n), 1, &parallel);
+        else oh::scaled_adam_sums_all<P, G, false>(ts.data(), int(n), 1, &parallel);
         return true;
       })) {
     return invalid("unsupported dtypes");
@@ -389,26 +404,33 @@ ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
 }
 
 // Operands: scalars f32[n, 10] (oh::ScaledAdamScalars per leaf), size s32[n]
-// (1: the leaf's step adds the size term), p..., g..., delta..., v....
-// Results: delta..., v... (aliased to their operands: updated in place),
-// then with write_p the new params p_out... (aliased to p by the caller to
-// step in place); without it the params are only read.
+// (1: the leaf's step adds the size term), p..., g..., delta..., v..., and
+// with kahan the compensations c... (delta and v fp32). Results: delta...,
+// v... (aliased to their operands: updated in place), with kahan c... (the
+// same), then with write_p the new params p_out... (aliased to p by the
+// caller to step in place), or with kahan (and not write_p) the fp32
+// updates u... = p' - p; otherwise the params are only read.
 ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                               ffi::Buffer<ffi::S32> size, ffi::RemainingArgs args,
-                              ffi::RemainingRets rets, bool write_p, int32_t nthreads) {
+                              ffi::RemainingRets rets, bool write_p, bool kahan,
+                              int32_t nthreads) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("oh_scaled_adam_step: " + what);
   };
   const size_t n = size.element_count();
-  if (n == 0 || scalars.element_count() != 10 * n || args.size() != 4 * n ||
-      rets.size() != (write_p ? 3 : 2) * n) {
-    return invalid("operands scalars f32[n, 10], size s32[n], p..., g..., delta..., v...; "
-                   "results delta..., v... (and p_out... with write_p)");
+  const size_t nrets = 2 + (kahan ? 1 : 0) + ((write_p || kahan) ? 1 : 0);
+  if (n == 0 || scalars.element_count() != 10 * n || args.size() != (kahan ? 5 : 4) * n ||
+      rets.size() != nrets * n) {
+    return invalid("operands scalars f32[n, 10], size s32[n], p..., g..., delta..., v... "
+                   "(c... with kahan); results delta..., v... (c... with kahan; then p_out... "
+                   "with write_p, or u... with kahan)");
   }
   std::vector<oh::ScaledAdamTensor> ts(n);
   ffi::DataType types[3] = {ffi::DataType::INVALID, ffi::DataType::INVALID,
                             ffi::DataType::INVALID};
   std::vector<std::pair<ffi::AnyBuffer, ffi::Result<ffi::AnyBuffer>>> copies;
+  std::vector<ffi::AnyBuffer> compensations;
+  compensations.reserve(n);  // no reallocation: sources point into it
   for (size_t k = 0; k < n; ++k) {
     ffi::ErrorOr<ffi::AnyBuffer> in[4] = {args.get<ffi::AnyBuffer>(k), args.get<ffi::AnyBuffer>(n + k),
                                           args.get<ffi::AnyBuffer>(2 * n + k),
@@ -426,26 +448,46 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
       return invalid("the leaves of one call share dtypes");
     }
     const size_t numel = p.element_count();
+    const ffi::DataType delta_type = kahan ? ffi::DataType::F32 : types[0];
     if (g.element_count() != numel || d.element_count() != numel || v.element_count() != numel ||
-        d.element_type() != types[0]) {
-      return invalid("p, g, delta and v must have one size, delta p's dtype");
+        d.element_type() != delta_type) {
+      return invalid("p, g, delta and v must have one size, delta p's dtype (fp32 with kahan)");
     }
-    // Results: delta, v (and p_out), each its operand's copy unless aliased to it.
-    const ffi::AnyBuffer* sources[3] = {&d, &v, &p};
-    uint64_t at[3] = {0, 0, reinterpret_cast<uint64_t>(p.untyped_data())};
-    for (int r = 0; r < (write_p ? 3 : 2); ++r) {
-      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> res = rets.get<ffi::AnyBuffer>(r * n + k);
+    // Results: delta, v, (c), (p_out), each its operand's copy unless aliased
+    // to it; the fp32 updates u are written by the step.
+    const ffi::AnyBuffer* sources[4] = {&d, &v, nullptr, &p};
+    uint64_t at[5] = {0, 0, 0, reinterpret_cast<uint64_t>(p.untyped_data()), 0};
+    if (kahan) {
+      ffi::ErrorOr<ffi::AnyBuffer> c = args.get<ffi::AnyBuffer>(4 * n + k);
+      if (c.has_error()) return c.error();
+      if (c->element_type() != types[0] || c->element_count() != numel ||
+          types[0] == ffi::DataType::F32) {
+        return invalid("c must be a 16-bit param's compensation, of its dtype and size");
+      }
+      compensations.push_back(*c);
+      sources[2] = &compensations.back();
+    }
+    size_t r = 0;
+    for (int field = 0; field < 5; ++field) {
+      const bool present = field < 2 || (field == 2 && kahan) || (field == 3 && write_p) ||
+                           (field == 4 && kahan && !write_p);
+      if (!present) continue;
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> res = rets.get<ffi::AnyBuffer>(r++ * n + k);
       if (res.has_error()) return res.error();
-      if ((*res)->element_count() != numel || (*res)->element_type() != sources[r]->element_type()) {
+      const ffi::DataType want_type =
+          field == 4 ? ffi::DataType::F32 : sources[field]->element_type();
+      if ((*res)->element_count() != numel || (*res)->element_type() != want_type) {
         return invalid("a result differs from its operand");
       }
-      copies.emplace_back(*sources[r], *res);
-      at[r] = reinterpret_cast<uint64_t>((*res)->untyped_data());
+      if (field < 4) copies.emplace_back(*sources[field], *res);
+      at[field] = reinterpret_cast<uint64_t>((*res)->untyped_data());
     }
     oh::ScaledAdamTensor& t = ts[k];
     t = oh::ScaledAdamTensor{};
     t.numel = int64_t(numel);
-    t.p = at[2];
+    t.p = at[3];
+    t.comp = at[2];
+    t.update = at[4];
     t.g = reinterpret_cast<uint64_t>(g.untyped_data());
     t.delta = at[0];
     t.v = at[1];
@@ -459,6 +501,21 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
     using P = decltype(pt);
     using G = decltype(gt);
     using V = decltype(vt);
+    if (kahan) {  // fp32 state: the x = p + c ScaledAdam steps
+      if constexpr (std::is_same_v<P, float>) {
+        return false;
+      } else {
+        if (types[2] != ffi::DataType::F32) return false;
+        if (write_p) {
+          oh::scaled_adam_step_all<P, G, float, true, float, true>(ts.data(), int(n), 1,
+                                                                   &parallel);
+        } else {
+          oh::scaled_adam_step_all<P, G, float, false, float, true>(ts.data(), int(n), 1,
+                                                                    &parallel);
+        }
+        return true;
+      }
+    }
     if (types[2] != (std::is_same_v<V, float> ? ffi::DataType::F32 : types[0])) return false;
     if (write_p) oh::scaled_adam_step_all<P, G, V, true>(ts.data(), int(n), 1, &parallel);
     else oh::scaled_adam_step_all<P, G, V, false>(ts.data(), int(n), 1, &parallel);
@@ -478,6 +535,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamSums, ScaledAdamSumsImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("kahan")
                                   .Attr<int32_t>("nthreads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamStep, ScaledAdamStepImpl,
@@ -488,6 +546,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamStep, ScaledAdamStepImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<bool>("write_p")
+                                  .Attr<bool>("kahan")
                                   .Attr<int32_t>("nthreads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,

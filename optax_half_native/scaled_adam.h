@@ -14,6 +14,13 @@
 //    torch_bridge.scaled_adam.ScaledAdam._step_one after its tensor-wide
 //    scalars are known, every operation rounded to fp32 as torch's eager
 //    ops round it (built like adamw.h: no FMA, no reassociation).
+//
+// KAHAN: the param is the 16-bit p with its Kahan compensation c (the
+// wrapper optax_half.kahan_summation around ScaledAdam): both passes read
+// x = p + c in fp32 where they read the param, delta and v are fp32 (the
+// state ScaledAdam keeps for the fp32 x), and the step ends as the wrapper
+// does: x' = x + delta, p' = round(x'), c' = round(x' - p'), and the update
+// p' - p in fp32 (or p' written in place).
 #pragma once
 
 #include <vector>
@@ -42,6 +49,8 @@ struct ScaledAdamTensor {
   ScaledAdamScalars s;
   int32_t size;             // 1: this step is a size update (adds (1 - b1) p scale_step)
   int32_t want;             // sums: 1 | 2 takes sum (g r)^2 | sum p p too (sum p g always)
+  uint64_t comp;            // KAHAN: the compensation (param dtype), else 0
+  uint64_t update;          // KAHAN without writing p: the fp32 update p' - p, else 0
 };
 
 extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
@@ -50,18 +59,25 @@ extern "C" int oh_scaled_adam_field_offset(int k) {
                             offsetof(ScaledAdamTensor, g), offsetof(ScaledAdamTensor, delta),
                             offsetof(ScaledAdamTensor, v), offsetof(ScaledAdamTensor, sums),
                             offsetof(ScaledAdamTensor, s), offsetof(ScaledAdamTensor, size),
-                            offsetof(ScaledAdamTensor, want)};
+                            offsetof(ScaledAdamTensor, want), offsetof(ScaledAdamTensor, comp),
+                            offsetof(ScaledAdamTensor, update)};
   return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
 }
 
 // The fp32 products of the sums for the L::kWidth elements from i, stored
 // at `at` into each of the three arrays.
-template <typename L, typename P, typename G>
-inline __attribute__((always_inline)) void sum_products(const P* p, const G* g, int64_t i,
-                                                        float r, int at, float* clip, float* pg,
-                                                        float* pp) {
+template <typename L, bool KAHAN, typename P, typename G>
+inline __attribute__((always_inline)) typename L::F param_at(const P* p, const P* c, int64_t i) {
+  if constexpr (KAHAN) return L::get(p, i) + L::get(c, i);
+  else return L::get(p, i);
+}
+
+template <typename L, bool KAHAN, typename P, typename G>
+inline __attribute__((always_inline)) void sum_products(const P* p, const P* c, const G* g,
+                                                        int64_t i, float r, int at, float* clip,
+                                                        float* pg, float* pp) {
   using F = typename L::F;
-  const F gi = L::get(g, i), pi = L::get(p, i);
+  const F gi = L::get(g, i), pi = param_at<L, KAHAN, P, G>(p, c, i);
   const F gr = gi * r;
   L::put(clip, at, gr * gr);
   L::put(pg, at, pi * gi);
@@ -71,9 +87,9 @@ inline __attribute__((always_inline)) void sum_products(const P* p, const G* g, 
 // The three partial sums of elements [begin, end) of one tensor (one block):
 // element begin + j goes to float64 lane j mod kSumLanes, the lanes then
 // added in order (so every lane width L gives the same sums).
-template <typename P, typename G, bool CLIP, bool PP>
-void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, float r,
-                            double out[3]) {
+template <typename P, typename G, bool CLIP, bool PP, bool KAHAN>
+void scaled_adam_block_sums(const P* p, const P* c, const G* g, int64_t begin, int64_t end,
+                            float r, double out[3]) {
   double clip[kSumLanes] = {}, pg[kSumLanes] = {}, pp[kSumLanes] = {};
   float c32[kSumLanes], pg32[kSumLanes], pp32[kSumLanes];
   int64_t i = begin;
@@ -83,7 +99,7 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
   __m512d acc[6] = {_mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd(),
                     _mm512_setzero_pd(), _mm512_setzero_pd(), _mm512_setzero_pd()};
   for (; i + kSumLanes <= end; i += kSumLanes) {
-    const __m512 gi = Lanes16::get(g, i), pi = Lanes16::get(p, i);
+    const __m512 gi = Lanes16::get(g, i), pi = param_at<Lanes16, KAHAN, P, G>(p, c, i);
     const __m512 gr = gi * r;
     const __m512 products[3] = {gr * gr, pi * gi, pi * pi};
     for (int j = 0; j < 3; ++j) {
@@ -100,10 +116,12 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
 #endif
   for (; i + kSumLanes <= end; i += kSumLanes) {
 #if defined(OH_LANES8)
-    sum_products<Lanes8>(p, g, i, r, 0, c32, pg32, pp32);
-    sum_products<Lanes8>(p, g, i + 8, r, 8, c32, pg32, pp32);
+    sum_products<Lanes8, KAHAN>(p, c, g, i, r, 0, c32, pg32, pp32);
+    sum_products<Lanes8, KAHAN>(p, c, g, i + 8, r, 8, c32, pg32, pp32);
 #else
-    for (int k = 0; k < kSumLanes; ++k) sum_products<Scalar>(p, g, i + k, r, k, c32, pg32, pp32);
+    for (int k = 0; k < kSumLanes; ++k) {
+      sum_products<Scalar, KAHAN>(p, c, g, i + k, r, k, c32, pg32, pp32);
+    }
 #endif
     for (int k = 0; k < kSumLanes; ++k) {
       clip[k] += double(c32[k]);
@@ -112,7 +130,7 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
     }
   }
   for (int k = 0; i < end; ++i, ++k) {
-    sum_products<Scalar>(p, g, i, r, 0, c32, pg32, pp32);
+    sum_products<Scalar, KAHAN>(p, c, g, i, r, 0, c32, pg32, pp32);
     clip[k] += double(c32[0]);
     pg[k] += double(pg32[0]);
     pp[k] += double(pp32[0]);
@@ -130,46 +148,57 @@ void scaled_adam_block_sums(const P* p, const G* g, int64_t begin, int64_t end, 
 // The step of one tensor's elements [begin, end), as ScaledAdam._step_one.
 // WRITE_P: p takes the new param (torch, and JAX in place); otherwise only
 // delta and v are written (JAX's update is the new delta).
-template <typename L, typename P, typename G, typename V, bool SIZE, bool WRITE_P>
+template <typename L, typename P, typename G, typename V, typename D, bool SIZE, bool WRITE_P,
+          bool KAHAN>
 inline __attribute__((always_inline)) void scaled_adam_lanes(
-    int64_t i, P* p, const G* g, P* __restrict delta_buf, V* __restrict v_buf,
-    const ScaledAdamScalars& s) {
+    int64_t i, P* p, P* __restrict c, const G* g, D* __restrict delta_buf, V* __restrict v_buf,
+    float* __restrict update, const ScaledAdamScalars& s) {
   using F = typename L::F;
   const F gi = L::get(g, i) * s.grad_scale;
-  const F p32 = L::get(p, i);
+  const F p32 = param_at<L, KAHAN, P, G>(p, c, i);
   F delta = s.b1 * L::get(delta_buf, i);
   const auto v_new = L::to(s.b2 * L::get(v_buf, i) + s.one_minus_b2 * (gi * gi), V{});
   const F v32 = L::widen(v_new, V{});
   if constexpr (SIZE) delta = delta + s.one_minus_b1 * (p32 * s.scale_step);
   const F denom = L::sqrt(v32 * s.inv_bc2) + s.eps;
   delta = delta + (gi / denom) * s.alpha;
-  const auto delta_new = L::to(delta, P{});
+  const auto delta_new = L::to(delta, D{});
   L::put(v_buf, i, v_new);
   L::put(delta_buf, i, delta_new);
-  if constexpr (WRITE_P) L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
+  if constexpr (KAHAN) {  // kahan_summation's end of the step
+    const F x_new = p32 + L::widen(delta_new, D{});
+    const auto p_new = L::to(x_new, P{});
+    L::put(c, i, L::to(x_new - L::widen(p_new, P{}), P{}));
+    if constexpr (WRITE_P) L::put(p, i, p_new);
+    else L::put(update, i, L::widen(p_new, P{}) - L::get(p, i));
+  } else if constexpr (WRITE_P) {
+    L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
+  }
 }
 
-template <typename P, typename G, typename V, bool SIZE, bool WRITE_P>
-void scaled_adam_range(int64_t begin, int64_t end, P* p, const G* g, P* __restrict delta,
-                       V* __restrict v, const ScaledAdamScalars& scalars) {
+template <typename P, typename G, typename V, typename D, bool SIZE, bool WRITE_P, bool KAHAN>
+void scaled_adam_range(int64_t begin, int64_t end, P* p, P* c, const G* g, D* __restrict delta,
+                       V* __restrict v, float* update, const ScaledAdamScalars& scalars) {
   const ScaledAdamScalars s = scalars;  // a local copy: stays in registers
   int64_t i = begin;
 #if defined(OH_LANES16)
   for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
-    scaled_adam_lanes<Lanes16, P, G, V, SIZE, WRITE_P>(i, p, g, delta, v, s);
+    scaled_adam_lanes<Lanes16, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, update, s);
   }
 #elif defined(OH_LANES8)
   for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
-    scaled_adam_lanes<Lanes8, P, G, V, SIZE, WRITE_P>(i, p, g, delta, v, s);
+    scaled_adam_lanes<Lanes8, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, update, s);
   }
 #endif
-  for (; i < end; ++i) scaled_adam_lanes<Scalar, P, G, V, SIZE, WRITE_P>(i, p, g, delta, v, s);
+  for (; i < end; ++i) {
+    scaled_adam_lanes<Scalar, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, update, s);
+  }
 }
 
 // The sums of every tensor of a call: each block is summed by the thread
 // whose span holds its first element, then each tensor's blocks are added in
 // order into its first three slots (the totals: sum (g r)^2, sum p g, sum p p).
-template <typename P, typename G>
+template <typename P, typename G, bool KAHAN = false>
 void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads,
                           const ParallelFor* parallel = nullptr) {
   std::vector<int64_t> starts(n + 1, 0);
@@ -184,14 +213,16 @@ void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads,
       for (int64_t b = (first + kSumBlock - 1) / kSumBlock * kSumBlock;
            b < t.numel && starts[k] + b < hi; b += kSumBlock) {
         const P* tp = reinterpret_cast<const P*>(t.p);
+        const P* tc = reinterpret_cast<const P*>(t.comp);
         const G* tg = reinterpret_cast<const G*>(t.g);
         const int64_t e = std::min(t.numel, b + kSumBlock);
         double* out = sums + 3 * (b / kSumBlock);
+        const float r = t.s.rms;
         switch (t.want & 3) {
-          case 0: scaled_adam_block_sums<P, G, false, false>(tp, tg, b, e, t.s.rms, out); break;
-          case 1: scaled_adam_block_sums<P, G, true, false>(tp, tg, b, e, t.s.rms, out); break;
-          case 2: scaled_adam_block_sums<P, G, false, true>(tp, tg, b, e, t.s.rms, out); break;
-          default: scaled_adam_block_sums<P, G, true, true>(tp, tg, b, e, t.s.rms, out);
+          case 0: scaled_adam_block_sums<P, G, false, false, KAHAN>(tp, tc, tg, b, e, r, out); break;
+          case 1: scaled_adam_block_sums<P, G, true, false, KAHAN>(tp, tc, tg, b, e, r, out); break;
+          case 2: scaled_adam_block_sums<P, G, false, true, KAHAN>(tp, tc, tg, b, e, r, out); break;
+          default: scaled_adam_block_sums<P, G, true, true, KAHAN>(tp, tc, tg, b, e, r, out);
         }
       }
     }
@@ -206,7 +237,8 @@ void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads,
 }
 
 // The steps of every tensor of a call, their elements split over threads.
-template <typename P, typename G, typename V, bool WRITE_P = true>
+template <typename P, typename G, typename V, bool WRITE_P = true, typename D = P,
+          bool KAHAN = false>
 void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
                           const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
@@ -219,13 +251,17 @@ void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
       const int64_t b = std::max(lo, start), e = std::min(hi, end);
       if (b < e) {
         P* p = reinterpret_cast<P*>(t.p);
+        P* c = reinterpret_cast<P*>(t.comp);
         const G* g = reinterpret_cast<const G*>(t.g);
-        P* delta = reinterpret_cast<P*>(t.delta);
+        D* delta = reinterpret_cast<D*>(t.delta);
         V* v = reinterpret_cast<V*>(t.v);
+        float* u = reinterpret_cast<float*>(t.update);
         if (t.size) {
-          scaled_adam_range<P, G, V, true, WRITE_P>(b - start, e - start, p, g, delta, v, t.s);
+          scaled_adam_range<P, G, V, D, true, WRITE_P, KAHAN>(b - start, e - start, p, c, g, delta,
+                                                             v, u, t.s);
         } else {
-          scaled_adam_range<P, G, V, false, WRITE_P>(b - start, e - start, p, g, delta, v, t.s);
+          scaled_adam_range<P, G, V, D, false, WRITE_P, KAHAN>(b - start, e - start, p, c, g,
+                                                              delta, v, u, t.s);
         }
       }
       start = end;

@@ -928,3 +928,50 @@ def test_bf16_scaled_adam_same_bits_in_jax_and_torch():
     assert report.worst(buffer)["equal"] == 1.0, report.table()
   assert report.clipping["clipped_steps"] >= 1
   assert report.clipping["clipping_factor_max_rel"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_kahan_summation_steps_scaled_adam_in_one_kernel_pass_same_bits(dtype, monkeypatch):
+  """``kahan_summation(scaled_adam)`` on CPU: the kernel takes each 16-bit
+  leaf of more than one element with its compensation whole (x = p + c, the
+  step, x' = x + delta, p' and c' and the update); fp32 leaves take the
+  plain kernel, scalars and integer leaves the wrapper's XLA ops. The same
+  bits as the wrapper around ``update`` (params and every state array), over
+  30 clipped steps."""
+  from optax_half import _native
+  if dtype == jnp.float16 and not _native.has_f16():
+    pytest.skip("no fp16 kernel on this CPU")
+
+  def run():
+    key = jax.random.key(0)
+    params = {"w": (jax.random.normal(key, (64, 33)) * 0.1).astype(dtype),
+              "b": (1 + 0.01 * jnp.arange(17.0)).astype(dtype),
+              "f": jax.random.normal(jax.random.fold_in(key, 3), (8, 4)),
+              "s": jnp.asarray(0.5, dtype), "i": jnp.arange(3)}
+    tx = oh.kahan_summation(oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5))
+    state = tx.init(params)
+
+    @jax.jit
+    def step(p, s, g):
+      u, s = tx.update(g, s, p)
+      return optax.apply_updates(p, u), s
+
+    text = step.lower(params, state, params).as_text()
+    for i in range(30):
+      scale = 10.0 if i % 12 == 11 else 1.0
+      g = jax.tree.map(lambda x: (jax.random.normal(jax.random.key(i + 1), x.shape) * scale
+                                  ).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                       else x, params)
+      params, state = step(params, state, g)
+    return params, state, text
+
+  a, sa, fused_text = run()
+  monkeypatch.setattr(_native, "scaled_adam_takes_kahan", lambda *args: False)
+  b, sb, plain_text = run()
+  assert "kahan = true" in fused_text and "kahan = true" not in plain_text
+  assert "optax_half_scaled_adam_step" in plain_text  # the wrapper's inner update, fp32 x
+  la, lb = jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))
+  assert len(la) == len(lb)
+  assert all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+  assert int(sa.inner_state.clipping.percent_clipped) > 0  # it clipped
+  assert np.abs(np.asarray(sa.compensation["w"], np.float32)).max() > 0  # compensated
