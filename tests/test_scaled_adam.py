@@ -877,13 +877,9 @@ def test_native_run_stays_within_the_summation_bound_of_the_eager_run(dtype):
 # ---------------------------------------------------------------------------
 
 
-def _jax_run_with(monkeypatch, native: bool, dtype, steps=30):
-  from optax_half import _native
-  if not native:
-    monkeypatch.setattr(_native, "scaled_adam_takes", lambda p, g, v: False)
-  params = {k: jnp.asarray(v).astype(dtype) for k, v in _parity_tree().items()}
-  grads = _grads(_parity_tree(), steps, seed=3, spikes=(12, 25))
-  tx = oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5)
+def _jitted_run(tx, params, grads):
+  """``tx.update`` + ``apply_updates`` under ``jax.jit`` over the gradient
+  trees ``grads``: (params, state, the step's lowered text)."""
   state = tx.init(params)
 
   @jax.jit
@@ -893,9 +889,21 @@ def _jax_run_with(monkeypatch, native: bool, dtype, steps=30):
 
   text = step.lower(params, state, params).as_text()
   for g in grads:
-    params, state = step(params, state, {k: jnp.asarray(v).astype(dtype) for k, v in g.items()})
-  monkeypatch.undo()
+    params, state = step(params, state, g)
   return params, state, text
+
+
+def _jax_run_with(monkeypatch, native: bool, dtype, steps=30):
+  from optax_half import _native
+  if not native:
+    monkeypatch.setattr(_native, "scaled_adam_takes", lambda p, g, v: False)
+  params = {k: jnp.asarray(v).astype(dtype) for k, v in _parity_tree().items()}
+  grads = [{k: jnp.asarray(v).astype(dtype) for k, v in g.items()}
+           for g in _grads(_parity_tree(), steps, seed=3, spikes=(12, 25))]
+  out = _jitted_run(oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5),
+                    params, grads)
+  monkeypatch.undo()
+  return out
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["fp32", "bf16"])
@@ -948,22 +956,12 @@ def test_kahan_summation_steps_scaled_adam_in_one_kernel_pass_same_bits(dtype, m
               "b": (1 + 0.01 * jnp.arange(17.0)).astype(dtype),
               "f": jax.random.normal(jax.random.fold_in(key, 3), (8, 4)),
               "s": jnp.asarray(0.5, dtype), "i": jnp.arange(3)}
+    grads = [jax.tree.map(lambda x, i=i: (jax.random.normal(jax.random.key(i + 1), x.shape)
+                                          * (10.0 if i % 12 == 11 else 1.0)).astype(x.dtype)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+             for i in range(30)]
     tx = oh.kahan_summation(oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5))
-    state = tx.init(params)
-
-    @jax.jit
-    def step(p, s, g):
-      u, s = tx.update(g, s, p)
-      return optax.apply_updates(p, u), s
-
-    text = step.lower(params, state, params).as_text()
-    for i in range(30):
-      scale = 10.0 if i % 12 == 11 else 1.0
-      g = jax.tree.map(lambda x: (jax.random.normal(jax.random.key(i + 1), x.shape) * scale
-                                  ).astype(x.dtype) if jnp.issubdtype(x.dtype, jnp.floating)
-                       else x, params)
-      params, state = step(params, state, g)
-    return params, state, text
+    return _jitted_run(tx, params, grads)
 
   a, sa, fused_text = run()
   monkeypatch.setattr(_native, "scaled_adam_takes_kahan", lambda *args: False)
