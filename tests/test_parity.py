@@ -18,6 +18,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from suite_helpers import default_or_slow  # noqa: E402
 from torch_bridge import parity  # noqa: E402
 
 
@@ -48,6 +49,11 @@ SMALL_RUNS = [(config, dtype) for dtype in parity.DTYPES for config in parity.BI
               if (config, dtype) != LOSS_SCALE_RUN]
 PER_TENSOR_RUNS = [(config, dtype) for dtype in parity.DTYPES for config in parity.CONFIGS
                    if config not in parity.BITWISE]
+# make test runs each configuration once; the other dtypes are slow.
+PER_TENSOR_DEFAULT = [("scaled_adam", "fp32"), ("scaled_adam/clip", "bf16"),
+                      ("kahan_summation(scaled_adam)/clip", "bf16"),
+                      ("master_weights(scaled_adam)/clip", "fp16"), ("master_weights(adam)", "bf16"),
+                      ("kahan_summation(sgd)", "fp32")]
 
 
 @pytest.mark.parametrize("config, dtype", SMALL_RUNS, ids=[f"{d}-{c}" for c, d in SMALL_RUNS])
@@ -102,8 +108,7 @@ _PER_TENSOR_BUFFERS = {
     "adam": {"mu", "nu", "count"}, "sgd": {"trace"}}
 
 
-@pytest.mark.parametrize("config, dtype", PER_TENSOR_RUNS,
-                         ids=[f"{d}-{c}" for c, d in PER_TENSOR_RUNS])
+@pytest.mark.parametrize("config, dtype", default_or_slow(PER_TENSOR_RUNS, PER_TENSOR_DEFAULT))
 def test_scaled_adam_and_wrapped_stock_optimizers_within_per_tensor_bounds(config, dtype):
   """ScaledAdam (its reductions are summed in other orders) and the wrappers
   around optax's and torch.optim's own Adam and SGD (their elementwise
