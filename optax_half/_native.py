@@ -202,6 +202,16 @@ def _takes_f16(mode: str, grad_dtype, moment_dtypes) -> bool:
           and all(d in ok for d in moment_dtypes) and has_f16())
 
 
+def on_cpu(params) -> bool:
+  """Whether a step over ``params`` may call the kernel: off CPU
+  (``jax.default_backend()``) nothing is built and the framework code is what
+  would be lowered anyway; with several devices, or under a mesh, the params
+  may be sharded, and the custom calls have no partitioning rule: the
+  framework code, which XLA partitions elementwise, runs there."""
+  return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
+              or not available())
+
+
 def _maybe_sharded(params) -> bool:
   """Whether the params may be sharded: JAX has several devices, a mesh is
   set (``jax.set_mesh``), or a leaf's type carries a mesh (explicit sharding)."""
@@ -264,15 +274,6 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
   the flat kernel on CPU where it takes the tree (``_takes_flat``), else the
   tree layout's step between an unpack and a pack."""
   assert kind in _KINDS, kind
-
-  def on_cpu(params) -> bool:
-    # Off CPU (jax.default_backend()), nothing is built: the composed
-    # transformation is what would be lowered anyway. With several devices, or
-    # under a mesh, the params may be sharded, and the custom call has no
-    # partitioning rule: the composed transformation, which XLA partitions
-    # elementwise, runs there.
-    return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
-                or not available())
 
   def native(updates, state, params) -> bool:
     return on_cpu(params) and _takes(kind, params, updates, state.inner_state)
@@ -452,18 +453,17 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
 
 def scaled_adam_takes(p, g, v) -> bool:
   """Whether the kernel steps this ScaledAdam leaf (trace time: dtypes and
-  shapes): more than one element; fp32 params (and second moments) with
-  fp32 or 16-bit gradients (a wrapper's fp32 stand-in); bf16 params with
-  bf16 or fp32 gradients and bf16 second moments; fp16 params with fp16 or
-  fp32 gradients and fp32 second moments; fp16 where the library has it."""
-  p, g, v = (jnp.asarray(x) if not hasattr(x, "dtype") else x for x in (p, g, v))
+  shapes): more than one element, and (param, gradient, second moment)
+  types in ``optax_half_native.SCALED_ADAM_CONFIGS`` (or its fp16 ones)."""
   if np.size(p) <= 1 or np.shape(g) != np.shape(p) or np.shape(v) != np.shape(p):
     return False
-  config = (jnp.dtype(p.dtype), jnp.dtype(g.dtype), jnp.dtype(v.dtype))
-  f32, bf16, f16 = jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)
-  if config in ((f32, f32, f32), (f32, bf16, f32), (bf16, bf16, bf16), (bf16, f32, bf16)):
-    return True
-  return config in ((f16, f16, f32), (f16, f32, f32), (f32, f16, f32)) and has_f16()
+  config = "".join(_CODES.get(jnp.dtype(x.dtype).name, "?") for x in (p, g, v))
+  return config in native.SCALED_ADAM_CONFIGS or (
+      config in native.SCALED_ADAM_F16_CONFIGS and has_f16())
+
+
+# The native libraries' type codes.
+_CODES = {"float32": "F", "bfloat16": "B", "float16": "H"}
 
 
 def _groups(leaves, grads) -> list:
@@ -510,36 +510,32 @@ def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
 
 class ScaledAdamStep(NamedTuple):
   """What ``scaled_adam_step`` returns, per leaf: the new deltas and second
-  moments, and the new params (``write_p``), compensations and fp32 updates
-  (``comps``) or None."""
+  moments, and with ``comps`` the new compensations and the fp32 updates
+  (else None)."""
   deltas: list
   vs: list
-  params: Optional[list]
   comps: Optional[list]
   updates: Optional[list]
 
 
-def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, write_p: bool,
-                     comps=None) -> ScaledAdamStep:
+def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None) -> ScaledAdamStep:
   """The kernel's step of ScaledAdam leaves: ``scalars`` f32[n, 10] and
   ``size`` int32[n] per leaf (``ScaledAdamScalars``; whether the step adds
-  the size term). The state (and with ``write_p`` the params, with ``comps``
-  the Kahan compensations) is written into its operands' buffers (donated to
-  the jitted step, nothing is copied). With ``comps`` the param is ``p + c``
-  and the step is ``kahan_summation``'s: without ``write_p`` it returns the
-  fp32 updates ``p' - p``."""
+  the size term). The state (with ``comps`` the Kahan compensations too) is
+  written into its operands' buffers (donated to the jitted step, nothing is
+  copied); the params are only read. With ``comps`` the param is ``p + c``
+  and the step is ``kahan_summation``'s, returning the fp32 updates ``p' - p``."""
   n = len(leaves)
   kahan = comps is not None
-  fields = ["deltas", "vs"] + (["comps"] if kahan else []) + (
-      ["params"] if write_p else ["updates"] if kahan else [])
+  fields = ["deltas", "vs"] + (["comps", "updates"] if kahan else [])
   new = {f: [None] * n for f in fields}
   for ks in _groups(leaves, grads):
     m = len(ks)
     operands = ([leaves[k] for k in ks] + [grads[k] for k in ks] + [deltas[k] for k in ks]
                 + [vs[k] for k in ks] + ([comps[k] for k in ks] if kahan else []))
     # Operands: scalars, size, p..., g..., delta..., v..., (c...); results in
-    # `fields` order, the state (and params) aliased to their operands.
-    source = {"deltas": 2 * m, "vs": 3 * m, "comps": 4 * m, "params": 0}
+    # `fields` order, the state aliased to its operands, the updates new.
+    source = {"deltas": 2 * m, "vs": 3 * m, "comps": 4 * m}
     aliases, results = {}, []
     for r, f in enumerate(fields):
       for j in range(m):
@@ -551,10 +547,9 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, write_p: bool,
                                             operands[source[f] + j].dtype))
     call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
                             vmap_method="sequential")
-    out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands,
-               write_p=bool(write_p), kahan=kahan, nthreads=np.int32(_threads()))
+    out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands, kahan=kahan,
+               nthreads=np.int32(_threads()))
     for r, f in enumerate(fields):
       for j, k in enumerate(ks):
         new[f][k] = out[r * m + j]
-  return ScaledAdamStep(new["deltas"], new["vs"], new.get("params"), new.get("comps"),
-                        new.get("updates"))
+  return ScaledAdamStep(new["deltas"], new["vs"], new.get("comps"), new.get("updates"))

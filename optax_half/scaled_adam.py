@@ -351,8 +351,7 @@ def scaled_adam(
     # shapes; XLA's per-leaf ops elsewhere and for the other leaves.
     native = tuple(k for k, (p, g, v) in enumerate(zip(ps, grads, vs))
                    if _native.scaled_adam_takes(p, g, v))
-    if native and (jax.default_backend() != "cpu" or _native._maybe_sharded(params)
-                   or not _native.available()):
+    if native and not _native.on_cpu(params):
       native = ()
     if not native:
       return _update(treedef, ps, grads, state, ())[:2]
@@ -372,8 +371,7 @@ def scaled_adam(
     vs = treedef.flatten_up_to(state.exp_avg_sq)
     whole = tuple(k for k, (p, g, c, _, _) in enumerate(leaves)
                   if c is not None and _native.scaled_adam_takes_kahan(p, g, c, ds[k], vs[k]))
-    if not whole or (jax.default_backend() != "cpu" or _native._maybe_sharded(x)
-                     or not _native.available()):
+    if not whole or not _native.on_cpu(x):
       return None
     # The other leaves the kernel takes as update would (fp32 params, with no
     # compensation): the same calls as in the wrapper's plain step.
@@ -540,7 +538,7 @@ def scaled_adam(
       size = jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(ks),))
       out = _native.scaled_adam_step(
           jnp.stack([rows[k] for k in ks]), size, kernel_ps, kernel_gs,
-          [deltas[k] for k in ks], [vs[k] for k in ks], write_p=False, comps=comps)
+          [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps)
       for j, k in enumerate(ks):
         new["delta"][k], new["v"][k] = out.deltas[j], out.vs[j]
         if comps is not None:  # the wrapper's update and compensation

@@ -34,7 +34,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 __all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
-           "leaf_keys", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE", "SUM_BLOCK",
+           "leaf_keys", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE", "SCALED_ADAM_CONFIGS",
+           "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "Compensation",
            "compensation_of", "build_errors"]
 
@@ -99,6 +100,12 @@ SCALED_ADAM_DTYPE = np.dtype([
     ("v", np.uint64), ("sums", np.uint64),
     ("scalars", np.float32, (len(SCALED_ADAM_SCALARS),)), ("size", np.int32),
     ("want", np.int32), ("comp", np.uint64), ("update", np.uint64)], align=True)
+# ScaledAdam's (param, gradient, exp_avg_sq) types in both libraries (type
+# codes of `kernel`): fp32; fp32 params with 16-bit gradients (the wrappers'
+# fp32 stand-ins); bf16 params with bf16 or fp32 gradients; and, where a
+# library has fp16, fp16 params with fp16 or fp32 gradients (fp32 second moments).
+SCALED_ADAM_CONFIGS = ("FFF", "FBF", "BBB", "BFB")
+SCALED_ADAM_F16_CONFIGS = ("HHF", "HFF", "FHF")
 # Elements of a tensor per float64 partial sum of scaled_adam.h (kSumBlock):
 # a tensor's sums need 3 * ceil(numel / SUM_BLOCK) doubles of scratch.
 SUM_BLOCK = 4096
@@ -279,9 +286,8 @@ def has_f16(lib: Optional[ctypes.CDLL]) -> bool:
 def scaled_adam_kernels(param: str, grad: str, exp_avg_sq: str):
   """ScaledAdam's ``(sums, step)`` entry points for one configuration, or None.
 
-  Types as ``kernel``'s: "FFF", "FBF", "BBB", "BFB", and where ``has_f16``
-  "HHF", "HFF" and "FHF" (fp16 params keep fp32 second moments; fp32 params
-  with 16-bit gradients are the wrappers' fp32 stand-ins). Each function takes
+  Types as ``kernel``'s, one of ``SCALED_ADAM_CONFIGS`` (and, where
+  ``has_f16``, ``SCALED_ADAM_F16_CONFIGS``). Each function takes
   ``(tensors: SCALED_ADAM_DTYPE array pointer, n, nthreads)``; ``sums``
   writes each tensor's three sums into the first three doubles of its
   ``sums`` scratch, ``step`` steps the tensors in place (scaled_adam.h).

@@ -407,23 +407,20 @@ ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
 // (1: the leaf's step adds the size term), p..., g..., delta..., v..., and
 // with kahan the compensations c... (delta and v fp32). Results: delta...,
 // v... (aliased to their operands: updated in place), with kahan c... (the
-// same), then with write_p the new params p_out... (aliased to p by the
-// caller to step in place), or with kahan (and not write_p) the fp32
-// updates u... = p' - p; otherwise the params are only read.
+// same) and the fp32 updates u... = p' - p. The params are only read (JAX's
+// update is the new delta, or u).
 ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                               ffi::Buffer<ffi::S32> size, ffi::RemainingArgs args,
-                              ffi::RemainingRets rets, bool write_p, bool kahan,
-                              int32_t nthreads) {
+                              ffi::RemainingRets rets, bool kahan, int32_t nthreads) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("oh_scaled_adam_step: " + what);
   };
   const size_t n = size.element_count();
-  const size_t nrets = 2 + (kahan ? 1 : 0) + ((write_p || kahan) ? 1 : 0);
+  const size_t nrets = kahan ? 4 : 2;
   if (n == 0 || scalars.element_count() != 10 * n || args.size() != (kahan ? 5 : 4) * n ||
       rets.size() != nrets * n) {
     return invalid("operands scalars f32[n, 10], size s32[n], p..., g..., delta..., v... "
-                   "(c... with kahan); results delta..., v... (c... with kahan; then p_out... "
-                   "with write_p, or u... with kahan)");
+                   "(c... with kahan); results delta..., v... (c..., u... with kahan)");
   }
   std::vector<oh::ScaledAdamTensor> ts(n);
   ffi::DataType types[3] = {ffi::DataType::INVALID, ffi::DataType::INVALID,
@@ -453,10 +450,10 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
         d.element_type() != delta_type) {
       return invalid("p, g, delta and v must have one size, delta p's dtype (fp32 with kahan)");
     }
-    // Results: delta, v, (c), (p_out), each its operand's copy unless aliased
-    // to it; the fp32 updates u are written by the step.
-    const ffi::AnyBuffer* sources[4] = {&d, &v, nullptr, &p};
-    uint64_t at[5] = {0, 0, 0, reinterpret_cast<uint64_t>(p.untyped_data()), 0};
+    // Results: delta, v, (c), each its operand's copy unless aliased to it;
+    // (the fp32 updates u, written by the step).
+    const ffi::AnyBuffer* sources[3] = {&d, &v, nullptr};
+    uint64_t at[4] = {0, 0, 0, 0};
     if (kahan) {
       ffi::ErrorOr<ffi::AnyBuffer> c = args.get<ffi::AnyBuffer>(4 * n + k);
       if (c.has_error()) return c.error();
@@ -467,27 +464,23 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
       compensations.push_back(*c);
       sources[2] = &compensations.back();
     }
-    size_t r = 0;
-    for (int field = 0; field < 5; ++field) {
-      const bool present = field < 2 || (field == 2 && kahan) || (field == 3 && write_p) ||
-                           (field == 4 && kahan && !write_p);
-      if (!present) continue;
-      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> res = rets.get<ffi::AnyBuffer>(r++ * n + k);
+    for (size_t field = 0; field < nrets; ++field) {
+      ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> res = rets.get<ffi::AnyBuffer>(field * n + k);
       if (res.has_error()) return res.error();
       const ffi::DataType want_type =
-          field == 4 ? ffi::DataType::F32 : sources[field]->element_type();
+          field == 3 ? ffi::DataType::F32 : sources[field]->element_type();
       if ((*res)->element_count() != numel || (*res)->element_type() != want_type) {
         return invalid("a result differs from its operand");
       }
-      if (field < 4) copies.emplace_back(*sources[field], *res);
+      if (field < 3) copies.emplace_back(*sources[field], *res);
       at[field] = reinterpret_cast<uint64_t>((*res)->untyped_data());
     }
     oh::ScaledAdamTensor& t = ts[k];
     t = oh::ScaledAdamTensor{};
     t.numel = int64_t(numel);
-    t.p = at[3];
+    t.p = reinterpret_cast<uint64_t>(p.untyped_data());
     t.comp = at[2];
-    t.update = at[4];
+    t.update = at[3];
     t.g = reinterpret_cast<uint64_t>(g.untyped_data());
     t.delta = at[0];
     t.v = at[1];
@@ -506,19 +499,13 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
         return false;
       } else {
         if (types[2] != ffi::DataType::F32) return false;
-        if (write_p) {
-          oh::scaled_adam_step_all<P, G, float, true, float, true>(ts.data(), int(n), 1,
-                                                                   &parallel);
-        } else {
-          oh::scaled_adam_step_all<P, G, float, false, float, true>(ts.data(), int(n), 1,
-                                                                    &parallel);
-        }
+        oh::scaled_adam_step_all<P, G, float, false, float, true>(ts.data(), int(n), 1,
+                                                                  &parallel);
         return true;
       }
     }
     if (types[2] != (std::is_same_v<V, float> ? ffi::DataType::F32 : types[0])) return false;
-    if (write_p) oh::scaled_adam_step_all<P, G, V, true>(ts.data(), int(n), 1, &parallel);
-    else oh::scaled_adam_step_all<P, G, V, false>(ts.data(), int(n), 1, &parallel);
+    oh::scaled_adam_step_all<P, G, V, false>(ts.data(), int(n), 1, &parallel);
     return true;
   });
   return ok ? ffi::Error::Success() : invalid("unsupported dtypes");
@@ -545,7 +532,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamStep, ScaledAdamStepImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .RemainingArgs()
                                   .RemainingRets()
-                                  .Attr<bool>("write_p")
                                   .Attr<bool>("kahan")
                                   .Attr<int32_t>("nthreads"));
 

@@ -20,7 +20,7 @@
 // x = p + c in fp32 where they read the param, delta and v are fp32 (the
 // state ScaledAdam keeps for the fp32 x), and the step ends as the wrapper
 // does: x' = x + delta, p' = round(x'), c' = round(x' - p'), and the update
-// p' - p in fp32 (or p' written in place).
+// p' - p in fp32.
 #pragma once
 
 #include <vector>
@@ -50,7 +50,7 @@ struct ScaledAdamTensor {
   int32_t size;             // 1: this step is a size update (adds (1 - b1) p scale_step)
   int32_t want;             // sums: 1 | 2 takes sum (g r)^2 | sum p p too (sum p g always)
   uint64_t comp;            // KAHAN: the compensation (param dtype), else 0
-  uint64_t update;          // KAHAN without writing p: the fp32 update p' - p, else 0
+  uint64_t update;          // KAHAN: the fp32 update p' - p, else 0
 };
 
 extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
@@ -165,12 +165,12 @@ inline __attribute__((always_inline)) void scaled_adam_lanes(
   const auto delta_new = L::to(delta, D{});
   L::put(v_buf, i, v_new);
   L::put(delta_buf, i, delta_new);
-  if constexpr (KAHAN) {  // kahan_summation's end of the step
+  if constexpr (KAHAN) {  // kahan_summation's end of the step (JAX: p is only read)
+    static_assert(!WRITE_P, "the Kahan step returns its update");
     const F x_new = p32 + L::widen(delta_new, D{});
     const auto p_new = L::to(x_new, P{});
     L::put(c, i, L::to(x_new - L::widen(p_new, P{}), P{}));
-    if constexpr (WRITE_P) L::put(p, i, p_new);
-    else L::put(update, i, L::widen(p_new, P{}) - L::get(p, i));
+    L::put(update, i, L::widen(p_new, P{}) - L::get(p, i));
   } else if constexpr (WRITE_P) {
     L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
   }

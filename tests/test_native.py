@@ -1290,3 +1290,16 @@ def test_chain_steps_its_last_optimizer_in_place():
     oh.chain()
   with pytest.raises(ValueError, match="a state of another chain"):
     oh.update_and_apply(tx, grads[0], state[:1], params)
+
+
+def test_every_scaled_adam_configuration_has_its_entry_points():
+  """optax_half_native's table of ScaledAdam configurations (which JAX's
+  ``scaled_adam_takes`` reads) names entry points the ctypes library has."""
+  import optax_half_native as native  # noqa: PLC0415
+  if native.library() is None:
+    pytest.skip("no kernel library")
+  configs = native.SCALED_ADAM_CONFIGS + (
+      native.SCALED_ADAM_F16_CONFIGS if native.has_f16(native.library()) else ())
+  for config in configs:
+    assert native.scaled_adam_kernels(*config) is not None, config
+  assert native.scaled_adam_kernels("F", "F", "B") is None
