@@ -33,6 +33,7 @@ lost or narrowed by ``jax.jit``. Spec:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -106,6 +107,33 @@ def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_inte
     raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
 
 
+def _refuse_inside_multisteps() -> None:
+  """Raises when an ``optax.MultiSteps`` is initialising this scaler.
+
+  ``optax.MultiSteps`` resets its accumulator as ``(1 - emit) * acc``: after
+  one micro-batch whose scaled gradients overflowed, ``0 * inf`` leaves it NaN
+  for good, so the scaler inside would skip every later window while its
+  scale decays to ``min_scale``. The scaler sees only the accumulated
+  gradients, so it cannot repair that; it refuses the nesting at ``init``
+  (found by ``MultiSteps.init``'s code on the call stack: a subclass that
+  calls it, an ``optax.chain`` in between, ``jax.eval_shape`` and
+  ``nnx.Optimizer`` included).
+  """
+  multisteps_init = optax.MultiSteps.init.__code__
+  frame = sys._getframe(1)
+  while frame is not None:
+    if frame.f_code is multisteps_init:
+      raise ValueError(
+          "dynamic_loss_scale inside optax.MultiSteps: one overflowing micro-batch "
+          "would leave MultiSteps' accumulator NaN for good (it resets it as "
+          "(1 - emit) * acc, and 0 * inf is NaN), so every later window would be "
+          "skipped. Put MultiSteps inside the scaler instead: "
+          "dynamic_loss_scale(optax.MultiSteps(inner, k, accumulator_dtype=jnp.float32)); "
+          "each micro-batch is then unscaled and checked on its own, and a bad one "
+          "is dropped alone (docs/algorithms.md#dynamic-loss-scaling).")
+    frame = frame.f_back
+
+
 def dynamic_loss_scale(
     inner: optax.GradientTransformation,
     init_scale: float = 2.0**16,
@@ -136,6 +164,11 @@ def dynamic_loss_scale(
 
     tx = optax_half.dynamic_loss_scale(optax.chain(
         optax.clip_by_global_norm(1.0), optax_half.adam_fp32_master(1e-3)))
+
+  and gradient accumulation too: ``dynamic_loss_scale(optax.MultiSteps(inner,
+  k))``. The other nesting, ``optax.MultiSteps(dynamic_loss_scale(...))``, is
+  refused at ``init`` with a ``ValueError``: one overflowing micro-batch
+  would leave MultiSteps' accumulator NaN for good.
 
   Args:
     inner: any transformation (``optax.chain``s and ``optax_half`` optimizers
@@ -187,6 +220,7 @@ def dynamic_loss_scale(
   interval = np.int32(growth_interval)
 
   def init_fn(params):
+    _refuse_inside_multisteps()
     return DynamicLossScaleState(
         scale=jnp.asarray(init_scale, jnp.float32),
         growth_tracker=jnp.zeros((), jnp.int32),

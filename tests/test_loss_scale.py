@@ -220,41 +220,51 @@ def _accumulation_grads(t, params):
                                  .reshape(p.shape) * 0.1).astype(p.dtype), params)
 
 
-def test_multisteps_outside_accumulates_scaled_grads():
-  """MultiSteps(dynamic_loss_scale(inner), k) on finite grads: the scale is
-  fixed within a window and the run equals MultiSteps(inner) on the true grads,
-  bitwise."""
-  k, scale = 3, 2.0**8
-  params0 = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones(4, jnp.float16)}
-  inner = lambda: oh.adam_fp32_master(1e-2)
-  ours = optax.MultiSteps(oh.dynamic_loss_scale(inner(), init_scale=scale), k)
-  ref = optax.MultiSteps(inner(), k)
-  p_ours, s_ours = params0, ours.init(params0)
-  p_ref, s_ref = params0, ref.init(params0)
-  up_ours, up_ref = jax.jit(ours.update), jax.jit(ref.update)
-  for t in range(4 * k):
-    g = _accumulation_grads(t, params0)
-    u, s_ours = up_ours(_scaled(g, scale), s_ours, p_ours)
-    p_ours = optax.apply_updates(p_ours, u)
-    u, s_ref = up_ref(g, s_ref, p_ref)
-    p_ref = optax.apply_updates(p_ref, u)
-    assert _leaves_equal(p_ours, p_ref), t
-  assert float(oh.loss_scale(s_ours)) == scale
+class _MyMultiSteps(optax.MultiSteps):
+  def init(self, params):
+    return super().init(params)
 
 
-def test_multisteps_outside_stays_poisoned_so_put_it_inside():
-  """Why the docs put MultiSteps inside: optax.MultiSteps resets its
-  accumulator as (1 - emit) * acc, and 0 * NaN is NaN, so after one bad
-  micro-batch every later window is skipped. If this test starts failing,
-  optax fixed it and the outside composition becomes usable."""
+@pytest.mark.parametrize("nest", ["direct", "chain", "subclass", "eval_shape", "gradient_transformation"])
+def test_multisteps_outside_the_scaler_is_refused_naming_the_order(nest):
+  """MultiSteps(dynamic_loss_scale(...)) is refused at init, however it is
+  reached, with an error naming the order that works."""
+  params = {"w": jnp.ones(4, jnp.float16)}
+  dls = oh.dynamic_loss_scale(oh.adam_fp32_master(1e-2))
+  init = {
+      "direct": lambda: optax.MultiSteps(dls, 2).init(params),
+      "chain": lambda: optax.MultiSteps(optax.chain(optax.identity(), dls), 2).init(params),
+      "subclass": lambda: _MyMultiSteps(dls, 2).init(params),
+      "eval_shape": lambda: jax.eval_shape(optax.MultiSteps(dls, 2).init, params),
+      "gradient_transformation":
+          lambda: optax.MultiSteps(dls, 2).gradient_transformation().init(params),
+  }[nest]
+  with pytest.raises(ValueError, match=r"dynamic_loss_scale\(optax.MultiSteps\(inner, k"):
+    init()
+
+
+def test_multisteps_outside_the_scaler_is_refused_under_nnx_optimizer():
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0), param_dtype=jnp.float16)
+  tx = optax.MultiSteps(oh.dynamic_loss_scale(oh.adam_fp32_master(1e-2)), 2)
+  with pytest.raises(ValueError, match="Put MultiSteps inside the scaler"):
+    nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def test_multisteps_resets_by_multiplying_which_is_why_it_goes_inside():
+  """Pins the optax behaviour behind the refusal: after one non-finite
+  micro-batch MultiSteps' accumulator stays NaN for good ((1 - emit) * acc,
+  0 * inf). If this fails, optax changed its reset and the refusal in
+  dynamic_loss_scale can be lifted."""
   k = 2
   params = {"w": jnp.ones(4, jnp.float32)}
-  tx = optax.MultiSteps(oh.dynamic_loss_scale(oh.adam_fp32_master(1e-2)), k)
+  tx = optax.MultiSteps(optax.sgd(1e-2), k)
   state = tx.init(params)
-  feed = [{"w": jnp.ones(4).at[1].set(jnp.nan)}] + [{"w": jnp.ones(4)}] * (4 * k - 1)
+  feed = [{"w": jnp.ones(4).at[1].set(jnp.inf)}] + [{"w": jnp.ones(4)}] * (4 * k - 1)
   for g in feed:
     _, state = jax.jit(tx.update)(g, state, params)
-  assert int(state.inner_opt_state.skipped_steps) == 4  # every window
+  assert bool(jnp.isnan(state.acc_grads["w"][1]))
+  assert not bool(jnp.isnan(state.acc_grads["w"][0]))
 
 
 def test_multisteps_inside_drops_only_the_bad_microbatch():
@@ -287,7 +297,7 @@ def test_helpers_find_the_state_anywhere():
   nested = [
       dls,
       optax.chain(optax.add_decayed_weights(0.0), dls),
-      optax.MultiSteps(dls, 4),
+      oh.dynamic_loss_scale(optax.MultiSteps(oh.adam_fp32_master(1e-3), 4), init_scale=2.0**20),
       optax.chain(optax.identity(), optax.chain(dls)),
   ]
   for tx in nested:
