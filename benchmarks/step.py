@@ -78,7 +78,9 @@ def candidates(lr=1e-3):
 IN_PLACE = ("adamw_bf16 kahan", "adamw_bf16 kahan flat_state", "adamw_bf16 split",
             "adamw_bf16 stochastic", "adam_fp32_master", "adam_fp32_master flat_state",
             "adam_fp32_master fp16", "adamw_bf16 kahan fp16",
-            "dynamic_loss_scale(adamw_bf16 kahan)", "dynamic_loss_scale(adam_fp32_master) fp16")
+            "dynamic_loss_scale(adamw_bf16 kahan)", "dynamic_loss_scale(adam_fp32_master) fp16",
+            "scaled_adam clip 2.0 fp32", "scaled_adam clip 2.0",
+            "kahan_summation(scaled_adam clip 2.0)")
 IN_PLACE_SUFFIX = " (update_and_apply)"
 
 

@@ -2,7 +2,8 @@
 
 ``optax.apply_updates(params, updates)`` is a pass of its own over the params
 and the updates after ``tx.update``. For the optimizers whose step is one
-native kernel (``adamw_bf16``, ``adam_fp32_master`` on CPU) that pass costs
+native kernel (``adamw_bf16``, ``adam_fp32_master``, ``scaled_adam`` and
+``kahan_summation(scaled_adam)`` on CPU) that pass costs
 about as much again as the kernel's reads and writes of the param, and the
 kernel can write the new param itself: ``update_and_apply`` lets it, into the
 params' own buffers (donate the params to the jitted step, or XLA copies them
@@ -62,9 +63,10 @@ def update_and_apply(tx, updates, opt_state, params, **extra_args):
       updates, new_opt_state = tx.update(updates, opt_state, params, **extra_args)
       new_params = optax.apply_updates(params, updates)
 
-  returns. For ``adamw_bf16`` and ``adam_fp32_master`` on CPU (also with
-  ``skip_nonfinite=True`` and inside ``dynamic_loss_scale``, not inside an
-  ``optax.chain``), the native kernel writes the new params into the params'
+  returns. For ``adamw_bf16``, ``adam_fp32_master`` (also with
+  ``skip_nonfinite=True``), ``scaled_adam`` and ``kahan_summation(scaled_adam)``
+  on CPU (also inside ``dynamic_loss_scale`` and last in ``optax_half.chain``,
+  not inside an ``optax.chain``), the native kernel writes the new params into the params'
   buffers and no ``apply_updates`` pass runs: jit the step with the params and
   the state donated (``donate_argnums``) so XLA has nothing to copy.
   Elsewhere, and for any other transformation, the two calls above run.

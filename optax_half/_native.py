@@ -510,39 +510,48 @@ def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
 
 class ScaledAdamStep(NamedTuple):
   """What ``scaled_adam_step`` returns, per leaf: the new deltas and second
-  moments, and with ``comps`` the new compensations and the fp32 updates
-  (else None)."""
+  moments, with ``comps`` the new compensations (else None), and with
+  ``comps`` or ``in_place`` the new params (else None)."""
   deltas: list
   vs: list
   comps: Optional[list]
-  updates: Optional[list]
+  params: Optional[list]
 
 
-def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None) -> ScaledAdamStep:
+def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
+                     in_place=False) -> ScaledAdamStep:
   """The kernel's step of ScaledAdam leaves: ``scalars`` f32[n, 10] and
   ``size`` int32[n] per leaf (``ScaledAdamScalars``; whether the step adds
   the size term). The state (with ``comps`` the Kahan compensations too) is
   written into its operands' buffers (donated to the jitted step, nothing is
-  copied); the params are only read. With ``comps`` the param is ``p + c``
-  and the step is ``kahan_summation``'s, returning the fp32 updates ``p' - p``."""
+  copied). The params are only read, or with ``in_place`` the new params are
+  written into their buffers (donate them) and returned. With ``comps`` the
+  param is ``p + c`` and the step is ``kahan_summation``'s, returning the new
+  16-bit params ``p'``; unless ``in_place`` they go into the gradients'
+  buffers where those have the params' dtype (as ``adamw``'s ``tx.update``:
+  gradients computed in the jitted step are dead after it, and XLA copies
+  the others first)."""
   n = len(leaves)
   kahan = comps is not None
-  fields = ["deltas", "vs"] + (["comps", "updates"] if kahan else [])
+  fields = ["deltas", "vs"] + (["comps"] if kahan else []) + (
+      ["params"] if kahan or in_place else [])
   new = {f: [None] * n for f in fields}
   for ks in _groups(leaves, grads):
     m = len(ks)
     operands = ([leaves[k] for k in ks] + [grads[k] for k in ks] + [deltas[k] for k in ks]
                 + [vs[k] for k in ks] + ([comps[k] for k in ks] if kahan else []))
     # Operands: scalars, size, p..., g..., delta..., v..., (c...); results in
-    # `fields` order, the state aliased to its operands, the updates new.
-    source = {"deltas": 2 * m, "vs": 3 * m, "comps": 4 * m}
+    # `fields` order, the state aliased to its operands, the new params to
+    # the params in place, else to the gradients of the params' dtype.
+    to_grads = not in_place and grads[ks[0]].dtype == leaves[ks[0]].dtype
+    source = {"deltas": 2 * m, "vs": 3 * m, "comps": 4 * m, "params": 0}
     aliases, results = {}, []
     for r, f in enumerate(fields):
       for j in range(m):
-        if f == "updates":
-          results.append(jax.ShapeDtypeStruct(operands[j].shape, jnp.float32))
-          continue
-        aliases[2 + source[f] + j] = r * m + j
+        if f != "params" or in_place:
+          aliases[2 + source[f] + j] = r * m + j
+        elif to_grads:
+          aliases[2 + m + j] = r * m + j
         results.append(jax.ShapeDtypeStruct(operands[source[f] + j].shape,
                                             operands[source[f] + j].dtype))
     call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
@@ -552,4 +561,4 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None) -> Sc
     for r, f in enumerate(fields):
       for j, k in enumerate(ks):
         new[f][k] = out[r * m + j]
-  return ScaledAdamStep(new["deltas"], new["vs"], new.get("comps"), new.get("updates"))
+  return ScaledAdamStep(new["deltas"], new["vs"], new.get("comps"), new.get("params"))

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 from optax import MaskedNode
 
-from optax_half import _native, rounding
+from optax_half import _in_place, _native, rounding
 from optax_half._util import (check_no_float64, check_trees, is_float, maybe_skip_nonfinite,
                               transformation, zeros_like_param)
 
@@ -121,11 +121,13 @@ class ScaledAdamState(NamedTuple):
   clipping: ScaledAdamClippingState
 
 
-class ScaledAdamTransformation(optax.GradientTransformationExtraArgs):
+class ScaledAdamTransformation(_in_place.InPlaceTransformation):
   """``scaled_adam``'s transformation: an ``optax.GradientTransformationExtraArgs``
-  that also carries ``kahan_update``, the step ``kahan_summation`` takes
-  when it wraps it (the kernel steps a 16-bit param, its compensation and
-  ScaledAdam's fp32 state in one pass on CPU; the same bits)."""
+  with an in-place step (``update_and_apply``: on CPU the kernel writes the
+  new params into their buffers) that also carries ``kahan_update``, the
+  step ``kahan_summation`` takes when it wraps it (the kernel steps a 16-bit
+  param, its compensation and ScaledAdam's fp32 state in one pass on CPU).
+  The same bits as ``update`` (and ``optax.apply_updates``) either way."""
   kahan_update = None  # set on each instance by scaled_adam
 
 
@@ -340,6 +342,16 @@ def scaled_adam(
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
+    return _step(updates, state, params, in_place=False)
+
+  def update_and_apply(updates, state, params, **extra_args):
+    """``update`` and ``optax.apply_updates`` in one step (the same bits): on
+    CPU the kernel writes its leaves' new params into their buffers."""
+    del extra_args
+    return _step(updates, state, params, in_place=True)
+
+  def _step(updates, state, params, in_place: bool):
+    """``(updates, state)``, or with ``in_place`` ``(new params, state)``."""
     check_trees("scaled_adam", updates, params)
     grads, treedef = jax.tree.flatten(updates)
     ps = treedef.flatten_up_to(params)
@@ -353,17 +365,27 @@ def scaled_adam(
                    if _native.scaled_adam_takes(p, g, v))
     if native and not _native.on_cpu(params):
       native = ()
-    if not native:
-      return _update(treedef, ps, grads, state, ())[:2]
-    return jax.lax.platform_dependent(
-        cpu=lambda: _update(treedef, ps, grads, state, native)[:2],
-        default=lambda: _update(treedef, ps, grads, state, ())[:2])
 
-  def kahan_update(grads, state, x, leaves, finish, **extra_args):
+    def run(kernel_leaves):
+      u, new_state, done = _update(treedef, ps, grads, state, kernel_leaves, in_place=in_place)
+      if not in_place:
+        return u, new_state
+      us = treedef.flatten_up_to(u)
+      return jax.tree.unflatten(treedef, [
+          done[k] if k in done else optax.apply_updates(p, uk)
+          for k, (p, uk) in enumerate(zip(ps, us))]), new_state
+
+    if not native:
+      return run(())
+    return jax.lax.platform_dependent(cpu=lambda: run(native), default=lambda: run(()))
+
+  def kahan_update(grads, state, x, leaves, finish, in_place, **extra_args):
     """``kahan_summation(scaled_adam)``'s step with the kernel taking the
     16-bit leaves and their compensations whole (``_lowp_wrapper``'s
-    ``fused``): the same bits as the wrapper around ``update``. None where
-    the kernel takes no leaf (trace time)."""
+    ``fused``): the same bits as the wrapper around ``update``, each such
+    leaf's pair ``(fp32 update, compensation)``, or with ``in_place`` ``(new
+    param, compensation)``, the new param written into the param's buffer.
+    None where the kernel takes no leaf (trace time)."""
     del extra_args
     gs, treedef = jax.tree.flatten(grads)
     xs = treedef.flatten_up_to(x)
@@ -380,22 +402,31 @@ def scaled_adam(
 
     def body(kernel: bool):
       kahan = {k: leaves[k][:3] for k in whole} if kernel else None
-      u, new_state, kernel_done = _update(treedef, xs, gs, state,
-                                          native if kernel else (), kahan=kahan)
+      u, new_state, kernel_done = _update(treedef, xs, gs, state, native if kernel else (),
+                                          kahan=kahan, in_place=in_place)
       us = treedef.flatten_up_to(u)
-      done = {leaves[k][4]: kernel_done[k] if kernel else
-              finish(leaves[k][0], leaves[k][2], xs[k], us[k], leaves[k][4]) for k in whole}
+      done = {}
+      for k in whole:
+        p = leaves[k][0]
+        if kernel:
+          p_new, comp = kernel_done[k]
+          done[leaves[k][4]] = (p_new if in_place else _native._fp32_update(p_new, p), comp)
+        else:
+          upd, comp = finish(p, leaves[k][2], xs[k], us[k], leaves[k][4])
+          done[leaves[k][4]] = (optax.apply_updates(p, upd) if in_place else upd, comp)
       return u, new_state, done
 
     return jax.lax.platform_dependent(cpu=lambda: body(True), default=lambda: body(False))
 
-  def _update(treedef, ps, grads, state, native: tuple, kahan=None):
+  def _update(treedef, ps, grads, state, native: tuple, kahan=None, in_place=False):
     """The step of the leaves ``ps`` (those in ``native`` in the kernel). With
     ``kahan`` (position -> (16-bit param, its gradient, its compensation),
     for the positions in ``native``), ``ps`` are the fp32 ``p + c`` and the
     kernel takes each such leaf's whole ``kahan_summation`` step; returns
-    ``(updates, state, {position: (update, new compensation)})`` (the last
-    empty without ``kahan``)."""
+    ``(updates, state, done)`` with ``done`` mapping each kernel leaf's
+    position to its ``(new 16-bit param, new compensation)`` with ``kahan``,
+    else with ``in_place`` to its new param (else empty); ``in_place``: the
+    kernel writes the new params into the params' buffers."""
     names = leaf_names(jax.tree.unflatten(treedef, ps))
     deltas = treedef.flatten_up_to(state.delta)
     vs = treedef.flatten_up_to(state.exp_avg_sq)
@@ -538,14 +569,16 @@ def scaled_adam(
       size = jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(ks),))
       out = _native.scaled_adam_step(
           jnp.stack([rows[k] for k in ks]), size, kernel_ps, kernel_gs,
-          [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps)
+          [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps, in_place=in_place)
       for j, k in enumerate(ks):
+        # The update is the new delta (the param's dtype), as XLA's leaves
+        # return it; with comps the wrapper's new param and compensation too.
         new["delta"][k], new["v"][k] = out.deltas[j], out.vs[j]
-        if comps is not None:  # the wrapper's update and compensation
-          new["u"][k] = out.updates[j]
-          kernel_done[k] = (out.updates[j], out.comps[j])
-        else:  # the update is the new delta (the param's dtype), as XLA's leaves return it
-          new["u"][k] = out.deltas[j]
+        new["u"][k] = out.deltas[j]
+        if comps is not None:
+          kernel_done[k] = (out.params[j], out.comps[j])
+        elif in_place:
+          kernel_done[k] = out.params[j]
 
     tree = lambda xs: jax.tree.unflatten(treedef, xs)
     new_state = ScaledAdamState(
@@ -607,6 +640,7 @@ def scaled_adam(
   if skip_nonfinite:  # a skipped step must skip the wrapper's part too: no fused step
     return maybe_skip_nonfinite(tx, skip_nonfinite)
   out = ScaledAdamTransformation(tx.init, tx.update)
+  out.update_and_apply = update_and_apply
   out.kahan_update = kahan_update
   return out
 

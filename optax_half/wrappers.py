@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 from optax import MaskedNode
 
-from optax_half import rounding
+from optax_half import _in_place, rounding
 from optax_half._util import (check_trees, is_float, leaf_indices, like_param, seed_from_key,
                               transformation, unzip, zeros_like_param)
 
@@ -189,14 +189,17 @@ def _lowp_wrapper(
       _check_not_nested(name, inner_state)
     return buffers, inner_state
 
-  def step(grads, buffers, inner_state, params, ctx, fused=None, **extra_args):
-    """The wrapper's step. ``fused(g, inner_state, x, leaves, finish,
-    **extra_args)``, or None: an inner step that may take the whole step of
-    some leaves (the inner's own ``kahan_update``); ``leaves`` lists, per
-    leaf the inner sees, ``(param, gradient, buffer or None, x, leaf index)``;
-    it returns None (not taken) or ``(inner updates, inner state, done)``
-    with ``done`` mapping a leaf index to its ``(update, new buffer)``, the
-    bits ``finish`` would give."""
+  def step(grads, buffers, inner_state, params, ctx, fused=None, in_place=False, **extra_args):
+    """The wrapper's step: ``(updates, buffers, inner state)``, or with
+    ``in_place`` ``(new params, buffers, inner state)``, the new params
+    ``optax.apply_updates(params, updates)``'s bits. ``fused(g, inner_state,
+    x, leaves, finish, in_place, **extra_args)``, or None: an inner step that
+    may take the whole step of some leaves (the inner's own
+    ``kahan_update``); ``leaves`` lists, per leaf the inner sees, ``(param,
+    gradient, buffer or None, x, leaf index)``; it returns None (not taken)
+    or ``(inner updates, inner state, done)`` with ``done`` mapping a leaf
+    index to its ``(update, new buffer)`` (with ``in_place`` ``(new param,
+    new buffer)``), the bits ``finish`` would give."""
     check_trees(name, grads, params)
     params = jax.tree.map(jnp.asarray, params)
     if buffers is None:  # wrappers without per-leaf buffers
@@ -227,7 +230,7 @@ def _lowp_wrapper(
       flat = [treedef.flatten_up_to(t) for t in (params, grads, buffers, x, rl, index)]
       leaves = [(p, g_, b if r == _LOW else None, xi, i)
                 for p, g_, b, xi, r, i in zip(*flat) if r != _FROZEN]
-      taken = fused(g, inner_state, x, leaves, finish, **extra_args)
+      taken = fused(g, inner_state, x, leaves, finish, in_place, **extra_args)
     if taken is None:
       inner_updates, inner_state = inner.update(g, inner_state, x, **extra_args)
       done = {}
@@ -235,13 +238,15 @@ def _lowp_wrapper(
       inner_updates, inner_state, done = taken
 
     def one(p, buf, xi, ui, r, i):
-      if r == _FROZEN:
-        return jnp.zeros_like(p), buf
       if i in done:
         return done[i]
-      if r == _DIRECT:
-        return ui, buf
-      return finish(p, buf, xi, ui, i)
+      if r == _FROZEN:
+        u, buf = jnp.zeros_like(p), buf
+      elif r == _DIRECT:
+        u = ui
+      else:
+        u, buf = finish(p, buf, xi, ui, i)
+      return (optax.apply_updates(p, u) if in_place else u), buf
 
     pairs = jax.tree.map(one, params, buffers, x, inner_updates, rl, index)
     updates, buffers = unzip(params, pairs, 2)
@@ -487,7 +492,8 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     return KahanSummationState(*init_fn(params))
 
   # An inner transformation may step its 16-bit leaves and their compensation
-  # in one kernel pass (scaled_adam on CPU: the same bits).
+  # in one kernel pass (scaled_adam on CPU: the same bits), and then write
+  # the new params into their buffers (update_and_apply).
   fused = getattr(inner, "kahan_update", None)
 
   def update(updates, state, params=None, **extra_args):
@@ -496,7 +502,17 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
         **extra_args)
     return updates, KahanSummationState(comp, inner_state)
 
-  return transformation(init, update, "kahan_summation")
+  tx = transformation(init, update, "kahan_summation")
+  if fused is None:
+    return tx
+
+  def update_and_apply(updates, state, params, **extra_args):
+    new_params, comp, inner_state = step(
+        updates, state.compensation, state.inner_state, params, None, fused=fused,
+        in_place=True, **extra_args)
+    return new_params, KahanSummationState(comp, inner_state)
+
+  return _in_place.register(tx, update_and_apply)
 
 
 def stochastic_rounding(inner: optax.GradientTransformation,

@@ -407,8 +407,10 @@ ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
 // (1: the leaf's step adds the size term), p..., g..., delta..., v..., and
 // with kahan the compensations c... (delta and v fp32). Results: delta...,
 // v... (aliased to their operands: updated in place), with kahan c... (the
-// same) and the fp32 updates u... = p' - p. The params are only read (JAX's
-// update is the new delta, or u).
+// same) and the new params p'... (param dtype; aliased to p for the in-place
+// step, else new buffers). Without kahan, with results delta..., v... the
+// params are only read (JAX's update is the new delta); with a third group
+// p'... (aliased to p: JAX's in-place step) the step writes the new params.
 ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                               ffi::Buffer<ffi::S32> size, ffi::RemainingArgs args,
                               ffi::RemainingRets rets, bool kahan, int32_t nthreads) {
@@ -416,11 +418,13 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
     return ffi::Error::InvalidArgument("oh_scaled_adam_step: " + what);
   };
   const size_t n = size.element_count();
-  const size_t nrets = kahan ? 4 : 2;
+  const bool write_p = !kahan && n > 0 && rets.size() == 3 * n;
+  const size_t nrets = kahan ? 4 : write_p ? 3 : 2;
   if (n == 0 || scalars.element_count() != 10 * n || args.size() != (kahan ? 5 : 4) * n ||
       rets.size() != nrets * n) {
     return invalid("operands scalars f32[n, 10], size s32[n], p..., g..., delta..., v... "
-                   "(c... with kahan); results delta..., v... (c..., u... with kahan)");
+                   "(c... with kahan); results delta..., v... (p'... in place; c..., p'... "
+                   "with kahan)");
   }
   std::vector<oh::ScaledAdamTensor> ts(n);
   ffi::DataType types[3] = {ffi::DataType::INVALID, ffi::DataType::INVALID,
@@ -450,9 +454,10 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
         d.element_type() != delta_type) {
       return invalid("p, g, delta and v must have one size, delta p's dtype (fp32 with kahan)");
     }
-    // Results: delta, v, (c), each its operand's copy unless aliased to it;
-    // (the fp32 updates u, written by the step).
-    const ffi::AnyBuffer* sources[3] = {&d, &v, nullptr};
+    // Results: delta, v, (c, or p in place), each its operand's copy unless
+    // aliased to it; (with kahan the new params p', written by the step: p's
+    // buffer or a new one).
+    const ffi::AnyBuffer* sources[3] = {&d, &v, write_p ? &p : nullptr};
     uint64_t at[4] = {0, 0, 0, 0};
     if (kahan) {
       ffi::ErrorOr<ffi::AnyBuffer> c = args.get<ffi::AnyBuffer>(4 * n + k);
@@ -467,8 +472,7 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
     for (size_t field = 0; field < nrets; ++field) {
       ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> res = rets.get<ffi::AnyBuffer>(field * n + k);
       if (res.has_error()) return res.error();
-      const ffi::DataType want_type =
-          field == 3 ? ffi::DataType::F32 : sources[field]->element_type();
+      const ffi::DataType want_type = field == 3 ? types[0] : sources[field]->element_type();
       if ((*res)->element_count() != numel || (*res)->element_type() != want_type) {
         return invalid("a result differs from its operand");
       }
@@ -478,8 +482,8 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
     oh::ScaledAdamTensor& t = ts[k];
     t = oh::ScaledAdamTensor{};
     t.numel = int64_t(numel);
-    t.p = reinterpret_cast<uint64_t>(p.untyped_data());
-    t.comp = at[2];
+    t.p = write_p ? at[2] : reinterpret_cast<uint64_t>(p.untyped_data());
+    t.comp = kahan ? at[2] : 0;
     t.update = at[3];
     t.g = reinterpret_cast<uint64_t>(g.untyped_data());
     t.delta = at[0];
@@ -505,7 +509,11 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
       }
     }
     if (types[2] != (std::is_same_v<V, float> ? ffi::DataType::F32 : types[0])) return false;
-    oh::scaled_adam_step_all<P, G, V, false>(ts.data(), int(n), 1, &parallel);
+    if (write_p) {
+      oh::scaled_adam_step_all<P, G, V, true>(ts.data(), int(n), 1, &parallel);
+    } else {
+      oh::scaled_adam_step_all<P, G, V, false>(ts.data(), int(n), 1, &parallel);
+    }
     return true;
   });
   return ok ? ffi::Error::Success() : invalid("unsupported dtypes");

@@ -19,8 +19,9 @@
 // wrapper optax_half.kahan_summation around ScaledAdam): both passes read
 // x = p + c in fp32 where they read the param, delta and v are fp32 (the
 // state ScaledAdam keeps for the fp32 x), and the step ends as the wrapper
-// does: x' = x + delta, p' = round(x'), c' = round(x' - p'), and the update
-// p' - p in fp32.
+// does: x' = x + delta, p' = round(x'), c' = round(x' - p'); p' is written
+// to `update` (a buffer of the param dtype: the param's own in place, or a
+// new one from which JAX forms its fp32 update p' - p).
 #pragma once
 
 #include <vector>
@@ -50,7 +51,7 @@ struct ScaledAdamTensor {
   int32_t size;             // 1: this step is a size update (adds (1 - b1) p scale_step)
   int32_t want;             // sums: 1 | 2 takes sum (g r)^2 | sum p p too (sum p g always)
   uint64_t comp;            // KAHAN: the compensation (param dtype), else 0
-  uint64_t update;          // KAHAN: the fp32 update p' - p, else 0
+  uint64_t update;          // KAHAN: the new param p' (param dtype; p's own buffer in place), else 0
 };
 
 extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
@@ -152,7 +153,7 @@ template <typename L, typename P, typename G, typename V, typename D, bool SIZE,
           bool KAHAN>
 inline __attribute__((always_inline)) void scaled_adam_lanes(
     int64_t i, P* p, P* __restrict c, const G* g, D* __restrict delta_buf, V* __restrict v_buf,
-    float* __restrict update, const ScaledAdamScalars& s) {
+    P* p_out, const ScaledAdamScalars& s) {
   using F = typename L::F;
   const F gi = L::get(g, i) * s.grad_scale;
   const F p32 = param_at<L, KAHAN, P, G>(p, c, i);
@@ -165,12 +166,12 @@ inline __attribute__((always_inline)) void scaled_adam_lanes(
   const auto delta_new = L::to(delta, D{});
   L::put(v_buf, i, v_new);
   L::put(delta_buf, i, delta_new);
-  if constexpr (KAHAN) {  // kahan_summation's end of the step (JAX: p is only read)
-    static_assert(!WRITE_P, "the Kahan step returns its update");
+  if constexpr (KAHAN) {  // kahan_summation's end of the step: p' into p_out (may be p)
+    static_assert(!WRITE_P, "the Kahan step writes p' to p_out");
     const F x_new = p32 + L::widen(delta_new, D{});
     const auto p_new = L::to(x_new, P{});
     L::put(c, i, L::to(x_new - L::widen(p_new, P{}), P{}));
-    L::put(update, i, L::widen(p_new, P{}) - L::get(p, i));
+    L::put(p_out, i, p_new);
   } else if constexpr (WRITE_P) {
     L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
   }
@@ -178,20 +179,20 @@ inline __attribute__((always_inline)) void scaled_adam_lanes(
 
 template <typename P, typename G, typename V, typename D, bool SIZE, bool WRITE_P, bool KAHAN>
 void scaled_adam_range(int64_t begin, int64_t end, P* p, P* c, const G* g, D* __restrict delta,
-                       V* __restrict v, float* update, const ScaledAdamScalars& scalars) {
+                       V* __restrict v, P* p_out, const ScaledAdamScalars& scalars) {
   const ScaledAdamScalars s = scalars;  // a local copy: stays in registers
   int64_t i = begin;
 #if defined(OH_LANES16)
   for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
-    scaled_adam_lanes<Lanes16, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, update, s);
+    scaled_adam_lanes<Lanes16, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, p_out, s);
   }
 #elif defined(OH_LANES8)
   for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
-    scaled_adam_lanes<Lanes8, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, update, s);
+    scaled_adam_lanes<Lanes8, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, p_out, s);
   }
 #endif
   for (; i < end; ++i) {
-    scaled_adam_lanes<Scalar, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, update, s);
+    scaled_adam_lanes<Scalar, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, p_out, s);
   }
 }
 
@@ -255,7 +256,7 @@ void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
         const G* g = reinterpret_cast<const G*>(t.g);
         D* delta = reinterpret_cast<D*>(t.delta);
         V* v = reinterpret_cast<V*>(t.v);
-        float* u = reinterpret_cast<float*>(t.update);
+        P* u = reinterpret_cast<P*>(t.update);
         if (t.size) {
           scaled_adam_range<P, G, V, D, true, WRITE_P, KAHAN>(b - start, e - start, p, c, g, delta,
                                                              v, u, t.s);

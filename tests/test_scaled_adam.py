@@ -973,3 +973,81 @@ def test_kahan_summation_steps_scaled_adam_in_one_kernel_pass_same_bits(dtype, m
   assert all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
   assert int(sa.inner_state.clipping.percent_clipped) > 0  # it clipped
   assert np.abs(np.asarray(sa.compensation["w"], np.float32)).max() > 0  # compensated
+
+
+_IN_PLACE_CASES = {
+    "scaled_adam": lambda: oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5),
+    "kahan_summation": lambda: oh.kahan_summation(
+        oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5)),
+    "dynamic_loss_scale": lambda: oh.dynamic_loss_scale(
+        oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5), init_scale=2.0**8),
+    "dynamic_loss_scale(kahan_summation)": lambda: oh.dynamic_loss_scale(oh.kahan_summation(
+        oh.scaled_adam(0.03, clipping_scale=2.0, clipping_update_period=5)), init_scale=2.0**8),
+}
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16],
+                         ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("case", list(_IN_PLACE_CASES))
+def test_update_and_apply_writes_the_params_in_place_same_bits(case, dtype):
+  """``oh.update_and_apply`` (the path of ``oh.nnx.Optimizer`` and
+  ``oh.train_state.TrainState``) of scaled_adam, of kahan_summation around
+  it and of both inside dynamic_loss_scale: on CPU the kernel writes the new
+  params into their donated buffers (outside the scaler: no param-sized
+  temporary), and 30
+  clipped steps (size updates, a skipped step for the loss scaler) give the
+  bits of ``tx.update`` + ``optax.apply_updates`` in every param and state
+  array; mixed trees (a 16-bit matrix and vector, an fp32 matrix, a scalar)."""
+  from optax_half import _in_place, _native
+  if dtype == jnp.float16 and not _native.has_f16():
+    pytest.skip("no fp16 kernel on this CPU")
+  if "kahan" in case and dtype == jnp.float32:
+    pytest.skip("kahan_summation passes fp32 params to the inner step as they are")
+  tx = _IN_PLACE_CASES[case]()
+  key = jax.random.key(0)
+  params = {"w": (jax.random.normal(key, (64, 33)) * 0.1).astype(dtype),
+            "b": (1 + 0.01 * jnp.arange(17.0)).astype(dtype),
+            "f": jax.random.normal(jax.random.fold_in(key, 3), (8, 4)),
+            "s": jnp.asarray(0.5, dtype)}
+  scale = 2.0**8 if case.startswith("dynamic") else 1.0
+  grads = [jax.tree.map(lambda x, i=i: (jax.random.normal(jax.random.key(i + 1), x.shape)
+                                        * (10.0 if i % 12 == 11 else 1.0) * scale).astype(x.dtype),
+                        params) for i in range(30)]
+  if case.startswith("dynamic"):
+    grads[7]["w"] = grads[7]["w"].at[3, 4].set(jnp.inf)
+
+  @jax.jit
+  def reference(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  in_place = jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p), donate_argnums=(0, 1))
+  state = tx.init(params)
+  compiled = in_place.lower(params, state, params).compile()
+  assert "optax_half_scaled_adam_step" in compiled.as_text()
+  if not case.startswith("dynamic"):  # (the scaler's fp32 unscaled gradients are temporaries)
+    assert _in_place.step_of(tx) is not None
+    assert compiled.memory_analysis().temp_size_in_bytes < params["w"].nbytes
+  p_ref, s_ref = params, state
+  p_new, s_new = jax.tree.map(jnp.copy, (params, state))
+  kept = [jax.tree.map(np.array, g) for g in grads]
+  for g in grads:
+    p_ref, s_ref = reference(p_ref, s_ref, g)
+    p_new, s_new = in_place(p_new, s_new, g)
+  # tx.update's kernel writes p' into the gradients' buffers: XLA copies
+  # gradients that are the caller's (not donated) first.
+  assert all(np.asarray(x).tobytes() == y.tobytes()
+             for g, k in zip(grads, kept) for x, y in zip(jax.tree.leaves(g), jax.tree.leaves(k)))
+  la, lb = jax.tree.leaves((p_ref, s_ref)), jax.tree.leaves((p_new, s_new))
+  assert len(la) == len(lb)
+  assert all(np.asarray(x).tobytes() == np.asarray(y).tobytes() for x, y in zip(la, lb))
+  assert not np.array_equal(np.asarray(p_new["w"]), np.asarray(params["w"]))
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(p_new))
+  if case.startswith("dynamic"):
+    assert int(s_new.skipped_steps) == 1
+  assert int(_find_clipping(s_new).percent_clipped) > 0
+
+
+def _find_clipping(state):
+  return next(x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
+      x, oh.ScaledAdamClippingState)) if isinstance(x, oh.ScaledAdamClippingState))
