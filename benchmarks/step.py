@@ -116,9 +116,15 @@ FLAX = {
         "oh.nnx"),
     "oh.nnx.Optimizer dynamic_loss_scale(adamw_bf16 kahan)": (
         jnp.bfloat16, lambda lr: oh.dynamic_loss_scale(oh.adamw_bf16(lr)), "oh.nnx"),
+    "oh.nnx.Optimizer kahan_summation(scaled_adam clip 2.0)": (
+        jnp.bfloat16, lambda lr: oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0)),
+        "oh.nnx"),
     "TrainState optax.adamw fp32": (jnp.float32, lambda lr: optax.adamw(lr), "train_state"),
     "oh.TrainState adamw_bf16 kahan": (jnp.bfloat16, lambda lr: oh.adamw_bf16(lr),
                                        "oh.train_state"),
+    "oh.TrainState kahan_summation(scaled_adam clip 2.0)": (
+        jnp.bfloat16, lambda lr: oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0)),
+        "oh.train_state"),
 }
 
 
