@@ -383,8 +383,8 @@ def scaled_adam(
     """``kahan_summation(scaled_adam)``'s step with the kernel taking the
     16-bit leaves and their compensations whole (``_lowp_wrapper``'s
     ``fused``): the same bits as the wrapper around ``update``, each such
-    leaf's pair ``(fp32 update, compensation)``, or with ``in_place`` ``(new
-    param, compensation)``, the new param written into the param's buffer.
+    leaf's ``(new param, new compensation)``; with ``in_place`` the kernel
+    writes the new param into the param's buffer, else into the gradient's.
     None where the kernel takes no leaf (trace time)."""
     del extra_args
     gs, treedef = jax.tree.flatten(grads)
@@ -405,15 +405,8 @@ def scaled_adam(
       u, new_state, kernel_done = _update(treedef, xs, gs, state, native if kernel else (),
                                           kahan=kahan, in_place=in_place)
       us = treedef.flatten_up_to(u)
-      done = {}
-      for k in whole:
-        p = leaves[k][0]
-        if kernel:
-          p_new, comp = kernel_done[k]
-          done[leaves[k][4]] = (p_new if in_place else _native._fp32_update(p_new, p), comp)
-        else:
-          upd, comp = finish(p, leaves[k][2], xs[k], us[k], leaves[k][4])
-          done[leaves[k][4]] = (optax.apply_updates(p, upd) if in_place else upd, comp)
+      done = {leaves[k][4]: kernel_done[k] if kernel else
+              finish(leaves[k][0], leaves[k][2], xs[k], us[k], leaves[k][4]) for k in whole}
       return u, new_state, done
 
     return jax.lax.platform_dependent(cpu=lambda: body(True), default=lambda: body(False))

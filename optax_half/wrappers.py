@@ -191,15 +191,16 @@ def _lowp_wrapper(
 
   def step(grads, buffers, inner_state, params, ctx, fused=None, in_place=False, **extra_args):
     """The wrapper's step: ``(updates, buffers, inner state)``, or with
-    ``in_place`` ``(new params, buffers, inner state)``, the new params
-    ``optax.apply_updates(params, updates)``'s bits. ``fused(g, inner_state,
-    x, leaves, finish, in_place, **extra_args)``, or None: an inner step that
-    may take the whole step of some leaves (the inner's own
-    ``kahan_update``); ``leaves`` lists, per leaf the inner sees, ``(param,
-    gradient, buffer or None, x, leaf index)``; it returns None (not taken)
-    or ``(inner updates, inner state, done)`` with ``done`` mapping a leaf
-    index to its ``(update, new buffer)`` (with ``in_place`` ``(new param,
-    new buffer)``), the bits ``finish`` would give."""
+    ``in_place`` ``(new params, buffers, inner state)``: a 16-bit leaf's new
+    param itself (the param its update lands on), the others
+    ``optax.apply_updates``'. ``fused(g, inner_state, x, leaves, finish,
+    in_place, **extra_args)``, or None: an inner step that may take the whole
+    step of some 16-bit leaves (the inner's own ``kahan_update``); ``leaves``
+    lists, per leaf the inner sees, ``(param, gradient, buffer or None, x,
+    leaf index)``; it returns None (not taken) or ``(inner updates, inner
+    state, done)`` with ``done`` mapping a leaf index to its ``(new param,
+    new buffer)``, the bits ``finish`` would give; with ``in_place`` the new
+    param may be written into the param's buffer."""
     check_trees(name, grads, params)
     params = jax.tree.map(jnp.asarray, params)
     if buffers is None:  # wrappers without per-leaf buffers
@@ -207,16 +208,11 @@ def _lowp_wrapper(
     rl = roles(params)
 
     def finish(p, buf, xi, ui, i):
-      """A 16-bit leaf's end of the step: x' = x + u stored back, and the fp32
-      update that makes optax.apply_updates land on the new param."""
+      """A 16-bit leaf's end of the step: x' = x + u stored back as
+      ``(new param, new buffer)``."""
       # x' = x + u, rounded like optax.apply_updates rounds it.
       x_new = jnp.asarray(xi + ui).astype(xi.dtype)
-      new_p, new_buf = write(x_new, p, buf, i, ctx)
-      # fp32 (work dtype) updates: apply_updates(p, u) lands on new_p exactly.
-      # `widen`: XLA must not fold f32(round(x_new)) back into x_new.
-      u = (rounding.widen(new_p).astype(x_new.dtype)
-           - rounding.widen(p).astype(x_new.dtype))
-      return u, new_buf
+      return write(x_new, p, buf, i, ctx)
 
     x = view(params, buffers, rl)
     g = jax.tree.map(
@@ -238,14 +234,15 @@ def _lowp_wrapper(
       inner_updates, inner_state, done = taken
 
     def one(p, buf, xi, ui, r, i):
-      if i in done:
-        return done[i]
-      if r == _FROZEN:
-        u, buf = jnp.zeros_like(p), buf
-      elif r == _DIRECT:
-        u = ui
-      else:
-        u, buf = finish(p, buf, xi, ui, i)
+      if r == _LOW:
+        new_p, buf = done[i] if i in done else finish(p, buf, xi, ui, i)
+        if in_place:
+          return new_p, buf
+        # Work-dtype (fp32) updates: apply_updates(p, u) lands on new_p exactly.
+        # `widen`: XLA must not fold f32(round(x_new)) back into x_new.
+        dtype = xi.dtype
+        return rounding.widen(new_p).astype(dtype) - rounding.widen(p).astype(dtype), buf
+      u = jnp.zeros_like(p) if r == _FROZEN else ui
       return (optax.apply_updates(p, u) if in_place else u), buf
 
     pairs = jax.tree.map(one, params, buffers, x, inner_updates, rl, index)
