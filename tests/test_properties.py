@@ -450,9 +450,21 @@ def _adamw_factories(name, hp, loss_scale):
   return make_jax, make_torch, make_scaler
 
 
-@_examples(24)
+@_examples(12)
 @given(case=cases(), config=adamw_configs())
 def test_adamw_family(case, config):
+  _adamw_family(case, config)
+
+
+@pytest.mark.slow
+@_examples(24)
+@given(case=cases(), config=adamw_configs())
+def test_adamw_family_more_examples(case, config):
+  """``test_adamw_family`` on other examples (derandomized per test)."""
+  _adamw_family(case, config)
+
+
+def _adamw_family(case, config):
   """adamw_bf16 (every compensation, moment rounding and dtype),
   adam_fp32_master, scale_by_adamw, with and without dynamic_loss_scale:
   shapes and dtypes kept, jit == op by op bitwise, JAX == torch bitwise
@@ -634,9 +646,21 @@ def _normwise(a, b, what="") -> float:
   return float(np.max(np.abs(a64 - b64)) / scale) if scale > 0 else 0.0
 
 
-@_examples(12)
+@_examples(6)
 @given(case=cases(max_steps=4), config=scaled_adam_configs())
 def test_scaled_adam(case, config):
+  _scaled_adam(case, config)
+
+
+@pytest.mark.slow
+@_examples(12)
+@given(case=cases(max_steps=4), config=scaled_adam_configs())
+def test_scaled_adam_more_examples(case, config):
+  """``test_scaled_adam`` on other examples (derandomized per test)."""
+  _scaled_adam(case, config)
+
+
+def _scaled_adam(case, config):
   """ScaledAdam alone, and inside kahan_summation / master_weights: shapes and
   dtypes kept; jit vs op by op and JAX vs torch within a few roundings.
 
