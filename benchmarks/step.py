@@ -119,6 +119,11 @@ FLAX = {
     "oh.nnx.Optimizer kahan_summation(scaled_adam clip 2.0)": (
         jnp.bfloat16, lambda lr: oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0)),
         "oh.nnx"),
+    "oh.nnx.Optimizer adamw_bf16 kahan (cached_partial)": (
+        jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "oh.nnx cached"),
+    "oh.nnx.Optimizer kahan_summation(scaled_adam clip 2.0) (cached_partial)": (
+        jnp.bfloat16, lambda lr: oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0)),
+        "oh.nnx cached"),
     "TrainState optax.adamw fp32": (jnp.float32, lambda lr: optax.adamw(lr), "train_state"),
     "oh.TrainState adamw_bf16 kahan": (jnp.bfloat16, lambda lr: oh.adamw_bf16(lr),
                                        "oh.train_state"),
@@ -128,7 +133,7 @@ FLAX = {
 }
 
 
-FLAX_MODES = ("nnx", "oh.nnx", "train_state", "oh.train_state")
+FLAX_MODES = ("nnx", "oh.nnx", "oh.nnx cached", "train_state", "oh.train_state")
 
 
 def all_candidates(lr=1e-3):
@@ -147,6 +152,11 @@ def all_candidates(lr=1e-3):
   return out
 
 
+def _pure_params(model):
+  """The model's params as arrays, ordered as ``linear_loss``'s coefficients."""
+  return {k: getattr(model, k)[...] for k in sorted(vars(model)) if k.startswith("p")}
+
+
 class _Tree(nnx.Module):
   """An NNX module whose params are a tree's leaves, by the tree's keys."""
 
@@ -155,23 +165,56 @@ class _Tree(nnx.Module):
       setattr(self, k, nnx.Param(v))
 
 
-def flax_step(mode, tx, params, grads):
-  """(params-like, state-like, grads, step, lowered) of a Flax step: the
-  harness calls ``step(a, b, g)`` and gets back the next ``(a, b)``."""
-  if mode in ("nnx", "oh.nnx"):
-    model = _Tree(params)
-    cls = oh.nnx.Optimizer if mode == "oh.nnx" else nnx.Optimizer
-    optimizer = cls(model, tx, wrt=nnx.Param)
-    g = nnx.state(_Tree(grads), nnx.Param)
-    jitted = nnx.jit(lambda m, o, g: o.update(m, g) and None, donate_argnums=(0, 1, 2))
+def linear_loss(params, coefficients):
+  """sum(p * c) over the leaves, in fp32: its gradient is the coefficients,
+  a pass that writes the gradients as a backward pass would (--grads in-step)."""
+  return sum(jnp.vdot(a.astype(jnp.float32), b) for a, b in zip(
+      jax.tree.leaves(params), jax.tree.leaves(coefficients))).astype(jnp.float32)
 
-    def step(m, o, g):
-      jitted(m, o, g)
-      return m, o
-    return model, optimizer, g, step, jitted.lower(model, optimizer, g)
+
+def flax_step(mode, tx, params, grads, in_step=False):
+  """(params-like, state-like, grads, step, lowered) of a Flax step: the
+  harness calls ``step(a, b, g)`` and gets back the next ``(a, b)``. With
+  ``in_step``, ``grads`` are the coefficients of ``linear_loss`` and the step
+  takes the gradients of it (``nnx.grad``, ``jax.grad``), as a training step
+  does."""
+  if mode in ("nnx", "oh.nnx", "oh.nnx cached"):
+    model = _Tree(params)
+    cls = nnx.Optimizer if mode == "nnx" else oh.nnx.Optimizer
+    optimizer = cls(model, tx, wrt=nnx.Param)
+    if in_step:
+      g = grads
+
+      def update(m, o, c):
+        o.update(m, nnx.grad(lambda m: linear_loss(_pure_params(m), c))(m))
+    else:
+      g = nnx.state(_Tree(grads), nnx.Param)
+
+      def update(m, o, g):
+        o.update(m, g)
+    jitted = nnx.jit(update, donate_argnums=(0, 1, 2))
+    lowered = jitted.lower(model, optimizer, g)
+    if mode == "oh.nnx cached":
+      # Flax's cache of the model's and optimizer's traversal: the call
+      # takes only the gradients.
+      cached = nnx.cached_partial(jitted, model, optimizer)
+
+      def step(m, o, g):
+        cached(g)
+        return m, o
+    else:
+      def step(m, o, g):
+        jitted(m, o, g)
+        return m, o
+    return model, optimizer, g, step, lowered
   cls = oh.train_state.TrainState if mode == "oh.train_state" else train_state.TrainState
   state = cls.create(apply_fn=None, params=params, tx=tx)
-  jitted = jax.jit(lambda st, g: st.apply_gradients(grads=g), donate_argnums=(0, 1))
+
+  def apply(st, g):
+    if in_step:
+      g = jax.grad(linear_loss)(st.params, g)
+    return st.apply_gradients(grads=g)
+  jitted = jax.jit(apply, donate_argnums=(0, 1))
   return state, None, grads, lambda st, _, g: (jitted(st, g), None), jitted.lower(state, grads)
 
 
@@ -247,8 +290,7 @@ def main(argv=None):
 
     def step(p, s, g, tx=tx, in_place=in_place):
       if args.grads == "in-step":  # g: fp32 coefficients c of the loss sum(p * c)
-        g = jax.grad(lambda p: sum(jnp.vdot(a.astype(jnp.float32), b) for a, b in zip(
-            jax.tree.leaves(p), jax.tree.leaves(g))).astype(jnp.float32))(p)
+        g = jax.grad(linear_loss)(p, g)
       if in_place == "identity":
         return p, s
       if in_place:
@@ -257,8 +299,6 @@ def main(argv=None):
       return optax.apply_updates(p, u), s
 
     flax_mode = in_place in FLAX_MODES
-    if flax_mode and args.grads == "in-step":
-      continue  # the Flax steps take their gradients as input
     start = time.perf_counter()
     with warnings.catch_warnings():
       # Gradients are donated so that their memory is free for the step's
@@ -267,7 +307,8 @@ def main(argv=None):
       # simply die, which is what a training step does with them too.
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
       if flax_mode:
-        a, b, g, fn, lowered = flax_step(in_place, tx, params, grads)
+        a, b, g, fn, lowered = flax_step(in_place, tx, params, grads,
+                                         in_step=args.grads == "in-step")
         compiled = lowered.compile()
         for _ in range(2):  # warm-up; nnx.jit and jax.jit compile again on the first call
           a, b = fn(a, b, fresh(g))

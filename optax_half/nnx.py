@@ -45,6 +45,10 @@ class Optimizer(nnx.Optimizer):
   straight into the model's buffers on CPU. Donate the model and the
   optimizer to the jitted step (``nnx.jit(..., donate_argnums=(0, 1))``)
   or XLA copies every param and state buffer before the kernel writes it.
+  ``nnx.jit`` traverses the model and the optimizer on every call, a cost
+  that grows with the number of variables; ``nnx.cached_partial(train_step,
+  model, optimizer)`` caches that traversal and keeps the in-place write
+  (benchmarks/README.md: Flax steps on many tensors).
 
   ``update`` returns the change of each param (``new - old``, in fp32 for
   16-bit params), as ``nnx.Optimizer.update`` returns the updates; under

@@ -38,7 +38,8 @@ def _check(out, path, expected_bytes):
 
 # The Flax steps with optax_half's drop-ins: in place, so XLA itself touches
 # no param (custom calls count as 0 bytes in cost_analysis).
-FLAX_ROWS = ("oh.nnx.Optimizer adamw_bf16 kahan", "oh.TrainState adamw_bf16 kahan")
+FLAX_ROWS = ("oh.nnx.Optimizer adamw_bf16 kahan", "oh.TrainState adamw_bf16 kahan",
+             "oh.nnx.Optimizer adamw_bf16 kahan (cached_partial)")
 
 
 def test_jax_benchmark_quick(tmp_path, monkeypatch):
@@ -72,6 +73,15 @@ def test_jax_benchmark_quick(tmp_path, monkeypatch):
   idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--gc", "freeze",
                     "--only", "scaled_adam"])
   assert idle["settle_ms"] == 5.0 and idle["gc"] == "freeze"
+  # Gradients computed in the step, the Flax rows too (nnx.grad, jax.grad of
+  # the linear loss): fp32 coefficients in, the step's bytes unchanged.
+  in_step = step.main(["--quick", "--reps", "1", "--grads", "in-step", "--only",
+                       ",".join(["adamw_bf16 kahan (update_and_apply)", *FLAX_ROWS])])
+  assert set(in_step["runs"]) == {"optax.adamw fp32 (reference)",
+                                  "adamw_bf16 kahan (update_and_apply)", *FLAX_ROWS}
+  if jax.default_backend() == "cpu" and jax_native.available():
+    for name in FLAX_ROWS:
+      assert in_step["runs"][name]["xla_temp_bytes_per_param"] < 2.5, name
 
 
 @pytest.mark.parametrize("mode", ["on", "freeze", "off"])

@@ -31,6 +31,8 @@ def _txs():
       "dynamic_loss_scale(adamw_bf16)": lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2)),
       "oh.chain(clip, adamw_bf16)": lambda: oh.chain(oh.clip_by_global_norm(0.5),
                                                      oh.adamw_bf16(1e-2)),
+      "kahan_summation(scaled_adam)": lambda: oh.kahan_summation(
+          oh.scaled_adam(1e-2, clipping_scale=2.0)),
       "optax.adam (no kernel)": lambda: optax.adam(1e-2),
   }
 
@@ -131,6 +133,31 @@ def _bytes_accessed_per_param(optimizer_cls):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel runs on CPU")
+@pytest.mark.parametrize("name", ["adamw_bf16 kahan", "kahan_summation(scaled_adam)"])
+def test_nnx_optimizer_under_cached_partial_steps_in_place_same_bits(name):
+  """Flax's cache of the model's and optimizer's traversal
+  (``nnx.cached_partial`` of a donating ``nnx.jit`` step) keeps the bits of
+  the uncached step and the in-place write: the params stay in their
+  buffers."""
+  ref_model, ref_opt, _, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], jnp.bfloat16)
+  model = _Model(jnp.bfloat16)
+  optimizer = oh.nnx.Optimizer(model, TXS[name](), wrt=nnx.Param)
+
+  @nnx.jit(donate_argnums=(0, 1))
+  def train_step(model, optimizer, x):
+    grads = nnx.grad(lambda m: (m(x).astype(jnp.float32) ** 2).mean())(model)
+    optimizer.update(model, grads)
+
+  cached = nnx.cached_partial(train_step, model, optimizer)
+  pointer = model.dense.kernel[...].unsafe_buffer_pointer()
+  for x in _batches(jnp.bfloat16):
+    cached(x)
+  assert model.dense.kernel[...].unsafe_buffer_pointer() == pointer
+  _same(nnx.state(model), nnx.state(ref_model))
+  _same(nnx.state(optimizer), nnx.state(ref_opt))
+  assert int(optimizer.step[...]) == STEPS
+
+
 def test_nnx_optimizer_steps_through_the_kernel_without_an_apply_updates_pass():
   ours = _bytes_accessed_per_param(oh.nnx.Optimizer)
   parent = _bytes_accessed_per_param(nnx.Optimizer)
