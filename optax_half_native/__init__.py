@@ -99,7 +99,7 @@ SCALED_ADAM_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("g", np.uint64), ("delta", np.uint64),
     ("v", np.uint64), ("sums", np.uint64),
     ("scalars", np.float32, (len(SCALED_ADAM_SCALARS),)), ("size", np.int32),
-    ("want", np.int32), ("comp", np.uint64), ("update", np.uint64)], align=True)
+    ("want", np.int32), ("comp", np.uint64), ("p_out", np.uint64)], align=True)
 # ScaledAdam's (param, gradient, exp_avg_sq) types in both libraries (type
 # codes of `kernel`): fp32; fp32 params with 16-bit gradients (the wrappers'
 # fp32 stand-ins); bf16 params with bf16 or fp32 gradients; and, where a

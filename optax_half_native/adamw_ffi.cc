@@ -484,7 +484,7 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
     t.numel = int64_t(numel);
     t.p = write_p ? at[2] : reinterpret_cast<uint64_t>(p.untyped_data());
     t.comp = kahan ? at[2] : 0;
-    t.update = at[3];
+    t.p_out = at[3];
     t.g = reinterpret_cast<uint64_t>(g.untyped_data());
     t.delta = at[0];
     t.v = at[1];

@@ -20,8 +20,8 @@
 // x = p + c in fp32 where they read the param, delta and v are fp32 (the
 // state ScaledAdam keeps for the fp32 x), and the step ends as the wrapper
 // does: x' = x + delta, p' = round(x'), c' = round(x' - p'); p' is written
-// to `update` (a buffer of the param dtype: the param's own in place, or a
-// new one from which JAX forms its fp32 update p' - p).
+// to `p_out` (param dtype: the param's own buffer in place; through JAX's
+// tx.update the gradient's, from which JAX forms its fp32 update p' - p).
 #pragma once
 
 #include <vector>
@@ -51,7 +51,7 @@ struct ScaledAdamTensor {
   int32_t size;             // 1: this step is a size update (adds (1 - b1) p scale_step)
   int32_t want;             // sums: 1 | 2 takes sum (g r)^2 | sum p p too (sum p g always)
   uint64_t comp;            // KAHAN: the compensation (param dtype), else 0
-  uint64_t update;          // KAHAN: the new param p' (param dtype; p's own buffer in place), else 0
+  uint64_t p_out;           // KAHAN: where p' goes (param dtype; p's own buffer in place), else 0
 };
 
 extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
@@ -61,7 +61,7 @@ extern "C" int oh_scaled_adam_field_offset(int k) {
                             offsetof(ScaledAdamTensor, v), offsetof(ScaledAdamTensor, sums),
                             offsetof(ScaledAdamTensor, s), offsetof(ScaledAdamTensor, size),
                             offsetof(ScaledAdamTensor, want), offsetof(ScaledAdamTensor, comp),
-                            offsetof(ScaledAdamTensor, update)};
+                            offsetof(ScaledAdamTensor, p_out)};
   return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
 }
 
@@ -256,13 +256,13 @@ void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
         const G* g = reinterpret_cast<const G*>(t.g);
         D* delta = reinterpret_cast<D*>(t.delta);
         V* v = reinterpret_cast<V*>(t.v);
-        P* u = reinterpret_cast<P*>(t.update);
+        P* p_out = reinterpret_cast<P*>(t.p_out);
         if (t.size) {
           scaled_adam_range<P, G, V, D, true, WRITE_P, KAHAN>(b - start, e - start, p, c, g, delta,
-                                                             v, u, t.s);
+                                                             v, p_out, t.s);
         } else {
           scaled_adam_range<P, G, V, D, false, WRITE_P, KAHAN>(b - start, e - start, p, c, g,
-                                                              delta, v, u, t.s);
+                                                              delta, v, p_out, t.s);
         }
       }
       start = end;
