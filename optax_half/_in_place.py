@@ -14,6 +14,7 @@ exceptions in ``update_and_apply``'s docstring).
 
 from __future__ import annotations
 
+import jax
 import optax
 
 __all__ = ["chain", "update_and_apply"]
@@ -28,20 +29,34 @@ class InPlaceTransformation(optax.GradientTransformationExtraArgs):
   None: the bits of ``update`` (``in_place`` False) or of the in-place step
   (True) given the gradients ``_util.unscaled(updates, inv_scale)``, for a
   step that unscales the gradients as it reads them (``dynamic_loss_scale``).
+  ``clipped(updates, clip, state, params, **extra_args)``, or None: the
+  bits of the in-place step given the gradients ``clip.apply(updates)``
+  (``clipping.ClipRead``), for a step that clips the gradients as it reads
+  them (``chain`` of ``clip_by_global_norm`` and this transformation).
   A transformation built around one (``optax.chain``, ``optax.masked``)
   is a plain one: it runs ``update`` and ``optax.apply_updates``, with the
   same bits.
   """
   update_and_apply = None  # set on each instance by `register`
   scaled = None
+  clipped = None
 
 
-def register(tx, step, scaled=None) -> InPlaceTransformation:
+class ClipTransformation(optax.GradientTransformationExtraArgs):
+  """A gradient clip that the in-place step after it in ``chain`` can apply
+  as it reads the gradients (``clip_by_global_norm``): ``read(updates)`` is
+  the step's clip (``clipping.ClipRead``), whose ``apply`` is ``update``'s
+  result."""
+  read = None  # set on each instance
+
+
+def register(tx, step, scaled=None, clipped=None) -> InPlaceTransformation:
   """``tx``'s ``init`` and ``update`` as an ``InPlaceTransformation`` with
-  in-place step ``step`` (and scaled step ``scaled``)."""
+  in-place step ``step`` (and scaled step ``scaled``, clipped step ``clipped``)."""
   out = InPlaceTransformation(tx.init, tx.update)
   out.update_and_apply = step
   out.scaled = scaled
+  out.clipped = clipped
   return out
 
 
@@ -53,6 +68,11 @@ def step_of(tx):
 def scaled_of(tx):
   """``tx``'s scaled step (``InPlaceTransformation.scaled``), or None."""
   return tx.scaled if isinstance(tx, InPlaceTransformation) else None
+
+
+def clipped_of(tx):
+  """``tx``'s clipped step (``InPlaceTransformation.clipped``), or None."""
+  return tx.clipped if isinstance(tx, InPlaceTransformation) else None
 
 
 def update_and_apply(tx, updates, opt_state, params, **extra_args):
@@ -142,13 +162,26 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   inner = [optax.with_extra_args_support(t) for t in transforms]
   tx = optax.chain(*inner)
 
+  # clip_by_global_norm then a step that clips as it reads the gradients:
+  # the clip's norm is taken here and the clipping left to that step.
+  fold_clip = (len(inner) >= 2 and isinstance(inner[-2], ClipTransformation)
+               and clipped_of(inner[-1]) is not None)
+
   def step(updates, state, params, **extra_args):
     if len(state) != len(inner):
       raise ValueError(f"chain of {len(inner)} transformations got a state of {len(state)}: "
                        "a state of another chain.")
     new_state = []
-    for t, s in zip(inner[:-1], state[:-1]):
+    last_updates = len(inner) - (2 if fold_clip else 1)
+    for t, s in zip(inner[:last_updates], state[:last_updates]):
       updates, s = t.update(updates, s, params, **extra_args)
+      new_state.append(s)
+    if fold_clip:
+      clip = inner[-2].read(updates)
+      if all(clip.folds(g.dtype) for g in jax.tree.leaves(updates)):
+        params, last = clipped_of(inner[-1])(updates, clip, state[-1], params, **extra_args)
+        return params, tuple(new_state) + (state[-2], last)
+      updates, s = inner[-2].update(updates, state[-2], params, **extra_args)
       new_state.append(s)
     params, last = update_and_apply(inner[-1], updates, state[-1], params, **extra_args)
     return params, tuple(new_state) + (last,)

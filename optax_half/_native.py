@@ -278,14 +278,15 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
   def native(updates, state, params) -> bool:
     return on_cpu(params) and _takes(kind, params, updates, state.inner_state)
 
-  def step(in_place, updates, state, params, extra_args, inv_scale=None):
-    if inv_scale is not None and not native(updates, state, params):
+  def step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
+    if (inv_scale is not None or clip is not None) and not native(updates, state, params):
       # No kernel, or one that cannot read these gradients as they are (an
-      # fp32 param's bf16 gradient): unscaled first, as dynamic_loss_scale would.
-      return step(in_place, unscaled(updates, inv_scale), state, params, extra_args)
+      # fp32 param's bf16 gradient): unscaled or clipped first, as
+      # dynamic_loss_scale or clip_by_global_norm would.
+      return step(in_place, _read(updates, inv_scale, clip), state, params, extra_args)
 
     def elsewhere():
-      grads = updates if inv_scale is None else unscaled(updates, inv_scale)
+      grads = _read(updates, inv_scale, clip)
       new_updates, new_state = tx_update(grads, state, params, **extra_args)
       if in_place:
         return optax.apply_updates(params, new_updates), new_state
@@ -295,10 +296,10 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
       return elsewhere()
     return jax.lax.platform_dependent(
         cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
-                                   in_place=in_place, grad_scale=inv_scale),
+                                   in_place=in_place, grad_scale=inv_scale, clip=clip),
         default=elsewhere)
 
-  def flat_step(in_place, updates, state, params, extra_args, inv_scale=None):
+  def flat_step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
     if params is None:
       raise ValueError("flat_state=True needs params in update (they give the state's layout).")
     like = _flat.template(tx_init, params)
@@ -306,14 +307,14 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
 
     def via_tree():
       out, new_state = step(in_place, updates, _flat.unpack(state, like), params, extra_args,
-                            inv_scale)
+                            inv_scale, clip)
       return out, _flat.pack(new_state)
 
     if not (on_cpu(params) and _takes_flat(kind, params, updates, state)):
       return via_tree()
     return jax.lax.platform_dependent(
         cpu=lambda: _flat_update(kind, hyperparams, state_rounding, updates, state, params,
-                                 in_place=in_place, grad_scale=inv_scale),
+                                 in_place=in_place, grad_scale=inv_scale, clip=clip),
         default=via_tree)
 
   if not isinstance(flat_state, bool):
@@ -332,15 +333,31 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
   def scaled(in_place, updates, inv_scale, state, params, **extra_args):
     return run(in_place, updates, state, params, extra_args, jnp.asarray(inv_scale, jnp.float32))
 
-  return init, update, update_and_apply, scaled
+  def clipped(updates, clip, state, params, **extra_args):
+    return run(True, updates, state, params, extra_args, clip=clip)
+
+  return init, update, update_and_apply, scaled, clipped
 
 
-def _scalars(hyperparams, count, grad_scale) -> jax.Array:
-  """The kernel's f32[10] (``Scalars`` in adamw.h) of the step after ``count``."""
+def _read(updates, inv_scale, clip):
+  """The gradients a step given ``inv_scale`` or ``clip`` (at most one) reads,
+  in framework ops: ``unscaled(updates, inv_scale)`` or ``clip.apply(updates)``."""
+  assert inv_scale is None or clip is None
+  if inv_scale is not None:
+    return unscaled(updates, inv_scale)
+  return updates if clip is None else clip.apply(updates)
+
+
+def _scalars(hyperparams, count, grad_scale, clip=None, grad_dtype=None) -> jax.Array:
+  """The kernel's ``Scalars`` (adamw.h; ``native.ADAMW_SCALARS``) of the step
+  after ``count``, reading gradients of ``grad_dtype`` unscaled by
+  ``grad_scale`` or clipped by ``clip`` (``clipping.ClipRead``), or neither."""
   c = coefficients(*hyperparams, count)
-  grad_scale = jnp.ones((), jnp.float32) if grad_scale is None else grad_scale
-  return jnp.stack([c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2, c.inv_bc1, c.inv_bc2,
-                    c.eps, c.weight_decay, grad_scale]).astype(jnp.float32)
+  one = jnp.ones((), jnp.float32)
+  grad_scale = one if grad_scale is None else grad_scale
+  clip_div, clip_mul = (one, one) if clip is None else clip.factors(grad_dtype)
+  values = dict(c._asdict(), grad_scale=grad_scale, clip_div=clip_div, clip_mul=clip_mul)
+  return jnp.stack([values[name] for name in native.ADAMW_SCALARS]).astype(jnp.float32)
 
 
 # The wrapper state's field holding each kind's per-param buffer (None: no buffer).
@@ -376,7 +393,7 @@ def _stepped(kind, state, mu, nu, buffers):
 
 
 def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
-                 in_place=False, grad_scale=None):
+                 in_place=False, grad_scale=None, clip=None):
   """``_native_update`` for a flat state (``_takes_flat``): every leaf in one
   call of ``FLAT_TARGET``, whose operands are the leaves' params and
   gradients and the flat moments and buffer, updated in place."""
@@ -388,7 +405,7 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
   states = [[None] if f is None else list(f.arrays.values()) for f in flats]
   # Every leaf is a float leaf: its leaf index is its position.
   keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))
-  scalars = _scalars(hyperparams, core.count, grad_scale)
+  scalars = _scalars(hyperparams, core.count, grad_scale, clip, grads[0].dtype)
   p_out, new = _call(FLAT_TARGET, _mode(kind, leaves[0].dtype), state_rounding, scalars, keys,
                      leaves, grads, states, in_place)
   if in_place:
@@ -401,10 +418,12 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
 
 
 def _native_update(kind, hyperparams, state_rounding, updates, state, params,
-                   in_place=False, grad_scale=None):
+                   in_place=False, grad_scale=None, clip=None):
   """(updates, state), or with ``in_place`` (new params, state). With
   ``grad_scale`` (fp32), the step of the gradients ``unscaled(updates,
   grad_scale)``: the kernel multiplies each gradient element by it as it reads it.
+  With ``clip`` (``clipping.ClipRead``), the step of ``clip.apply(updates)``:
+  the kernel clips each gradient element as it reads it.
   One call of ``TARGET`` per group of leaves sharing their dtypes (and so
   their mode: fp32 params take ``"update"``), of at most ``_LEAVES_PER_CALL``
   leaves, so a tree of many small leaves is a few calls whose elements are
@@ -417,7 +436,6 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
   else:
     buffers = [optax.MaskedNode()] * len(leaves)
   core = state.inner_state
-  scalars = _scalars(hyperparams, core.count, grad_scale)
   groups: dict = {}
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
     # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
@@ -427,8 +445,9 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
   out, new_mu, new_nu, new_buffers = [None] * len(leaves), list(mus), list(nus), list(buffers)
   calls = [(key, ks[i:i + _LEAVES_PER_CALL]) for key, ks in groups.items()
            for i in range(0, len(ks), _LEAVES_PER_CALL)]
-  for (mode, *_, buffer_dtype), ks in calls:
+  for (mode, _, grad_dtype, *_, buffer_dtype), ks in calls:
     pick = lambda xs: [xs[k] for k in ks]  # noqa: E731
+    scalars = _scalars(hyperparams, core.count, grad_scale, clip, grad_dtype)
     has_buffer = buffer_dtype is not None
     states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
     keys = _keys(kind, state, jnp.asarray([index[k] for k in ks], jnp.uint32))

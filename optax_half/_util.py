@@ -249,7 +249,7 @@ def _widened(like, x):
 
 
 def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled=None,
-                         check=None):
+                         check=None, clipped=None):
   """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
 
   ``optax.apply_if_finite`` never giving up, for transformations whose updates
@@ -267,11 +267,16 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
   ``scaled``: ``tx``'s scaled step (``InPlaceTransformation.scaled``), if it has one; so
   does the result, which checks the unscaled gradients. ``check``:
   ``unscaled_all_finite`` or another way to compute it (``_native.all_finite``).
+  ``clipped``: ``tx``'s clipped step (``InPlaceTransformation.clipped``), if
+  it has one; kept without ``skip_nonfinite`` (the check would need the
+  clipped gradients: a skipping ``tx`` after a clip runs the clip first).
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
-    return tx if update_and_apply is None else _in_place.register(tx, update_and_apply, scaled)
+    if update_and_apply is None:
+      return tx
+    return _in_place.register(tx, update_and_apply, scaled, clipped)
   inner = optax.with_extra_args_support(tx)
   check = check or unscaled_all_finite
 

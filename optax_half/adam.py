@@ -297,11 +297,12 @@ def adam_fp32_master(
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                         state_rounding="nearest")
   tx = wrappers.master_weights(core, master_dtype=jnp.float32)
-  init, update, update_and_apply, scaled = _native.fused(
+  init, update, update_and_apply, scaled, clipped = _native.fused(
       "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.init, tx.update,
       flat_state)
   return maybe_skip_nonfinite(transformation(init, update, "adam_fp32_master"),
-                              skip_nonfinite, update_and_apply, scaled, _native.all_finite)
+                              skip_nonfinite, update_and_apply, scaled, _native.all_finite,
+                              clipped)
 
 
 def adamw_bf16(
@@ -425,8 +426,9 @@ def adamw_bf16(
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
-  init, update, update_and_apply, scaled = _native.fused(
+  init, update, update_and_apply, scaled, clipped = _native.fused(
       compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, init, tx.update,
       flat_state)
   return maybe_skip_nonfinite(transformation(init, update, "adamw_bf16"),
-                              skip_nonfinite, update_and_apply, scaled, _native.all_finite)
+                              skip_nonfinite, update_and_apply, scaled, _native.all_finite,
+                              clipped)

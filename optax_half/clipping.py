@@ -32,10 +32,13 @@ or zero or NaN (Inf norm), as optax does; ``skip_nonfinite``
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
 
+from optax_half import _in_place
 from optax_half._util import is_float
 
 __all__ = ["clip_by_global_norm"]
@@ -52,6 +55,59 @@ def _widened_by_xla_cpu(updates) -> bool:
       is_float(x) and jnp.dtype(x.dtype).itemsize == 2 for x in jax.tree.leaves(updates))
 
 
+class ClipRead(NamedTuple):
+  """One step's ``clip_by_global_norm`` of the gradients, for a step that
+  clips as it reads them (the native kernel's ``Scalars.clip_div`` and
+  ``clip_mul``: ``optax_half.chain`` of this clip and ``adamw_bf16`` or
+  ``adam_fp32_master``), and the same clip in framework ops (``apply``).
+
+  ``trigger``: the global norm is below ``max_norm`` (the gradients are
+  kept); ``norm``: the global norm, in JAX's promoted dtype of the leaves.
+  """
+  trigger: jax.Array
+  norm: jax.Array
+  max_norm: jax.typing.ArrayLike
+
+  def apply(self, updates):
+    """The clipped gradients: ``clip_by_global_norm``'s ``update``."""
+    return jax.tree.map(lambda t: _clip_leaf(t, self), updates)
+
+  def folds(self, dtype) -> bool:
+    """Whether a step may clip a gradient of ``dtype`` as it reads it (trace
+    time): bf16 or fp32, clipped in its own dtype (``max_norm`` a Python
+    float or an array of that dtype; one that promotes makes optax's select
+    fail). XLA:CPU computes the clip of those as written, a true division
+    then a multiplication, each rounded to the dtype; an fp16 gradient's
+    division it may turn into a multiplication by the norm's reciprocal
+    rounded to fp16, depending on the graph around it, so fp16 gradients
+    are clipped by ``apply`` (docs/algorithms.md#gradient-clipping)."""
+    dtype = jnp.dtype(dtype)
+    return (dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
+            and jnp.result_type(dtype, self.max_norm) == dtype)
+
+  def factors(self, dtype) -> tuple:
+    """``(clip_div, clip_mul)`` of a gradient of ``dtype`` (fp32 scalars):
+    the norm and ``max_norm`` rounded to ``dtype`` as ``_clip_leaf``
+    rounds them, or 1 and 1 where the gradients are kept."""
+    one = jnp.ones((), dtype)
+    div = self.norm.astype(dtype)
+    mul = one * self.max_norm  # max_norm in dtype, exactly as `(t / norm) * max_norm` takes it
+    return tuple(jnp.where(self.trigger, one, x).astype(jnp.float32) for x in (div, mul))
+
+
+def read(updates, max_norm) -> ClipRead:
+  """The norm and the trigger of ``clip_by_global_norm(max_norm)`` on ``updates``."""
+  g_norm = _tree_norm(updates)
+  trigger = jnp.squeeze(g_norm < max_norm)
+  if jnp.ndim(trigger) != 0:
+    raise ValueError(f"max_norm must be a scalar, got shape {jnp.shape(max_norm)}")
+  return ClipRead(trigger, g_norm, max_norm)
+
+
+def _clip_leaf(t, clip: ClipRead):
+  return jax.lax.select(clip.trigger, t, (t / clip.norm.astype(t.dtype)) * clip.max_norm)
+
+
 def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransformation:
   """Clips the gradients to a global norm of at most ``max_norm``.
 
@@ -65,7 +121,11 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
       scalar array).
 
   Returns:
-    An ``optax.GradientTransformation`` with ``optax.EmptyState``.
+    An ``optax.GradientTransformationExtraArgs`` with ``optax.EmptyState``.
+    Before ``adamw_bf16`` or ``adam_fp32_master`` in ``optax_half.chain``,
+    the in-place step (``optax_half.update_and_apply``) has the kernel clip
+    each gradient as it reads it: no clipped copy of the gradients, the
+    same bits.
 
   Example:
     >>> import jax.numpy as jnp
@@ -87,18 +147,15 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
 
   def update_fn(updates, state, params=None, **extra_args):
     del params, extra_args
-    g_norm = _tree_norm(updates)
-    trigger = jnp.squeeze(g_norm < max_norm)
-    if jnp.ndim(trigger) != 0:
-      raise ValueError(f"max_norm must be a scalar, got shape {jnp.shape(max_norm)}")
+    clip = read(updates, max_norm)
     if _widened_by_xla_cpu(updates):
       # The scaling reads the barrier's output, not `updates`: XLA then has no
       # widening with two readers to write once into an fp32 temporary.
       updates = jax.lax.optimization_barrier(updates)
+    return clip.apply(updates), state
 
-    def clip_fn(t):
-      return jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)
-
-    return jax.tree.map(clip_fn, updates), state
-
-  return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+  # An optax.GradientTransformationExtraArgs whose clip a following kernel
+  # step can apply as it reads the gradients (optax_half.chain).
+  out = _in_place.ClipTransformation(optax.init_empty_state, update_fn)
+  out.read = lambda updates: read(updates, max_norm)
+  return out

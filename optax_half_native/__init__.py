@@ -34,8 +34,8 @@ from typing import NamedTuple, Optional
 import numpy as np
 
 __all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
-           "leaf_keys", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE", "SCALED_ADAM_CONFIGS",
-           "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
+           "leaf_keys", "ADAMW_SCALARS", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE",
+           "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "Compensation",
            "compensation_of", "build_errors"]
 
@@ -84,11 +84,17 @@ def compensation_of(name: str, bfloat16: bool) -> Compensation:
   c = COMPENSATIONS[name]
   return c if bfloat16 else COMPENSATIONS[c.fp16]
 
+# The C struct `oh::Scalars` of adamw.h, field for field (fp32 each): the
+# AdamW step's scalars, then how the gradients are read (grad_scale: the
+# loss-scale unscaling; clip_div, clip_mul: optax's clip_by_global_norm; 1
+# each where the step does neither).
+ADAMW_SCALARS = ("lr", "b1", "b2", "one_minus_b1", "one_minus_b2", "inv_bc1", "inv_bc2", "eps",
+                 "weight_decay", "grad_scale", "clip_div", "clip_mul")
 # The C struct `oh::Tensor` of adamw_threads.h, field for field.
 TENSOR_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("p_out", np.uint64), ("g", np.uint64),
     ("mu", np.uint64),
-    ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (10,)),
+    ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (len(ADAMW_SCALARS),)),
     ("keys", np.uint32, (2,)), ("index", np.uint64)], align=True)
 
 # The C struct `oh::ScaledAdamTensor` of scaled_adam.h, field for field; the

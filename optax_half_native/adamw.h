@@ -11,6 +11,9 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#if defined(__SSE__)
+#include <xmmintrin.h>  // _mm_getcsr
+#endif
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
@@ -146,14 +149,24 @@ enum Mode : int {
 };
 
 // The fp32 scalars of one tensor's step, as torch_bridge.adam computes them,
-// and grad_scale, the factor every gradient element is multiplied by as it is
-// read: 1 / the loss scale when the step unscales (optax_half's
-// dynamic_loss_scale, which widens and multiplies exactly so), else 1, which
-// changes no bit of the result (x * 1 is x, a NaN stays a NaN, and with
-// subnormal inputs read as 0 the products that read gi read it as 0 too).
+// then how each gradient element is read (read_grad). grad_scale: the factor
+// every gradient element is multiplied by as it is read: 1 / the loss scale
+// when the step unscales (optax_half's dynamic_loss_scale, which widens and
+// multiplies exactly so), else 1, which changes no bit of the result (x * 1
+// is x, a NaN stays a NaN, and with subnormal inputs read as 0 the products
+// that read gi read it as 0 too). clip_div, clip_mul: optax's
+// clip_by_global_norm of the gradient first, (g / norm) * max_norm in the
+// gradient's type G (norm and max_norm rounded to G, then widened), where the
+// step clips (optax_half.chain of clip_by_global_norm and the optimizer);
+// both 1 where it does not (the branch that keeps g), and the kernel skips it.
+// Mirrored by optax_half_native.ADAMW_SCALARS.
 struct Scalars {
-  float lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay, grad_scale;
+  float lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay, grad_scale,
+      clip_div, clip_mul;
 };
+
+// Whether read_grad clips with these scalars (a branch per tensor, not per element).
+inline bool clips(const Scalars& s) { return s.clip_div != 1.0f || s.clip_mul != 1.0f; }
 
 // One element at a time: the reference the wide lanes below must equal, and
 // the tail of every range. `get` reads an element widened to fp32, `to`
@@ -172,6 +185,9 @@ struct Scalar {
   static F where_equal(F a, F b, F x, F y) { return a == b ? x : y; }
   static U counter(uint64_t first) { return uint32_t(first); }
   static U bits(F x) { return as_u32(x); }
+  // x rounded to nearest even bf16, as fp32; x neither NaN nor subnormal
+  // (kClipFinite), where every lane type's rounding gives these bits.
+  static F rounded_bf16(F x) { return as_f32(nearest_even_bits(as_u32(x)) << 16); }
   template <typename T> static T to(F x, T tag) { return round_nearest(x, tag); }
   template <typename T> static T to_stochastic(F x, U bits, T tag) {
     return round_stochastic(x, bits, tag);
@@ -241,6 +257,9 @@ struct Lanes16 {
   static __mmask16 nan_mask(F x) { return _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q); }
 
   static F to(F x, float) { return x; }
+  // Scalar::rounded_bf16: vcvtneps2bf16 rounds to nearest even, and x has no
+  // subnormal (read as 0 by it) or NaN lane.
+  static F rounded_bf16(F x) { return widen((__m256i)_mm512_cvtneps_pbh(x)); }
   static __m256i to(F x, f16) { return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
   static __m256i to(F x, bf16) {
     __m256i r = (__m256i)_mm512_cvtneps_pbh(x);
@@ -376,6 +395,9 @@ struct Lanes8 {
   }
 
   static F to(F x, float) { return x; }
+  static F rounded_bf16(F x) {  // Scalar::rounded_bf16, lane by lane
+    return floats(nearest_even_bits(bits(x)) << 16);
+  }
 #if defined(OH_F16)  // F16C
   static __m128i to(F x, f16) { return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT); }
 #endif
@@ -460,18 +482,59 @@ inline void put_moments_stochastic(M* mu, V* nu, int64_t i, typename L::F m32,
   }
 }
 
+// How the step reads its gradients: as they are (times grad_scale), or
+// clipped (clips(s): optax's clip_by_global_norm, XLA's ops on G, then
+// grad_scale). kClipFinite is kClip's fast form for bf16 gradients where the
+// norm is finite, so no gradient is NaN or infinite (a NaN or an Inf makes the
+// norm NaN or Inf), and where fp32 results flush to zero (MXCSR.FTZ, as in
+// XLA's threads), so no quotient or product is subnormal: the roundings to
+// bf16 then need no NaN or subnormal fix-up (clip_read picks the mode).
+enum GradRead : int { kPlain = 0, kClip = 1, kClipFinite = 2 };
+
+// Whether this thread's fp32 results flush to zero (x86 MXCSR.FTZ).
+inline bool flushes_to_zero() {
+#if defined(__SSE__)
+  return (_mm_getcsr() & 0x8000u) != 0;
+#else
+  return false;
+#endif
+}
+
+// The read of a tensor's gradients of type G with scalars s (once per tensor).
+template <typename G>
+inline GradRead clip_read(const Scalars& s) {
+  if (!clips(s)) return kPlain;
+  const bool finite = std::isnormal(s.clip_div) && std::isfinite(s.clip_mul);
+  return std::is_same_v<G, bf16> && finite && flushes_to_zero() ? kClipFinite : kClip;
+}
+
+// Gradient element(s) i widened to fp32 as the step reads them (READ: a
+// GradRead): optax's clip is (g / norm) * max_norm, each op in fp32 and
+// rounded to G (a true division, as XLA's), then * grad_scale.
+template <typename L, typename G, int READ>
+inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s) {
+  typename L::F gi = L::get(g, i);
+  if constexpr (READ == kClipFinite) {
+    gi = L::rounded_bf16(L::rounded_bf16(gi / s.clip_div) * s.clip_mul);
+  } else if constexpr (READ == kClip) {
+    const auto quotient = L::to(gi / s.clip_div, G{});
+    gi = L::widen(L::to(L::widen(quotient, G{}) * s.clip_mul, G{}), G{});
+  }
+  return gi * s.grad_scale;
+}
+
 // The AdamW step of the L::kWidth elements from i, on lanes L (Scalar,
 // Lanes8 or Lanes16): one source for all, line for line torch_bridge.adam.adamw_step.
-template <typename L, typename P, typename G, typename M, typename V, int MODE, bool SR>
+// gi: the gradient elements as read (read_grad).
+template <typename L, typename P, typename M, typename V, int MODE, bool SR>
 inline __attribute__((always_inline)) void adamw_lanes(
-    int64_t i, uint64_t index0, const P* p, P* p_out, const G* g, M* __restrict mu,
+    int64_t i, uint64_t index0, const P* p, P* p_out, typename L::F gi, M* __restrict mu,
     V* __restrict nu, float* __restrict master, int16_t* __restrict low, P* __restrict comp,
     const Scalars& s, uint32_t key_p, uint32_t key_m) {
   using F = typename L::F;
   // The element index is the random-bit counter, a uint32 (mod 2^32) as in
   // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
   const auto index = L::counter(index0 + uint64_t(i));
-  const F gi = L::get(g, i) * s.grad_scale;
   F x;
   if constexpr (MODE == kMaster) {
     // The master follows the param: where the param is not the master's
@@ -527,8 +590,12 @@ inline __attribute__((always_inline)) void adamw_lanes(
 // The new param goes to p_out, which may be p itself (torch: in place) or
 // another array, possibly the gradient's (JAX, whose update needs the old
 // param too); the elements of p and g are read before p_out's same elements
-// are written. The moments and the buffer are updated in place.
-template <typename P, typename G, typename M, typename V, int MODE, bool SR>
+// are written. The moments and the buffer are updated in place. READ: how
+// the gradients are read (GradRead). The vector loop reads each gradient
+// vector one iteration ahead, so its read (a clip's divide and roundings)
+// is off the step's dependency chain; p_out's elements written so far are
+// all behind the vector read.
+template <typename P, typename G, typename M, typename V, int MODE, bool SR, int READ = kPlain>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
                  uint32_t key_p, uint32_t key_m) {
@@ -537,20 +604,29 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   P* comp = static_cast<P*>(buffer);
   const Scalars s = scalars;  // a local copy: the stores cannot alias it, it stays in registers
   int64_t i = begin;
+#if defined(OH_LANES16) || defined(OH_LANES8)
 #if defined(OH_LANES16)
-  for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
-    adamw_lanes<Lanes16, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low,
-                                               comp, s, key_p, key_m);
-  }
-#elif defined(OH_LANES8)
-  for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
-    adamw_lanes<Lanes8, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low,
-                                              comp, s, key_p, key_m);
+  using L = Lanes16;
+#else
+  using L = Lanes8;
+#endif
+  constexpr int64_t W = L::kWidth;
+  if (i + W <= end) {
+    typename L::F gi = read_grad<L, G, READ>(g, i, s);
+    for (; i + 2 * W <= end; i += W) {
+      const typename L::F next = read_grad<L, G, READ>(g, i + W, s);
+      adamw_lanes<L, P, M, V, MODE, SR>(i, index0, p, p_out, gi, mu, nu, master, low, comp, s,
+                                        key_p, key_m);
+      gi = next;
+    }
+    adamw_lanes<L, P, M, V, MODE, SR>(i, index0, p, p_out, gi, mu, nu, master, low, comp, s,
+                                      key_p, key_m);
+    i += W;
   }
 #endif
   for (; i < end; ++i) {
-    adamw_lanes<Scalar, P, G, M, V, MODE, SR>(i, index0, p, p_out, g, mu, nu, master, low, comp,
-                                              s, key_p, key_m);
+    adamw_lanes<Scalar, P, M, V, MODE, SR>(i, index0, p, p_out, read_grad<Scalar, G, READ>(g, i, s),
+                                           mu, nu, master, low, comp, s, key_p, key_m);
   }
 }
 

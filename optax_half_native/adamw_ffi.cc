@@ -2,8 +2,9 @@
 // call steps a list of leaves that share their dtypes (oh::step_all splits
 // their elements, concatenated, into chunks on XLA's pool).
 //
-// optax_half_adamw (OhAdamw), the tree layout. Operands: scalars f32[10]
-// (lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd, grad_scale), keys
+// optax_half_adamw (OhAdamw), the tree layout. Operands: scalars f32[12]
+// (oh::Scalars: lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd,
+// grad_scale, clip_div, clip_mul), keys
 // u32[n, 2] (row k: leaf k's keys of the param and moments streams), then
 // p_0..p_{n-1}, g_0..g_{n-1}, mu_0.., nu_0.., buffer_0.. (a 0-element buffer
 // for modes without one). Results: p_out_0.. (new arrays, or aliased to p or
@@ -40,11 +41,11 @@ bool run_sr(bool sr, const oh::Tensor* ts, int n, const oh::ParallelFor& paralle
     if constexpr (std::is_same_v<M, float> && std::is_same_v<V, float>) {
       return false;
     } else {
-      oh::step_all<P, G, M, V, MODE, true>(ts, n, 1, &parallel);
+      oh::step_all<P, G, M, V, MODE, true, true>(ts, n, 1, &parallel);
       return true;
     }
   }
-  oh::step_all<P, G, M, V, MODE, false>(ts, n, 1, &parallel);
+  oh::step_all<P, G, M, V, MODE, false, true>(ts, n, 1, &parallel);
   return true;
 }
 
@@ -54,11 +55,11 @@ bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::Parallel
     if (sr || !(std::is_same_v<G, float> && std::is_same_v<M, float> && std::is_same_v<V, float>))
       return false;
     if (mode == oh::kDirect) {
-      oh::step_all<float, float, float, float, oh::kDirect, false>(ts, n, 1, &parallel);
+      oh::step_all<float, float, float, float, oh::kDirect, false, true>(ts, n, 1, &parallel);
       return true;
     }
     if (mode == oh::kUpdate) {
-      oh::step_all<float, float, float, float, oh::kUpdate, false>(ts, n, 1, &parallel);
+      oh::step_all<float, float, float, float, oh::kUpdate, false, true>(ts, n, 1, &parallel);
       return true;
     }
     return false;
@@ -178,8 +179,11 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   auto invalid = [name](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
   };
-  if (scalars.element_count() != 10 || keys.element_count() % 2 != 0 || keys.element_count() == 0) {
-    return invalid("scalars must be f32[10] and keys u32[n, 2] with n >= 1");
+  constexpr size_t kScalars = sizeof(oh::Scalars) / sizeof(float);
+  if (scalars.element_count() != kScalars || keys.element_count() % 2 != 0 ||
+      keys.element_count() == 0) {
+    return invalid("scalars must be f32[" + std::to_string(kScalars) +
+                   "] (oh::Scalars) and keys u32[n, 2] with n >= 1");
   }
   const size_t n = keys.element_count() / 2;
   // Per field (mu, nu, buffer): 1 array (flat) or n (per leaf).

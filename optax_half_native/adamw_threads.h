@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <functional>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "adamw.h"
@@ -71,7 +72,11 @@ void split_evenly(int64_t total, int nthreads, const Fn& fn) {
 #endif
 }
 
-template <typename P, typename G, typename M, typename V, int MODE, bool SR>
+// kClipRead: the build reads clipped gradients where a tensor's scalars
+// clip (clip_read: the JAX entry's optax_half.chain with
+// clip_by_global_norm); without it (the torch library, whose callers never
+// clip) only the plain read is compiled.
+template <typename P, typename G, typename M, typename V, int MODE, bool SR, bool kClipRead>
 void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
   int64_t start = 0;
   for (int k = 0; k < n && start < hi; ++k) {
@@ -79,12 +84,32 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
     const int64_t end = start + t.numel;
     const int64_t b = std::max(lo, start), e = std::min(hi, end);
     if (b < e) {
-      adamw_range<P, G, M, V, MODE, SR>(
-          b - start, e - start, t.index, reinterpret_cast<const P*>(t.p),
-          reinterpret_cast<P*>(t.p_out),
-          reinterpret_cast<const G*>(t.g), reinterpret_cast<M*>(t.mu),
-          reinterpret_cast<V*>(t.nu), reinterpret_cast<void*>(t.buffer), t.s, t.key_p,
-          t.key_m);
+      auto range = [&](auto read) {
+        adamw_range<P, G, M, V, MODE, SR, decltype(read)::value>(
+            b - start, e - start, t.index, reinterpret_cast<const P*>(t.p),
+            reinterpret_cast<P*>(t.p_out), reinterpret_cast<const G*>(t.g),
+            reinterpret_cast<M*>(t.mu), reinterpret_cast<V*>(t.nu),
+            reinterpret_cast<void*>(t.buffer), t.s, t.key_p, t.key_m);
+      };
+      using Plain = std::integral_constant<int, kPlain>;
+      if constexpr (kClipRead) {
+        // Per span, on the thread that steps it: kClipFinite reads its MXCSR.
+        switch (clip_read<G>(t.s)) {
+          case kClipFinite:  // bf16 gradients only
+            if constexpr (std::is_same_v<G, bf16>) {
+              range(std::integral_constant<int, kClipFinite>{});
+              break;
+            }
+            [[fallthrough]];
+          case kClip:
+            range(std::integral_constant<int, kClip>{});
+            break;
+          default:
+            range(Plain{});
+        }
+      } else {
+        range(Plain{});
+      }
     }
     start = end;
   }
@@ -110,12 +135,13 @@ void for_spans(int64_t total, int nthreads, const ParallelFor* parallel, const F
   split_evenly(total, nthreads, fn);
 }
 
-template <typename P, typename G, typename M, typename V, int MODE, bool SR>
+template <typename P, typename G, typename M, typename V, int MODE, bool SR,
+          bool kClipRead = false>
 void step_all(const Tensor* ts, int n, int nthreads, const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
   for (int k = 0; k < n; ++k) total += ts[k].numel;
   for_spans(total, nthreads, parallel, [&](int64_t lo, int64_t hi) {
-    step_span<P, G, M, V, MODE, SR>(ts, n, lo, hi);
+    step_span<P, G, M, V, MODE, SR, kClipRead>(ts, n, lo, hi);
   });
 }
 

@@ -7,6 +7,7 @@ import numpy as np
 import optax
 import pytest
 from conftest import bitwise_equal, random_tree
+from suite_helpers import default_or_slow
 
 import optax_half as oh
 from optax_half import _native as jax_native
@@ -143,11 +144,32 @@ def test_fp32_gradients_lower_to_optax_ops_alone():
   assert "optimization_barrier" not in text
 
 
-def test_in_place_chain_equals_optax_chain():
-  params = jax.tree.map(lambda x: x + 1, _tree(jnp.bfloat16, 1.0, seed=3))
-  grads = _tree(jnp.bfloat16, 1e-2)
-  ours = oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))
-  ref = optax.chain(optax.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))
+# The optimizers whose in-place step clips the gradients as the kernel reads
+# them (optax_half.chain of clip_by_global_norm and one of these).
+FOLDED = {
+    "kahan": lambda: oh.adamw_bf16(1e-2),
+    "stochastic": lambda: oh.adamw_bf16(1e-2, compensation="stochastic"),
+    "split": lambda: oh.adamw_bf16(1e-2, compensation="split"),
+    "none": lambda: oh.adamw_bf16(1e-2, compensation="none"),
+    "master": lambda: oh.adam_fp32_master(1e-2),
+    "kahan flat_state": lambda: oh.adamw_bf16(1e-2, flat_state=True),
+}
+
+
+def _mixed_tree(scale, seed, f16=False):
+  """bf16 leaves and an fp32 leaf (and with ``f16`` an fp16 leaf)."""
+  out = {**_tree(jnp.bfloat16, scale, seed), "f32": _tree(jnp.float32, scale, seed + 2)["w1"]}
+  if f16:
+    out["f16"] = _tree(jnp.float16, scale, seed + 1)["b"]
+  return out
+
+
+def _steps_as_optax_chain(max_norm, make, params, grads_list, expect_fold=True):
+  """Steps ``oh.chain(clip, make())`` in place and ``optax.chain`` of the same
+  through ``tx.update`` + ``optax.apply_updates`` over ``grads_list``; asserts
+  the same bits in every param and state array after each step."""
+  ours = oh.chain(oh.clip_by_global_norm(max_norm), make())
+  ref = optax.chain(optax.clip_by_global_norm(max_norm), make())
   in_place = jax.jit(lambda p, s, g: oh.update_and_apply(ours, g, s, p))
 
   @jax.jit
@@ -155,11 +177,106 @@ def test_in_place_chain_equals_optax_chain():
     u, s = ref.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  if jax.default_backend() == "cpu" and jax_native.available():  # the kernel steps in place
-    hlo = in_place.lower(params, ours.init(params), grads).as_text()
-    assert hlo.count(jax_native.TARGET) == 1
+  if expect_fold and jax.default_backend() == "cpu" and jax_native.available():
+    # The clip is the kernel's: no clipped copy of the gradients (2 or 4
+    # bytes each); fp32 leaves take their kernel's update (4 bytes each),
+    # and the scalars a few hundred bytes.
+    compiled = jax.jit(lambda p, s, g: oh.update_and_apply(ours, g, s, p),
+                       donate_argnums=(0, 1, 2)).lower(params, ours.init(params),
+                                                       grads_list[0]).compile()
+    sizes = [(x.size, x.dtype.itemsize) for x in jax.tree.leaves(params)]
+    n16 = sum(n for n, b in sizes if b == 2)
+    n32 = sum(n for n, b in sizes if b == 4)
+    assert compiled.memory_analysis().temp_size_in_bytes < 4 * n32 + n16 + 1024
   p1, s1, p2, s2 = params, ours.init(params), params, ref.init(params)
-  for _ in range(3):
+  for grads in grads_list:
     p1, s1 = in_place(p1, s1, grads)
     p2, s2 = step_ref(p2, s2, grads)
-  _assert_same_bits((p1, s1), (p2, s2))
+    _assert_same_bits((p1, s1), (p2, s2))
+  return p1
+
+
+@pytest.mark.parametrize("make,max_norm", default_or_slow(
+    [(make, max_norm) for max_norm in (0.5, 1e4) for make in FOLDED],  # clipped, kept
+    default=[("kahan", 0.5), ("master", 0.5), ("kahan flat_state", 0.5), ("kahan", 1e4)]))
+def test_folded_clip_equals_optax_chain(make, max_norm):
+  """bf16 and fp32 gradients (the kernel's clip in each type; a flat state
+  takes one dtype, bf16), both branches of the clip, three steps."""
+  tree = (lambda scale, seed: _tree(jnp.bfloat16, scale, seed)) if "flat" in make else _mixed_tree
+  params = jax.tree.map(lambda x: x + 1, tree(1.0, seed=3))
+  grads = [tree(1e-2 * (k + 1), seed=10 + k) for k in range(3)]
+  _steps_as_optax_chain(max_norm, FOLDED[make], params, grads)
+
+
+def test_in_place_chain_equals_optax_chain():
+  params = jax.tree.map(lambda x: x + 1, _tree(jnp.bfloat16, 1.0, seed=3))
+  grads = _tree(jnp.bfloat16, 1e-2)
+  ours = oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(1e-3))
+  if jax.default_backend() == "cpu" and jax_native.available():  # the kernel steps in place
+    hlo = jax.jit(lambda p, s, g: oh.update_and_apply(ours, g, s, p)).lower(
+        params, ours.init(params), grads).as_text()
+    assert hlo.count(jax_native.TARGET) == 1
+  _steps_as_optax_chain(1.0, lambda: oh.adamw_bf16(1e-3), params, [grads] * 3)
+
+
+@pytest.mark.parametrize("dtype,max_norm", default_or_slow(
+    [(dtype, m) for dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
+     for m in ("0.3", "0.3 in the dtype", "1/3")],
+    default=[(jnp.bfloat16, "0.3 in the dtype"), (jnp.float32, "1/3")]))
+def test_folded_clip_edge_values_equal_optax_chain(dtype, max_norm):
+  """Quotients that flush to zero (a gradient far below the norm), one that
+  lands on the smallest normal fp32 (2^-126: g = norm * 2^-126), zeros of
+  both signs, and a max_norm that rounds in the gradients' type. (fp16
+  gradients: clipped before the kernel, not by it; the same bits.)"""
+  params = {"w": jnp.linspace(-1, 1, 4096).astype(dtype)}
+  g = np.array(jax.random.normal(jax.random.key(0), (4096,)), np.float32)
+  g[:8] = [1e-38, -1e-38, 2e-38, 0.0, -0.0, 3e-39, 1.5e-37, 6e-8]
+  grads = {"w": jnp.asarray(g).astype(dtype)}
+  norm = float(np.asarray(optax.tree.norm(grads)).astype(np.float32))
+  exact = np.float32(np.asarray(jnp.asarray(norm, dtype).astype(jnp.float32))) * np.float32(2**-126)
+  grads["w"] = grads["w"].at[8].set(jnp.asarray(exact, jnp.float32).astype(dtype))
+  max_norm = {"0.3": 0.3, "0.3 in the dtype": jnp.asarray(0.3, dtype), "1/3": 1 / 3}[max_norm]
+  _steps_as_optax_chain(max_norm, lambda: oh.adamw_bf16(1e-2), params, [grads] * 2,
+                        expect_fold=dtype != jnp.float16)
+
+
+@pytest.mark.parametrize("bad,leaf", default_or_slow(
+    [(bad, leaf) for bad in ("nan", "inf") for leaf in ("b", "f32")],
+    default=[("nan", "b"), ("inf", "f32")]))
+def test_folded_clip_nonfinite_gradients_equal_optax_chain(bad, leaf):
+  """A NaN or an Inf gradient makes the norm NaN or Inf: the kernel's clip
+  then gives optax's NaN and zero results (the clip's exact read, not the
+  finite one)."""
+  params = jax.tree.map(lambda x: x + 1, _mixed_tree(1.0, seed=3))
+  grads = _mixed_tree(1e-2, seed=5)
+  grads[leaf] = grads[leaf].at[3].set(float(bad))
+  _steps_as_optax_chain(1.0, FOLDED["kahan"], params, [grads])
+
+
+def test_fp16_gradients_are_clipped_before_the_kernel():
+  """A tree with an fp16 gradient is not clipped by the kernel (XLA may
+  compute the fp16 division through a rounded reciprocal): the same bits as
+  optax.chain, from the clip's own ops."""
+  params = jax.tree.map(lambda x: x + 1, _mixed_tree(1.0, seed=3, f16=True))
+  grads = [_mixed_tree(1e-2 * (k + 1), seed=10 + k, f16=True) for k in range(2)]
+  _steps_as_optax_chain(0.5, FOLDED["kahan"], params, grads, expect_fold=False)
+
+
+def test_skip_nonfinite_after_the_clip_is_not_folded():
+  """adam_fp32_master(skip_nonfinite=True) checks the clipped gradients, so
+  the clip runs first (the same bits, a clipped copy of the gradients)."""
+  params = jax.tree.map(lambda x: x + 1, _tree(jnp.bfloat16, 1.0, seed=3))
+  grads = [_tree(jnp.bfloat16, 1e-2, seed=4), jax.tree.map(lambda x: x * np.inf,
+                                                           _tree(jnp.bfloat16, 1e-2, seed=5))]
+  _steps_as_optax_chain(1.0, lambda: oh.adam_fp32_master(1e-2, skip_nonfinite=True), params,
+                        grads, expect_fold=False)
+
+
+def test_promoting_max_norm_is_not_folded():
+  """An fp32 array max_norm beside bf16 gradients: optax's select rejects
+  the promoted product; so does the in-place step, which leaves it to the clip."""
+  params = {"w": jnp.ones(8, jnp.bfloat16)}
+  tx = oh.chain(oh.clip_by_global_norm(jnp.float32(1.0)), oh.adamw_bf16(1e-3))
+  with pytest.raises(TypeError):
+    jax.jit(lambda p, s, g: oh.update_and_apply(tx, g, s, p))(
+        params, tx.init(params), {"w": jnp.full(8, 3.0, jnp.bfloat16)})

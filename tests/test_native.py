@@ -1005,7 +1005,9 @@ def test_the_custom_call_checks_its_operands():
   """A mistaken call is an error, not an out-of-bounds write."""
   assert jax_native.available()  # registers the handlers
   p = jnp.ones(8, jnp.bfloat16)
-  scalars, keys = jnp.zeros(10, jnp.float32), jnp.zeros((1, 2), jnp.uint32)
+  import optax_half_native as native  # noqa: PLC0415
+  scalars = jnp.zeros(len(native.ADAMW_SCALARS), jnp.float32)
+  keys = jnp.zeros((1, 2), jnp.uint32)
 
   def call(leaves, states, mode="kahan", target=jax_native.TARGET, scalars=scalars, keys=keys):
     return jax_native._call(target, mode, "nearest", scalars, keys, leaves, leaves, states, False)
@@ -1016,7 +1018,7 @@ def test_the_custom_call_checks_its_operands():
     call([p], [[p], [p], [jnp.zeros(8, jnp.int16)]], mode="master")
   with pytest.raises(Exception, match="must have the param's size"):
     call([p], [[jnp.ones(4, jnp.bfloat16)], [p], [p]])
-  with pytest.raises(Exception, match=r"scalars must be f32\[10\]"):
+  with pytest.raises(Exception, match=rf"scalars must be f32\[{len(native.ADAMW_SCALARS)}\]"):
     call([p], [[p], [p], [p]], scalars=jnp.zeros(9, jnp.float32))
   with pytest.raises(Exception, match="operands p..., g..., mu..., nu..., buffer..."):
     call([p], [[p], [p], [p]], keys=jnp.zeros((2, 2), jnp.uint32))
@@ -1079,11 +1081,12 @@ def test_the_native_finiteness_check_equals_xlas(jit):
 
 def test_a_library_whose_struct_differs_from_tensor_dtype_is_refused(monkeypatch):
   """The loader compares the C struct's size and every field's offset with
-  TENSOR_DTYPE: nine scalars where the struct has ten keep the size (112
-  bytes, padding) but move the keys, and are refused."""
+  TENSOR_DTYPE: one scalar fewer than the struct has (eleven of twelve)
+  keeps the size (120 bytes, padding) but moves the keys, and is refused."""
   import optax_half_native as native  # noqa: PLC0415
   names = native.TENSOR_DTYPE.names
-  nine = np.dtype([(n, *((np.float32, (9,)) if n == "scalars" else native.TENSOR_DTYPE.fields[n][:1]))
+  fewer = (np.float32, (len(native.ADAMW_SCALARS) - 1,))
+  nine = np.dtype([(n, *(fewer if n == "scalars" else native.TENSOR_DTYPE.fields[n][:1]))
                    for n in names], align=True)
   assert nine.itemsize == native.TENSOR_DTYPE.itemsize
   # The FFI library's own load (a build the cache has: no compile here; the
@@ -1221,7 +1224,9 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
   rounding), run the lanes of every one, subnormals and NaNs included: torch
   kernel == eager step in every configuration, bf16 and fp16 params. JAX
   runs what only its library has: mode "update" (fp32 leaves, beside a Kahan
-  group) and the finiteness check, jitted and op by op. ScaledAdam's kernel
+  group), the finiteness check, jitted and op by op, and the clip the
+  kernel reads (oh.chain of clip_by_global_norm: both reads, bf16 and fp32
+  gradients, edge values, NaN and Inf). ScaledAdam's kernel
   (scaled_adam.h: the sums' generic lanes, the step's Lanes8) against the
   eager step in torch, its sums against exact sums, and JAX's FFI path."""
   # OMP_WAIT_POLICY: torch's OpenMP threads wait without spinning, so on
@@ -1231,10 +1236,11 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
              OPTAX_HALF_NATIVE_FLAGS="-mno-avx512f", OMP_WAIT_POLICY="PASSIVE")
   # pyproject's addopts deselect the slow cases: make test's ones run.
   scaled_adam_tests = os.path.join(os.path.dirname(__file__), "test_scaled_adam.py")
+  clipping_tests = os.path.join(os.path.dirname(__file__), "test_clipping.py")
   out = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-       scaled_adam_tests, "-k",
-       "lanes_as_the_cpu or torch_kernel or "
+       scaled_adam_tests, clipping_tests, "-k",
+       "lanes_as_the_cpu or torch_kernel or folded_clip or "
        "(jax_kernel_and_the_in_place_step and kahan-stochastic-param) or finiteness_check or "
        "native_step_equals_the_eager_step or native_sums_are_float64 or "
        "jax_native_path_equals"],

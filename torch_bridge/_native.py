@@ -80,7 +80,8 @@ class Batch:
         table[name] = [t[k].data_ptr() for t in tensors]
       table["p_out"] = table["p"]  # in place
       table["buffer"] = [0 if t[4] is None else t[4].data_ptr() for t in tensors]
-      table["scalars"] = [r[3] + [1.0] for r in rows]  # grad_scale 1: no unscaling here
+      # The AdamW scalars, then the gradient read's: no unscaling, no clipping here.
+      table["scalars"] = [r[3] + [1.0] * (len(native.ADAMW_SCALARS) - len(r[3])) for r in rows]
       table["keys"] = native.leaf_keys(self._seed, [int(r[1]) for r in rows],
                                        [r[2] for r in rows])
       table["index"] = [r[4] for r in rows]
