@@ -121,6 +121,12 @@ FLAX = {
         "oh.nnx"),
     "oh.nnx.Optimizer adamw_bf16 kahan (cached_partial)": (
         jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "oh.nnx cached"),
+    # flat_state=True: three state arrays instead of three a param, fewer
+    # Variables for nnx.jit to traverse
+    "oh.nnx.Optimizer adamw_bf16 kahan flat_state": (
+        jnp.bfloat16, lambda lr: oh.adamw_bf16(lr, flat_state=True), "oh.nnx"),
+    "oh.nnx.Optimizer adamw_bf16 kahan flat_state (cached_partial)": (
+        jnp.bfloat16, lambda lr: oh.adamw_bf16(lr, flat_state=True), "oh.nnx cached"),
     "oh.nnx.Optimizer kahan_summation(scaled_adam clip 2.0) (cached_partial)": (
         jnp.bfloat16, lambda lr: oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0)),
         "oh.nnx cached"),

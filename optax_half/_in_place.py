@@ -88,8 +88,13 @@ def update_and_apply(tx, updates, opt_state, params, **extra_args):
   on CPU (also inside ``dynamic_loss_scale`` and last in ``optax_half.chain``,
   not inside an ``optax.chain``), the native kernel writes the new params into the params'
   buffers and no ``apply_updates`` pass runs: jit the step with the params and
-  the state donated (``donate_argnums``) so XLA has nothing to copy.
-  Elsewhere, and for any other transformation, the two calls above run.
+  the state donated (``donate_argnums``) so XLA has nothing to copy, and
+  take the params before the state in the jitted function's arguments, the
+  order of the results: ``jax.jit`` pairs donated inputs with outputs in
+  order, and with the state first it hands the new params the state's
+  buffers, so XLA copies every array in and out of the kernel (several
+  times slower). Elsewhere, and for any other transformation, the two calls
+  above run.
 
   Args:
     tx: an ``optax.GradientTransformation``.
@@ -134,8 +139,11 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   ``update_and_apply`` of the last: with ``adamw_bf16`` or
   ``adam_fp32_master`` last (e.g. after ``clip_by_global_norm``), the
   kernel writes the params in place, where ``optax.chain`` would run the
-  optimizer's ``update`` and a separate ``optax.apply_updates`` pass. The
-  same bits either way.
+  optimizer's ``update`` and a separate ``optax.apply_updates`` pass. An
+  ``optax_half.clip_by_global_norm`` just before such an optimizer is
+  computed by the kernel as it reads each bf16 or fp32 gradient (jitted; the
+  chain takes the norm): no clipped copy of the gradients
+  (docs/algorithms.md#gradient-clipping). The same bits either way.
 
   Args:
     *transforms: the transformations, applied in order (at least one).
@@ -178,7 +186,10 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
       new_state.append(s)
     if fold_clip:
       clip = inner[-2].read(updates)
-      if all(clip.folds(g.dtype) for g in jax.tree.leaves(updates)):
+      # Traced (under jit) only: op by op, XLA divides by a scalar through its
+      # reciprocal (fp32: other bits), which the kernel's division would not match.
+      leaves = jax.tree.leaves(updates)
+      if all(isinstance(g, jax.core.Tracer) and clip.folds(g.dtype) for g in leaves):
         params, last = clipped_of(inner[-1])(updates, clip, state[-1], params, **extra_args)
         return params, tuple(new_state) + (state[-2], last)
       updates, s = inner[-2].update(updates, state[-2], params, **extra_args)

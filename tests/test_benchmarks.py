@@ -39,7 +39,8 @@ def _check(out, path, expected_bytes):
 # The Flax steps with optax_half's drop-ins: in place, so XLA itself touches
 # no param (custom calls count as 0 bytes in cost_analysis).
 FLAX_ROWS = ("oh.nnx.Optimizer adamw_bf16 kahan", "oh.TrainState adamw_bf16 kahan",
-             "oh.nnx.Optimizer adamw_bf16 kahan (cached_partial)")
+             "oh.nnx.Optimizer adamw_bf16 kahan (cached_partial)",
+             "oh.nnx.Optimizer adamw_bf16 kahan flat_state (cached_partial)")
 
 
 def test_jax_benchmark_quick(tmp_path, monkeypatch):
@@ -100,15 +101,16 @@ def test_garbage_collection_mode_holds_inside_and_is_undone_after(mode):
 
 
 def _check_cpu_temporaries(runs):
-  # tx.update's update is a temporary (2 B/param); in place none is. Clipped,
-  # the clipped bf16 gradients are one (2); where XLA writes an fp32 copy of
-  # the gradients for optax's clipping, that copy (4) is the larger, and the
-  # clipped gradients reuse its memory.
+  # tx.update's update is a temporary (2 B/param); in place none is. Clipped
+  # by oh.clip_by_global_norm, the kernel clips as it reads: none either.
+  # optax's clip runs first: the clipped bf16 gradients are one (2); where
+  # XLA writes an fp32 copy of the gradients for it, that copy (4) is the
+  # larger, and the clipped gradients reuse its memory.
   assert runs["adamw_bf16 kahan"]["xla_temp_bytes_per_param"] == pytest.approx(2, abs=0.01)
   assert runs["adamw_bf16 kahan (update_and_apply)"]["xla_temp_bytes_per_param"] < 0.01
   optax_clip, oh_clip = (runs[name]["xla_temp_bytes_per_param"] for name in step.CLIPPED)
-  assert oh_clip == pytest.approx(2, abs=0.01)
-  assert optax_clip == pytest.approx(oh_clip) or optax_clip == pytest.approx(4, abs=0.01)
+  assert oh_clip < 0.01
+  assert optax_clip == pytest.approx(2, abs=0.01) or optax_clip == pytest.approx(4, abs=0.01)
 
 
 def test_torch_benchmark_quick(tmp_path):

@@ -164,20 +164,22 @@ def _mixed_tree(scale, seed, f16=False):
   return out
 
 
-def _steps_as_optax_chain(max_norm, make, params, grads_list, expect_fold=True):
+def _steps_as_optax_chain(max_norm, make, params, grads_list, expect_fold=True, jit=True):
   """Steps ``oh.chain(clip, make())`` in place and ``optax.chain`` of the same
-  through ``tx.update`` + ``optax.apply_updates`` over ``grads_list``; asserts
-  the same bits in every param and state array after each step."""
+  through ``tx.update`` + ``optax.apply_updates`` over ``grads_list``, both
+  jitted or both op by op; asserts the same bits in every param and state
+  array after each step."""
   ours = oh.chain(oh.clip_by_global_norm(max_norm), make())
   ref = optax.chain(optax.clip_by_global_norm(max_norm), make())
-  in_place = jax.jit(lambda p, s, g: oh.update_and_apply(ours, g, s, p))
+  maybe_jit = jax.jit if jit else (lambda f: f)
+  in_place = maybe_jit(lambda p, s, g: oh.update_and_apply(ours, g, s, p))
 
-  @jax.jit
+  @maybe_jit
   def step_ref(p, s, g):
     u, s = ref.update(g, s, p)
     return optax.apply_updates(p, u), s
 
-  if expect_fold and jax.default_backend() == "cpu" and jax_native.available():
+  if jit and expect_fold and jax.default_backend() == "cpu" and jax_native.available():
     # The clip is the kernel's: no clipped copy of the gradients (2 or 4
     # bytes each); fp32 leaves take their kernel's update (4 bytes each),
     # and the scalars a few hundred bytes.
@@ -206,6 +208,14 @@ def test_folded_clip_equals_optax_chain(make, max_norm):
   params = jax.tree.map(lambda x: x + 1, tree(1.0, seed=3))
   grads = [tree(1e-2 * (k + 1), seed=10 + k) for k in range(3)]
   _steps_as_optax_chain(max_norm, FOLDED[make], params, grads)
+
+
+def test_op_by_op_clip_is_not_folded():
+  """Op by op, XLA divides fp32 gradients by the norm through its reciprocal
+  (bits the jitted clip does not give): the in-place step then clips first,
+  as optax.chain does, and gives its bits."""
+  params = jax.tree.map(lambda x: x + 1, _mixed_tree(1.0, seed=3))
+  _steps_as_optax_chain(0.5, FOLDED["kahan"], params, [_mixed_tree(1e-2, seed=5)], jit=False)
 
 
 def test_in_place_chain_equals_optax_chain():
