@@ -41,14 +41,16 @@ class Optimizer(nnx.Optimizer):
   bits after ``update``; ``update`` runs ``oh.update_and_apply`` instead of
   ``tx.update`` and ``optax.apply_updates``, so ``adamw_bf16`` and
   ``adam_fp32_master`` (also inside ``dynamic_loss_scale``, or last in
-  ``oh.chain``, e.g. after ``oh.clip_by_global_norm``) write the new params
+  ``oh.chain``, e.g. after ``oh.clip_by_global_norm``, whose clip the
+  kernel then applies as it reads the gradients) write the new params
   straight into the model's buffers on CPU. Donate the model and the
   optimizer to the jitted step (``nnx.jit(..., donate_argnums=(0, 1))``)
   or XLA copies every param and state buffer before the kernel writes it.
   ``nnx.jit`` traverses the model and the optimizer on every call, a cost
   that grows with the number of variables; ``nnx.cached_partial(train_step,
-  model, optimizer)`` caches that traversal and keeps the in-place write
-  (benchmarks/README.md: Flax steps on many tensors).
+  model, optimizer)`` caches that traversal and keeps the in-place write,
+  and ``flat_state=True`` (one array per state field) leaves it fewer
+  variables (benchmarks/README.md: Flax steps on many tensors).
 
   ``update`` returns the change of each param (``new - old``, in fp32 for
   16-bit params), as ``nnx.Optimizer.update`` returns the updates; under
