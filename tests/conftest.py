@@ -1,6 +1,8 @@
 """Shared helpers: numeric comparisons in ULPs, random trees."""
 
 import importlib.util
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -11,6 +13,22 @@ import pytest
 # installed: without it the JAX-only tests still run (the torch ones skip).
 if importlib.util.find_spec("torch") is not None:
   pytest_plugins = ["torch_bridge.pytest_plugin"]
+
+
+
+def pytest_configure(config):
+  """Under pytest-xdist, the controller builds the kernel's two libraries
+  (optax_half_native: torch's and JAX's) before the workers start, both at
+  once, into the cache the workers then load from; otherwise each worker
+  would build both on first use, at the same time as the other. A failed
+  build is left for the tests to report."""
+  if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
+    return
+  builds = ["import optax_half_native as n; n.library()",
+            "import jax, optax_half_native as n; n.ffi_library(jax.ffi.include_dir())"]
+  for proc in [subprocess.Popen([sys.executable, "-c", code]) for code in builds]:
+    proc.wait()
+
 
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _INT = {2: np.int16, 4: np.int32}

@@ -20,6 +20,7 @@ import pytest
 import optax_half as oh
 from optax_half import checkpoint
 from conftest import bitwise_equal, jit_step
+from suite_helpers import default_or_slow
 
 N = 12
 SHAPES = {"w": ((24, 16), jnp.bfloat16), "b": ((16,), jnp.bfloat16),
@@ -77,7 +78,14 @@ def _skips(name):
   return "skip" in name or "loss_scale" in name
 
 
-@pytest.mark.parametrize("name", list(JAX_CONFIGS))
+# make test resumes one of each kind (kernel, flat state, skips, loss
+# scaling, chain, wrappers, ScaledAdam); every configuration in make test-slow.
+_RESUME_DEFAULT = ["adamw_bf16/kahan", "adamw_bf16/kahan/flat_state+skip", "adam_fp32_master+skip",
+                   "dynamic_loss_scale(adamw_bf16)", "kahan_summation(scaled_adam)",
+                   "master_weights(optax.adam)", "stochastic_rounding(optax.adam)"]
+
+
+@pytest.mark.parametrize("name", default_or_slow(list(JAX_CONFIGS), _RESUME_DEFAULT))
 def test_jax_resume_is_bitwise(name, tmp_path):
   tx = JAX_CONFIGS[name]()
   grads = _grads()

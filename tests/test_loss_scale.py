@@ -14,6 +14,7 @@ import pytest
 
 import optax_half as oh
 from conftest import bitwise_equal
+from suite_helpers import default_or_slow
 from optax_half import _util
 from test_trees import OPTIMIZERS, mixed_grads, mixed_params
 
@@ -57,7 +58,9 @@ PLAIN_OPTAX = {
 TRANSFORMS.update(PLAIN_OPTAX)
 
 
-@pytest.mark.parametrize("name", sorted(TRANSFORMS))
+@pytest.mark.parametrize("name", default_or_slow(sorted(TRANSFORMS), [
+    n for n in sorted(TRANSFORMS) if n not in ("adam_fp32_master", "adamw_bf16_none",
+                                               "adamw_bf16_split")]))
 def test_a_nonfinite_element_anywhere_changes_nothing(name):
   """NaN, +Inf or -Inf in one element of any one leaf: every param and every
   inner state leaf (moments, masters, Kahan buffers, counters) is bitwise
@@ -96,8 +99,10 @@ def test_a_nonfinite_element_anywhere_changes_nothing(name):
   assert not _leaves_equal(optax.apply_updates(params, updates), params)
 
 
-@pytest.mark.parametrize("name", ["adamw_bf16_kahan", "adamw_bf16_stochastic", "adam_fp32_master"])
-@pytest.mark.parametrize("tree", ["mixed", "kernel"])
+@pytest.mark.parametrize("tree, name", default_or_slow(
+    [(t, n) for n in ("adamw_bf16_kahan", "adamw_bf16_stochastic", "adam_fp32_master")
+     for t in ("mixed", "kernel")],
+    default=[("kernel", "adamw_bf16_kahan"), ("mixed", "adam_fp32_master")]))
 def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, tree, monkeypatch):
   """Off CPU the skip is a select of both results (no branch picked by the
   device's runtime), on CPU a lax.cond (the native kernel, which takes the

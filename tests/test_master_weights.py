@@ -9,6 +9,7 @@ import pytest
 import optax_half as oh
 from optax_half import rounding
 from conftest import bitwise_equal, jitted_step, random_tree, ulp_diff
+from suite_helpers import default_or_slow
 
 SHAPES = {"w16": (17, 5), "v16": (33,), "s16": ()}
 LR = 1e-2
@@ -40,7 +41,7 @@ def _master(state, params, split):
       params, state.master)
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", default_or_slow([False, True], default=[True]))
 def test_master_trajectory_bitwise_op_by_op(split):
   """200 steps, op by op: master == optax.adam on fp32 params, bitwise."""
   params = _tree()

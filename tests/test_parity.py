@@ -56,7 +56,16 @@ PER_TENSOR_DEFAULT = [("scaled_adam", "fp32"), ("scaled_adam/clip", "bf16"),
                       ("kahan_summation(sgd)", "fp32")]
 
 
-@pytest.mark.parametrize("config, dtype", SMALL_RUNS, ids=[f"{d}-{c}" for c, d in SMALL_RUNS])
+# make test runs every configuration on bf16 and the kernel's fp16 and fp32
+# entries (adam_fp32_master, adamw_bf16, with loss scaling); every pair in
+# make test-slow.
+SMALL_DEFAULT = [(c, d) for c, d in SMALL_RUNS if d == "bf16" or c in (
+    "adam_fp32_master+loss_scale", "adamw_bf16", "adamw_bf16+loss_scale")]
+
+
+@pytest.mark.parametrize("config, dtype", [
+    pytest.param(*p.values, id=f"{p.values[1]}-{p.values[0]}", marks=p.marks)
+    for p in default_or_slow(SMALL_RUNS, SMALL_DEFAULT)])
 def test_every_optimizer_and_dtype_is_bitwise(config, dtype):
   _assert_bitwise(parity.run_config(config, dtype, steps=40), config, dtype)
 

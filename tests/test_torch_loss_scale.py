@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 import optax_half as oh  # noqa: E402
 import torch_bridge as tb  # noqa: E402
 from conftest import ulp_diff  # noqa: E402
+from suite_helpers import default_or_slow  # noqa: E402
 from test_loss_scale import BAD_ARGS  # noqa: E402
 from test_torch_optim import OPTIMIZERS, SHAPES, _bits, _snapshot, _same  # noqa: E402
 
@@ -164,8 +165,9 @@ def test_fp16_grads_reach_the_step_in_fp32():
     tb.dynamic_loss_scale().unscale_(plain)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+@pytest.mark.parametrize("dtype, compensation", default_or_slow(
+    [(d, c) for c in ("kahan", "stochastic") for d in ("bfloat16", "float16")],
+    default=[("bfloat16", "kahan"), ("float16", "stochastic")]))
 def test_bitwise_equal_to_optax_half_with_skips(dtype, compensation):
   """adamw_bf16 under each framework's scaler, 20 steps with two non-finite
   ones, JAX op by op: params, moments and the scale agree bit for bit."""

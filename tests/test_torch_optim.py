@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 import optax_half as oh  # noqa: E402
 import torch_bridge as tb  # noqa: E402
 from conftest import ulp_diff  # noqa: E402
+from suite_helpers import default_or_slow  # noqa: E402
 
 SHAPES = [(33, 17), (64,), (5, 3, 2)]
 
@@ -141,8 +142,10 @@ def _jax_trajectory(tx, p0, grads, dtype):
   return [np.asarray(params[str(i)]) for i in range(len(p0))], state
 
 
-@pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype, compensation", default_or_slow(
+    [(d, c) for d in ("bfloat16", "float16") for c in ("kahan", "split", "stochastic", "none")],
+    default=[("bfloat16", c) for c in ("kahan", "split", "stochastic", "none")]
+    + [("float16", "kahan")]))
 def test_adamw_bf16_bitwise_equals_jax_op_by_op(compensation, dtype):
   """Same keywords, same numbers: 30 steps of torch_bridge.adamw_bf16 and of
   optax_half.adamw_bf16 run op by op (no XLA fusion, so no FMA contraction)
