@@ -38,9 +38,17 @@ def _assert_clips_as_optax(max_norm, grads, jit=True):
   return got
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
-@pytest.mark.parametrize("scale", [1e-4, 1e-2, 1.0])  # global norms ~0.05, 5, 500
-@pytest.mark.parametrize("max_norm", [1.0, 0.25, 3.0])
+# Global norms ~0.05, 5, 500 (scale) against three max_norms, each dtype:
+# make test runs each (scale, max_norm) pair once (a Latin square over the
+# dtypes), make test-slow every combination.
+_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float32)
+_SCALES, _MAX_NORMS = (1e-4, 1e-2, 1.0), (1.0, 0.25, 3.0)
+
+
+@pytest.mark.parametrize("max_norm, scale, dtype", default_or_slow(
+    [(m, s, d) for m in _MAX_NORMS for s in _SCALES for d in _DTYPES],
+    default=[(m, s, _DTYPES[(i + j) % 3]) for i, m in enumerate(_MAX_NORMS)
+             for j, s in enumerate(_SCALES)]))
 def test_bits_equal_optax(dtype, scale, max_norm):
   grads = _tree(dtype, scale)
   got = _assert_clips_as_optax(max_norm, grads)

@@ -19,6 +19,7 @@ from flax.training import train_state as flax_train_state
 
 import optax_half as oh
 from conftest import bitwise_equal
+from suite_helpers import default_or_slow
 
 STEPS = 4
 
@@ -84,7 +85,9 @@ def _nnx_run(optimizer_cls, make_tx, dtype):
   return model, optimizer, changes, train_step
 
 
-@pytest.mark.parametrize("name", list(TXS))
+@pytest.mark.parametrize("name", default_or_slow(list(TXS), [
+    "adamw_bf16 kahan", "dynamic_loss_scale(adamw_bf16)", "oh.chain(clip, adamw_bf16)",
+    "kahan_summation(scaled_adam)", "optax.adam (no kernel)"]))
 def test_nnx_optimizer_equals_flax_optimizer(name):
   dtype = jnp.float16 if name.startswith("dynamic") else jnp.bfloat16
   ref_model, ref_opt, ref_updates, _ = _nnx_run(nnx.Optimizer, TXS[name], dtype)
