@@ -450,14 +450,14 @@ def _adamw_factories(name, hp, loss_scale):
   return make_jax, make_torch, make_scaler
 
 
-@_examples(12)
+@_examples(8)
 @given(case=cases(), config=adamw_configs())
 def test_adamw_family(case, config):
   _adamw_family(case, config)
 
 
 @pytest.mark.slow
-@_examples(24)
+@_examples(28)
 @given(case=cases(), config=adamw_configs())
 def test_adamw_family_more_examples(case, config):
   """``test_adamw_family`` on other examples (derandomized per test)."""
@@ -646,14 +646,14 @@ def _normwise(a, b, what="") -> float:
   return float(np.max(np.abs(a64 - b64)) / scale) if scale > 0 else 0.0
 
 
-@_examples(6)
+@_examples(4)
 @given(case=cases(max_steps=4), config=scaled_adam_configs())
 def test_scaled_adam(case, config):
   _scaled_adam(case, config)
 
 
 @pytest.mark.slow
-@_examples(12)
+@_examples(14)
 @given(case=cases(max_steps=4), config=scaled_adam_configs())
 def test_scaled_adam_more_examples(case, config):
   """``test_scaled_adam`` on other examples (derandomized per test)."""
