@@ -500,10 +500,18 @@ inline bool flushes_to_zero() {
 #endif
 }
 
-// The read of a tensor's gradients of type G with scalars s (once per tensor).
+// Whether the kernel reads gradients of type G clipped: bf16 and fp32, the
+// types optax_half clips in the kernel (clipping.ClipRead.folds; XLA may
+// divide fp16 ones through a rounded reciprocal); the JAX entry refuses a
+// clipped read of any other type.
+template <typename G>
+constexpr bool clip_reads() { return std::is_same_v<G, bf16> || std::is_same_v<G, float>; }
+
+// The read of a tensor's gradients of type G with scalars s (once per
+// tensor, on the thread that steps it: kClipFinite reads its MXCSR).
 template <typename G>
 inline GradRead clip_read(const Scalars& s) {
-  if (!clips(s)) return kPlain;
+  if (!clip_reads<G>() || !clips(s)) return kPlain;
   const bool finite = std::isnormal(s.clip_div) && std::isfinite(s.clip_mul);
   return std::is_same_v<G, bf16> && finite && flushes_to_zero() ? kClipFinite : kClip;
 }

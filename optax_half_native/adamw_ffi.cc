@@ -272,6 +272,9 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   if (buffered && offset > 0 && st[state_at(2, 0)].element_type() != buffer_type(mode, types[0])) {
     return invalid("the mode's buffer is mistyped");
   }
+  if (n > 0 && oh::clips(ts[0].s) && types[1] == ffi::DataType::F16) {  // oh::clip_reads
+    return invalid("a clipped read takes bf16 or fp32 gradients (fp16 ones are clipped first)");
+  }
   // Checked: the moments and the buffers into their results (in place when aliased).
   for (size_t j = 0; j < st.size(); ++j) same_or_copy(st[j], st_out[j]);
   if (!dispatch(types, mode, sr, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {

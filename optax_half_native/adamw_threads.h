@@ -72,8 +72,8 @@ void split_evenly(int64_t total, int nthreads, const Fn& fn) {
 #endif
 }
 
-// kClipRead: the build reads clipped bf16 and fp32 gradients where a
-// tensor's scalars clip (clip_read: the JAX entry's optax_half.chain with
+// kClipRead: the build reads clipped gradients where a tensor's scalars
+// clip (clip_read: the JAX entry's optax_half.chain with
 // clip_by_global_norm); without it (the torch library, whose callers never
 // clip) only the plain read is compiled.
 template <typename P, typename G, typename M, typename V, int MODE, bool SR, bool kClipRead>
@@ -91,27 +91,15 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
             reinterpret_cast<M*>(t.mu), reinterpret_cast<V*>(t.nu),
             reinterpret_cast<void*>(t.buffer), t.s, t.key_p, t.key_m);
       };
-      using Plain = std::integral_constant<int, kPlain>;
-      // optax_half clips bf16 and fp32 gradients in the kernel, not fp16 ones
-      // (clipping.ClipRead.folds): no clipped read is compiled for those.
-      if constexpr (kClipRead && !std::is_same_v<G, f16>) {
-        // Per span, on the thread that steps it: kClipFinite reads its MXCSR.
-        switch (clip_read<G>(t.s)) {
-          case kClipFinite:  // bf16 gradients only
-            if constexpr (std::is_same_v<G, bf16>) {
-              range(std::integral_constant<int, kClipFinite>{});
-              break;
-            }
-            [[fallthrough]];
-          case kClip:
-            range(std::integral_constant<int, kClip>{});
-            break;
-          default:
-            range(Plain{});
-        }
-      } else {
-        range(Plain{});
+      // Only the reads clip_read can pick are compiled for G.
+      const GradRead read = kClipRead ? clip_read<G>(t.s) : kPlain;
+      if constexpr (kClipRead && std::is_same_v<G, bf16>) {
+        if (read == kClipFinite) range(std::integral_constant<int, kClipFinite>{});
       }
+      if constexpr (kClipRead && clip_reads<G>()) {
+        if (read == kClip) range(std::integral_constant<int, kClip>{});
+      }
+      if (read == kPlain) range(std::integral_constant<int, kPlain>{});
     }
     start = end;
   }

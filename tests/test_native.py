@@ -1022,6 +1022,12 @@ def test_the_custom_call_checks_its_operands():
     call([p], [[p], [p], [p]], scalars=jnp.zeros(9, jnp.float32))
   with pytest.raises(Exception, match="operands p..., g..., mu..., nu..., buffer..."):
     call([p], [[p], [p], [p]], keys=jnp.zeros((2, 2), jnp.uint32))
+  if jax_native.has_f16():  # a clipped read of fp16 gradients: refused, not ignored
+    h = jnp.ones(8, jnp.float16)
+    clipping = scalars.at[native.ADAMW_SCALARS.index("clip_div")].set(2.0)
+    with pytest.raises(Exception, match="a clipped read takes bf16 or fp32 gradients"):
+      jax_native._call(jax_native.TARGET, "kahan", "nearest", clipping, keys, [h], [h],
+                       [[h], [h], [h]], False)
   with pytest.raises(Exception, match="p_out p's dtype"):  # an fp32 param's bf16 p_out
     q = jnp.ones(8, jnp.float32)
     jax.ffi.ffi_call(jax_native.TARGET, [jax.ShapeDtypeStruct((8,), jnp.bfloat16)] + [
@@ -1086,15 +1092,15 @@ def test_a_library_whose_struct_differs_from_tensor_dtype_is_refused(monkeypatch
   import optax_half_native as native  # noqa: PLC0415
   names = native.TENSOR_DTYPE.names
   fewer = (np.float32, (len(native.ADAMW_SCALARS) - 1,))
-  nine = np.dtype([(n, *(fewer if n == "scalars" else native.TENSOR_DTYPE.fields[n][:1]))
-                   for n in names], align=True)
-  assert nine.itemsize == native.TENSOR_DTYPE.itemsize
+  shifted = np.dtype([(n, *(fewer if n == "scalars" else native.TENSOR_DTYPE.fields[n][:1]))
+                      for n in names], align=True)
+  assert shifted.itemsize == native.TENSOR_DTYPE.itemsize
   # The FFI library's own load (a build the cache has: no compile here; the
   # torch library's plain build would be one more).
   assert jax_native.available()
   args = (native._compiler(), "adamw_ffi.cc", (jax.ffi.include_dir(),), ())
   assert native._build_and_load(*args) is not None
-  monkeypatch.setattr(native, "TENSOR_DTYPE", nine)
+  monkeypatch.setattr(native, "TENSOR_DTYPE", shifted)
   with pytest.raises(RuntimeError, match="struct layout differs from TENSOR_DTYPE"):
     native._build_and_load(*args)
 
