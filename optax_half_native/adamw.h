@@ -44,13 +44,19 @@ inline float as_f32(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 // one word (uint32_t) or each lane of a vector of words (Lanes8, Lanes16),
 // so every lane width computes the same expression. Each returns the bf16
 // bits in the low 16 bits; NaNs are each caller's to handle.
+// The *_high forms are the same before the final >> 16 (the bf16 bits in
+// the high half, garbage below).
+template <typename U>
+inline U nearest_even_high(U u) { return u + 0x7FFFu + ((u >> 16) & 1u); }
 template <typename U>
 inline U nearest_even_bits(U u) {  // round to nearest, ties to even
-  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return nearest_even_high(u) >> 16;
 }
 template <typename U>
+inline U stochastic_high(U u, U random) { return u + (random >> 16); }
+template <typename U>
 inline U stochastic_bits(U u, U random) {  // add 16 random bits below the bf16 mantissa, truncate
-  return (u + (random >> 16)) >> 16;
+  return stochastic_high(u, random) >> 16;
 }
 // split_f32's bf16 half (the int16 half is u - (high << 16)).
 template <typename U>
@@ -450,10 +456,165 @@ struct Lanes8 {
   }
 };
 
+// A pair of vectors (the even and the odd elements of a block, Pairs8) with
+// each operator of its vector type applied to both; a scalar operand goes to
+// both, as with one vector.
+template <typename V>
+struct Pair {
+  V e, o;
+};
+#define OH_PAIR_OP(op)                                                                   \
+  template <typename V>                                                                  \
+  inline Pair<V> operator op(Pair<V> a, Pair<V> b) { return {a.e op b.e, a.o op b.o}; }   \
+  template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>> \
+  inline Pair<V> operator op(Pair<V> a, S b) { return {a.e op b, a.o op b}; }             \
+  template <typename V, typename S, typename = std::enable_if_t<std::is_arithmetic_v<S>>> \
+  inline Pair<V> operator op(S a, Pair<V> b) { return {a op b.e, a op b.o}; }             \
+  template <typename V, typename B>                                                      \
+  inline Pair<V>& operator op##=(Pair<V>& a, B b) { return a = a op b; }
+OH_PAIR_OP(+)
+OH_PAIR_OP(-)
+OH_PAIR_OP(*)
+OH_PAIR_OP(/)
+OH_PAIR_OP(&)
+OH_PAIR_OP(|)
+OH_PAIR_OP(^)
+OH_PAIR_OP(<<)
+OH_PAIR_OP(>>)
+#undef OH_PAIR_OP
+
+// 16 elements at a time with AVX2, as two vectors of 8: lane k of `e` holds
+// element 2k of the block, lane k of `o` element 2k + 1. That order is the
+// one 16-bit arrays have for free: 16 bf16 words loaded as 8 words of 32 bits
+// hold the even elements in their low halves and the odd ones in their high
+// halves, so widening is one shift (even) and one mask (odd), and narrowing
+// one shift and one or; Lanes8 spends a zero-extension and a shift on each
+// 8 read and two shuffles (one across the 128-bit halves) on each 8 written.
+// fp32 arrays are deinterleaved as they are read and interleaved as they are
+// written (two shuffles per 8 each way). Every operation is Scalar's, lane by
+// lane (the random-bit counter of each lane is its element's index), so the
+// bits are Scalar's. A bf16 rounding takes round_nearest's NaN (0x7FC0) by a
+// branch on an unordered compare of the pair: rare, it costs less than a
+// select in every block. fp16 arrays take Lanes8 (adamw_range).
+struct Pairs8 {
+  using V = Lanes8::U;
+  typedef float F8 __attribute__((vector_size(32)));  // __m256 without its attributes
+  using F = Pair<F8>;
+  using U = Pair<V>;
+  static constexpr int kWidth = 16;
+
+  static U bits(F x) { return {Lanes8::bits(x.e), Lanes8::bits(x.o)}; }
+  static F floats(U u) { return {Lanes8::floats(u.e), Lanes8::floats(u.o)}; }
+  static V load16(const void* a, int64_t i) {
+    return (V)_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a) + i));
+  }
+  static void store16(void* a, int64_t i, V words) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(a) + i),
+                        (__m256i)words);
+  }
+  // The 16 words of a block, each in the high half of its element's lane.
+  static U high_halves(V words) { return {words << 16, words & 0xFFFF0000u}; }
+  // The block's 16 words from each lane's low 16 bits (each lane < 2^16:
+  // the roundings' results after their >> 16).
+  static V words(U low) { return low.e | (low.o << 16); }
+  // The same from each lane's high 16 bits.
+  static V high_words(U u) { return (u.e >> 16) | (u.o & 0xFFFF0000u); }
+  static bool any_nan(F x) {
+    return _mm256_movemask_ps(_mm256_cmp_ps(x.e, x.o, _CMP_UNORD_Q)) != 0;
+  }
+  // `nan` (round_nearest's NaN, shifted as r is) in the lanes where x is a
+  // NaN (the rare branch).
+  static U with_nan(F x, U r, uint32_t nan) {
+    return {Lanes8::select(Lanes8::nan_lanes(x.e), V{} + nan, r.e),
+            Lanes8::select(Lanes8::nan_lanes(x.o), V{} + nan, r.o)};
+  }
+
+  static F get(const bf16* a, int64_t i) { return floats(high_halves(load16(a, i))); }
+  // fp32 elements i..i+15 into (even, odd): two shuffles per vector.
+  static F get(const float* a, int64_t i) {
+    const __m256 lo = _mm256_loadu_ps(a + i), hi = _mm256_loadu_ps(a + i + 8);
+    const auto order = [](__m256 x) {  // 0 2 8 10 4 6 12 14 -> 0 2 4 6 8 10 12 14
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
+    };
+    return {order(_mm256_shuffle_ps(lo, hi, 0x88)), order(_mm256_shuffle_ps(lo, hi, 0xDD))};
+  }
+  static void put(float* a, int64_t i, F v) {
+    const auto order = [](__m256 x) {  // 0 2 4 6 8 10 12 14 -> 0 2 8 10 4 6 12 14
+      return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(x), 0xD8));
+    };
+    const __m256 e = order(v.e), o = order(v.o);
+    _mm256_storeu_ps(a + i, _mm256_unpacklo_ps(e, o));
+    _mm256_storeu_ps(a + i + 8, _mm256_unpackhi_ps(e, o));
+  }
+  static void put(bf16* a, int64_t i, V words) { store16(a, i, words); }
+  static F widen(V words) { return floats(high_halves(words)); }
+  static F widen(F x) { return x; }
+  static F widen(F x, float) { return x; }
+  static F widen(V words, bf16) { return widen(words); }
+  static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
+    // int32(lo): the low halves' words shifted up and back (arithmetic), the
+    // high halves' shifted down (arithmetic).
+    typedef int32_t I __attribute__((vector_size(32)));
+    const I l = (I)load16(lo, i);
+    const U low = {(V)((l << 16) >> 16), (V)(l >> 16)};
+    return floats(high_halves(load16(hi, i)) + low);
+  }
+  static F sqrt(F x) { return {_mm256_sqrt_ps(x.e), _mm256_sqrt_ps(x.o)}; }
+  static F where_equal(F a, F b, F x, F y) {
+    return {Lanes8::where_equal(a.e, b.e, x.e, y.e), Lanes8::where_equal(a.o, b.o, x.o, y.o)};
+  }
+  static U counter(uint64_t first) {
+    const V even = uint32_t(first) + V{0, 2, 4, 6, 8, 10, 12, 14};
+    return {even, even + 1u};
+  }
+
+  static F to(F x, float) { return x; }
+  static F rounded_bf16(F x) { return floats(nearest_even_high(bits(x)) & 0xFFFF0000u); }
+  static V to(F x, bf16) {  // round_nearest
+    const U y = nearest_even_high(bits(x));
+    return high_words(__builtin_expect(any_nan(x), 0) ? with_nan(x, y, kBf16QuietNan << 16) : y);
+  }
+  static F to_stochastic(F x, U, float) { return x; }
+  static V to_stochastic(F x, U r, bf16) {
+    const U y = stochastic_high(bits(x), r);
+    return high_words(__builtin_expect(any_nan(x), 0) ? with_nan(x, y, kBf16QuietNan << 16) : y);
+  }
+  // put_moments_stochastic for two bf16 moments: stochastic_bits before its
+  // >> 16, each narrowed by its high halves; one unordered compare of m and v
+  // finds a NaN in either.
+  static void put_moments_stochastic(bf16* mu, bf16* nu, int64_t i, F m32, F v32, U w) {
+    const F nan_either = {_mm256_cmp_ps(m32.e, v32.e, _CMP_UNORD_Q),
+                          _mm256_cmp_ps(m32.o, v32.o, _CMP_UNORD_Q)};
+    if (__builtin_expect(_mm256_movemask_ps(_mm256_or_ps(nan_either.e, nan_either.o)) != 0, 0)) {
+      put(mu, i, to_stochastic(m32, w, bf16{}));
+      put(nu, i, to_stochastic(v32, w << 16, bf16{}));
+      return;
+    }
+    put(mu, i, high_words(bits(m32) + (w >> 16)));
+    put(nu, i, high_words(bits(v32) + (w & 0xFFFFu)));
+  }
+  static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
+    const U b = bits(x);
+    U h = split_high(b);
+    U l = (b - (h << 16)) & 0xFFFFu;
+    if (__builtin_expect(any_nan(x), 0)) {
+      h = with_nan(x, h, kBf16QuietNan);
+      l = {l.e & ~Lanes8::nan_lanes(x.e), l.o & ~Lanes8::nan_lanes(x.o)};
+    }
+    store16(hi, i, words(h));
+    store16(lo, i, words(l));
+  }
+};
+
 }  // namespace oh
 #endif
 
 namespace oh {
+
+// Whether any of the types is fp16 (whose AVX2 conversions take Lanes8).
+template <typename... T>
+constexpr bool any_f16() { return (std::is_same_v<T, f16> || ...); }
 
 // How many elements one step of the loop takes: 16 (AVX-512), 8 (AVX2) or 1.
 #if defined(OH_LANES16)
@@ -532,17 +693,19 @@ inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s) {
 }
 
 // The AdamW step of the L::kWidth elements from i, on lanes L (Scalar,
-// Lanes8 or Lanes16): one source for all, line for line torch_bridge.adam.adamw_step.
-// gi: the gradient elements as read (read_grad).
+// Lanes8, Pairs8 or Lanes16): one source for all, line for line
+// torch_bridge.adam.adamw_step, in two halves. adamw_math reads the elements
+// (gi: the gradient elements as read, read_grad), writes the moments and
+// returns the fp32 value the param's write rounds: the new param x + u, or
+// the update u (kDirect, kUpdate); adamw_write rounds and writes it. The
+// vector loop runs the math of the next block before the write of this one
+// (adamw_range), so the write's roundings overlap the next block's divide
+// and square root.
 template <typename L, typename P, typename M, typename V, int MODE, bool SR>
-inline __attribute__((always_inline)) void adamw_lanes(
-    int64_t i, uint64_t index0, const P* p, P* p_out, typename L::F gi, M* __restrict mu,
-    V* __restrict nu, float* __restrict master, int16_t* __restrict low, P* __restrict comp,
-    const Scalars& s, uint32_t key_p, uint32_t key_m) {
+inline __attribute__((always_inline)) typename L::F adamw_math(
+    int64_t i, uint64_t index0, const P* p, typename L::F gi, M* __restrict mu, V* __restrict nu,
+    const float* master, const int16_t* low, const P* comp, const Scalars& s, uint32_t key_m) {
   using F = typename L::F;
-  // The element index is the random-bit counter, a uint32 (mod 2^32) as in
-  // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
-  const auto index = L::counter(index0 + uint64_t(i));
   F x;
   if constexpr (MODE == kMaster) {
     // The master follows the param: where the param is not the master's
@@ -561,12 +724,31 @@ inline __attribute__((always_inline)) void adamw_lanes(
   F u = m_hat / (L::sqrt(v_hat) + s.eps);
   u = u + s.weight_decay * x;
   u = -s.lr * u;
-  if constexpr (MODE == kDirect) {
-    L::put(p_out, i, L::to(L::get(p, i) + u, P{}));
-  } else if constexpr (MODE == kUpdate) {
-    L::put(p_out, i, L::to(u, P{}));
+  if constexpr (SR) {  // rounding.round_moments: one word w, swap_halves(w) for nu
+    // The element index is the random-bit counter, a uint32 (mod 2^32) as in
+    // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
+    const auto index = L::counter(index0 + uint64_t(i));
+    put_moments_stochastic<L>(mu, nu, i, m32, v32, mix32(index ^ key_m));
   } else {
-    const F x_new = x + u;
+    L::put(mu, i, L::to(m32, M{}));
+    L::put(nu, i, L::to(v32, V{}));
+  }
+  if constexpr (MODE == kDirect || MODE == kUpdate) return u;
+  else return x + u;
+}
+
+// y: adamw_math's value (x + u; u for kDirect and kUpdate).
+template <typename L, typename P, int MODE>
+inline __attribute__((always_inline)) void adamw_write(
+    int64_t i, uint64_t index0, const P* p, P* p_out, typename L::F y, float* __restrict master,
+    int16_t* __restrict low, P* __restrict comp, uint32_t key_p) {
+  using F = typename L::F;
+  if constexpr (MODE == kDirect) {
+    L::put(p_out, i, L::to(L::get(p, i) + y, P{}));
+  } else if constexpr (MODE == kUpdate) {
+    L::put(p_out, i, L::to(y, P{}));
+  } else {
+    const F x_new = y;
     if constexpr (MODE == kMaster) {
       L::put(master, i, x_new);
       L::put(p_out, i, L::to(x_new, P{}));
@@ -577,16 +759,11 @@ inline __attribute__((always_inline)) void adamw_lanes(
       L::put(comp, i, L::to(x_new - L::widen(new_p, P{}), P{}));
       L::put(p_out, i, new_p);
     } else if constexpr (MODE == kStochastic) {
+      const auto index = L::counter(index0 + uint64_t(i));
       L::put(p_out, i, L::to_stochastic(x_new, mix32(index ^ key_p), P{}));
     } else {
       L::put(p_out, i, L::to(x_new, P{}));
     }
-  }
-  if constexpr (SR) {  // rounding.round_moments: one word w, swap_halves(w) for nu
-    put_moments_stochastic<L>(mu, nu, i, m32, v32, mix32(index ^ key_m));
-  } else {
-    L::put(mu, i, L::to(m32, M{}));
-    L::put(nu, i, L::to(v32, V{}));
   }
 }
 
@@ -599,10 +776,13 @@ inline __attribute__((always_inline)) void adamw_lanes(
 // another array, possibly the gradient's (JAX, whose update needs the old
 // param too); the elements of p and g are read before p_out's same elements
 // are written. The moments and the buffer are updated in place. READ: how
-// the gradients are read (GradRead). The vector loop reads each gradient
-// vector one iteration ahead, so its read (a clip's divide and roundings)
-// is off the step's dependency chain; p_out's elements written so far are
-// all behind the vector read.
+// the gradients are read (GradRead). The vector loop is two stages deep: it
+// reads block k + 1 (its gradients with the read's divide and roundings, if
+// it clips), computes its fp32 values and writes its moments before it
+// rounds and writes block k's param (adamw_math, adamw_write), so the
+// roundings of one block overlap the divide and square root of the next;
+// every element of p and g is still read before p_out's same element is
+// written (a block is read before its own write; reads run ahead only).
 template <typename P, typename G, typename M, typename V, int MODE, bool SR, int READ = kPlain>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
@@ -616,25 +796,28 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
 #if defined(OH_LANES16)
   using L = Lanes16;
 #else
-  using L = Lanes8;
+  using L = std::conditional_t<any_f16<P, G, M, V>(), Lanes8, Pairs8>;
 #endif
   constexpr int64_t W = L::kWidth;
+  const auto math = [&](int64_t j) {
+    return adamw_math<L, P, M, V, MODE, SR>(j, index0, p, read_grad<L, G, READ>(g, j, s), mu, nu,
+                                            master, low, comp, s, key_m);
+  };
   if (i + W <= end) {
-    typename L::F gi = read_grad<L, G, READ>(g, i, s);
+    typename L::F y = math(i);
     for (; i + 2 * W <= end; i += W) {
-      const typename L::F next = read_grad<L, G, READ>(g, i + W, s);
-      adamw_lanes<L, P, M, V, MODE, SR>(i, index0, p, p_out, gi, mu, nu, master, low, comp, s,
-                                        key_p, key_m);
-      gi = next;
+      const typename L::F next = math(i + W);
+      adamw_write<L, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
+      y = next;
     }
-    adamw_lanes<L, P, M, V, MODE, SR>(i, index0, p, p_out, gi, mu, nu, master, low, comp, s,
-                                      key_p, key_m);
+    adamw_write<L, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
     i += W;
   }
 #endif
   for (; i < end; ++i) {
-    adamw_lanes<Scalar, P, M, V, MODE, SR>(i, index0, p, p_out, read_grad<Scalar, G, READ>(g, i, s),
-                                           mu, nu, master, low, comp, s, key_p, key_m);
+    const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
+        i, index0, p, read_grad<Scalar, G, READ>(g, i, s), mu, nu, master, low, comp, s, key_m);
+    adamw_write<Scalar, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
   }
 }
 
