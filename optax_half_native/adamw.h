@@ -776,13 +776,13 @@ inline __attribute__((always_inline)) void adamw_write(
 // another array, possibly the gradient's (JAX, whose update needs the old
 // param too); the elements of p and g are read before p_out's same elements
 // are written. The moments and the buffer are updated in place. READ: how
-// the gradients are read (GradRead). The vector loop is two stages deep: it
-// reads block k + 1 (its gradients with the read's divide and roundings, if
-// it clips), computes its fp32 values and writes its moments before it
-// rounds and writes block k's param (adamw_math, adamw_write), so the
-// roundings of one block overlap the divide and square root of the next;
-// every element of p and g is still read before p_out's same element is
-// written (a block is read before its own write; reads run ahead only).
+// the gradients are read (GradRead). The vector loop is three stages deep:
+// while it rounds and writes block k's param (adamw_write), it has computed
+// block k + 1's fp32 values and written its moments (adamw_math), and read
+// block k + 2's gradients (read_grad: a clip's divide and roundings), so
+// each block's roundings overlap the next block's divide and square root
+// and the read is off the chain. Every element of p and g is still read
+// before p_out's same element is written (reads only run ahead).
 template <typename P, typename G, typename M, typename V, int MODE, bool SR, int READ = kPlain>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
@@ -799,18 +799,32 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   using L = std::conditional_t<any_f16<P, G, M, V>(), Lanes8, Pairs8>;
 #endif
   constexpr int64_t W = L::kWidth;
-  const auto math = [&](int64_t j) {
-    return adamw_math<L, P, M, V, MODE, SR>(j, index0, p, read_grad<L, G, READ>(g, j, s), mu, nu,
-                                            master, low, comp, s, key_m);
+  using F = typename L::F;
+  const auto read = [&](int64_t j) { return read_grad<L, G, READ>(g, j, s); };
+  const auto math = [&](int64_t j, F gj) {
+    return adamw_math<L, P, M, V, MODE, SR>(j, index0, p, gj, mu, nu, master, low, comp, s,
+                                            key_m);
   };
-  if (i + W <= end) {
-    typename L::F y = math(i);
-    for (; i + 2 * W <= end; i += W) {
-      const typename L::F next = math(i + W);
-      adamw_write<L, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
-      y = next;
+  const auto write = [&](int64_t j, F y) {
+    adamw_write<L, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
+  };
+  if (i + 2 * W <= end) {
+    F y = math(i, read(i));
+    F g_next = read(i + W);
+    for (; i + 3 * W <= end; i += W) {
+      const F g_after = read(i + 2 * W);
+      const F y_next = math(i + W, g_next);
+      write(i, y);
+      y = y_next;
+      g_next = g_after;
     }
-    adamw_write<L, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
+    const F y_next = math(i + W, g_next);
+    write(i, y);
+    write(i + W, y_next);
+    i += 2 * W;
+  }
+  if (i + W <= end) {  // a range of one block (W to 2W - 1 elements)
+    write(i, math(i, read(i)));
     i += W;
   }
 #endif
