@@ -218,6 +218,7 @@ namespace oh {
 // subnormals as 0 and writes NaNs of its own: lanes holding a subnormal or
 // a NaN (fpclass, one instruction) take round_nearest's integer rounding.
 struct Lanes16 {
+  static constexpr bool kThreeStages = true;  // adamw_range's loop (32 vector registers)
   using F = __m512;
   typedef uint32_t U __attribute__((vector_size(64)));
   static constexpr int kWidth = 16;
@@ -353,6 +354,7 @@ namespace oh {
 // lane, rounding to bf16 included (the integer round to nearest even, a NaN
 // written as 0x7FC0), so the bits are Scalar's.
 struct Lanes8 {
+  static constexpr bool kThreeStages = false;
   using F = __m256;
   typedef uint32_t U __attribute__((vector_size(32)));
   static constexpr int kWidth = 8;
@@ -497,6 +499,7 @@ OH_PAIR_OP(>>)
 // branch on an unordered compare of the pair: rare, it costs less than a
 // select in every block. fp16 arrays take Lanes8 (adamw_range).
 struct Pairs8 {
+  static constexpr bool kThreeStages = false;  // adamw_range's loop (16 vector registers)
   using V = Lanes8::U;
   typedef float F8 __attribute__((vector_size(32)));  // __m256 without its attributes
   using F = Pair<F8>;
@@ -776,13 +779,17 @@ inline __attribute__((always_inline)) void adamw_write(
 // another array, possibly the gradient's (JAX, whose update needs the old
 // param too); the elements of p and g are read before p_out's same elements
 // are written. The moments and the buffer are updated in place. READ: how
-// the gradients are read (GradRead). The vector loop is three stages deep:
-// while it rounds and writes block k's param (adamw_write), it has computed
-// block k + 1's fp32 values and written its moments (adamw_math), and read
-// block k + 2's gradients (read_grad: a clip's divide and roundings), so
-// each block's roundings overlap the next block's divide and square root
-// and the read is off the chain. Every element of p and g is still read
-// before p_out's same element is written (reads only run ahead).
+// the gradients are read (GradRead). With L::kThreeStages (Lanes16) the
+// vector loop is three stages deep: while it rounds and writes block k's
+// param (adamw_write), it has computed block k + 1's fp32 values and written
+// its moments (adamw_math), and read block k + 2's gradients (read_grad: a
+// clip's divide and roundings), so each block's roundings overlap the next
+// block's divide and square root and the read is off the chain. AVX2's 16
+// registers do not hold that loop: it spills, and its speed then depends on
+// where the thread's stack lies (docs/algorithms.md#vector-lanes), so Pairs8
+// and Lanes8 take one stage with the gradients read one block ahead. Every
+// element of p and g is read before p_out's same element is written (reads
+// only run ahead).
 template <typename P, typename G, typename M, typename V, int MODE, bool SR, int READ = kPlain>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
@@ -808,20 +815,31 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   const auto write = [&](int64_t j, F y) {
     adamw_write<L, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
   };
-  if (i + 2 * W <= end) {
-    F y = math(i, read(i));
-    F g_next = read(i + W);
-    for (; i + 3 * W <= end; i += W) {
-      const F g_after = read(i + 2 * W);
+  if constexpr (L::kThreeStages) {
+    if (i + 2 * W <= end) {
+      F y = math(i, read(i));
+      F g_next = read(i + W);
+      for (; i + 3 * W <= end; i += W) {
+        const F g_after = read(i + 2 * W);
+        const F y_next = math(i + W, g_next);
+        write(i, y);
+        y = y_next;
+        g_next = g_after;
+      }
       const F y_next = math(i + W, g_next);
       write(i, y);
-      y = y_next;
+      write(i + W, y_next);
+      i += 2 * W;
+    }
+  } else if (i + 2 * W <= end) {  // one stage, the gradients read one block ahead
+    F g_next = read(i);
+    for (; i + 2 * W <= end; i += W) {
+      const F g_after = read(i + W);
+      write(i, math(i, g_next));
       g_next = g_after;
     }
-    const F y_next = math(i + W, g_next);
-    write(i, y);
-    write(i + W, y_next);
-    i += 2 * W;
+    write(i, math(i, g_next));
+    i += W;
   }
   if (i + W <= end) {  // a range of one block (W to 2W - 1 elements)
     write(i, math(i, read(i)));
