@@ -18,15 +18,16 @@ install: $(STAMP)
 # Two pytest-xdist workers: most of the suite is single-threaded XLA compiles
 # and small torch steps, so two workers use both cores of a 2-core machine.
 # TEST_WORKERS=0 runs it in one process; the slowest tests are listed at the end.
+# worksteal: a worker that runs out of tests takes some of the other's.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 # The long runs (marker `slow`: training runs, 1000-step parity, the AVX2 build
 # of the kernel, the 8-device sharding run); CI runs them after `make test`.
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --durations=15 -m slow $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 -m slow $(PYTEST_ARGS)
 
 # Long-run soak (tests/test_soak.py, marker `soak`, not in `make test`): 100k steps
 # of every optimizer in JAX and torch; SOAK_STEPS=10000 make soak for a shorter one.

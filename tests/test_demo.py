@@ -183,12 +183,14 @@ def test_tiny_run_in_process(tmp_path):
   assert (tmp_path / "loss_curves.png").exists()
 
 
+@pytest.mark.slow  # a training run (make test runs the demo's and torch's)
 def test_example_flax_nnx_train():
   out = _load("flax_nnx_train").main(["--quick"])
   assert out["dtypes"] == {"bfloat16"}
   assert out["first"] > 5.0 and out["last"] < out["first"] - 2.0  # measured 5.61 -> 2.63
 
 
+@pytest.mark.slow  # a training run (make test runs the demo's and torch's)
 def test_example_flax_train_state():
   out = _load("flax_train_state").main(["--quick"])
   assert out["dtypes"] == {"float16"}

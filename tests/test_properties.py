@@ -450,14 +450,14 @@ def _adamw_factories(name, hp, loss_scale):
   return make_jax, make_torch, make_scaler
 
 
-@_examples(8)
+@_examples(6)
 @given(case=cases(), config=adamw_configs())
 def test_adamw_family(case, config):
   _adamw_family(case, config)
 
 
 @pytest.mark.slow
-@_examples(28)
+@_examples(30)
 @given(case=cases(), config=adamw_configs())
 def test_adamw_family_more_examples(case, config):
   """``test_adamw_family`` on other examples (derandomized per test)."""

@@ -526,6 +526,7 @@ def _train(tx, params, x, y, steps, dtype=jnp.float32):
   return float(_loss(params, x, y)), params, state
 
 
+@pytest.mark.slow  # training runs
 def test_bf16_params_stale_alone_cured_by_wrappers():
   """The seed on bf16 params (state in bf16 too) stalls: its updates of a few
   thousandths of a weight fall below bf16's half-ULP. kahan_summation and
@@ -624,6 +625,7 @@ def test_composes_with_dynamic_loss_scale():
   assert opt.inner.group_state[0]["step"] == 5
 
 
+@pytest.mark.slow  # training runs
 def test_converges_at_least_as_well_as_adam_at_their_best_lr():
   """Teacher-student MLP with label noise (loss floor ~0.01), fp32, 1000 full-
   batch steps, each optimizer at the best lr of a small sweep (both optima are
