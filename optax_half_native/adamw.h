@@ -41,7 +41,7 @@ inline uint32_t as_u32(float x) { uint32_t u; std::memcpy(&u, &x, 4); return u; 
 inline float as_f32(uint32_t u) { float x; std::memcpy(&x, &u, 4); return x; }
 
 // The integer halves of the bf16 roundings, on the bits u of an fp32 value:
-// one word (uint32_t) or each lane of a vector of words (Lanes8, Lanes16),
+// one word (uint32_t) or each lane of a vector of words (Lanes8, Pairs8, Lanes16),
 // so every lane width computes the same expression. Each returns the bf16
 // bits in the low 16 bits; NaNs are each caller's to handle.
 // The *_high forms are the same before the final >> 16 (the bf16 bits in
@@ -552,7 +552,6 @@ struct Pairs8 {
   }
   static void put(bf16* a, int64_t i, V words) { store16(a, i, words); }
   static F widen(V words) { return floats(high_halves(words)); }
-  static F widen(F x) { return x; }
   static F widen(F x, float) { return x; }
   static F widen(V words, bf16) { return widen(words); }
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) {
@@ -574,15 +573,14 @@ struct Pairs8 {
 
   static F to(F x, float) { return x; }
   static F rounded_bf16(F x) { return floats(nearest_even_high(bits(x)) & 0xFFFF0000u); }
-  static V to(F x, bf16) {  // round_nearest
-    const U y = nearest_even_high(bits(x));
+  // The bf16 words of a rounding of x whose high halves are y (a *_high
+  // form), round_nearest's NaN where x is a NaN.
+  static V rounded_words(F x, U y) {
     return high_words(__builtin_expect(any_nan(x), 0) ? with_nan(x, y, kBf16QuietNan << 16) : y);
   }
+  static V to(F x, bf16) { return rounded_words(x, nearest_even_high(bits(x))); }
   static F to_stochastic(F x, U, float) { return x; }
-  static V to_stochastic(F x, U r, bf16) {
-    const U y = stochastic_high(bits(x), r);
-    return high_words(__builtin_expect(any_nan(x), 0) ? with_nan(x, y, kBf16QuietNan << 16) : y);
-  }
+  static V to_stochastic(F x, U r, bf16) { return rounded_words(x, stochastic_high(bits(x), r)); }
   // put_moments_stochastic for two bf16 moments: stochastic_bits before its
   // >> 16, each narrowed by its high halves; one unordered compare of m and v
   // finds a NaN in either.
