@@ -191,13 +191,14 @@ def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dic
   """Prints the table (ratios to ``reference``) and writes JSON; returns the
   JSON dict. ``kernel_library``: the native library the framework stepped with."""
   best_bw = max(bandwidth.values())
+  width = max(56, *map(len, runs))
   ref = median_ms(runs[reference]["times"])
   machine = cpu(kernel_library)
   print(f"{title}: {n_params / 1e6:.2f}M params; {machine['model']} ({machine['machine']}, "
         f"{machine['cores']} CPUs, kernel lanes {machine['kernel_lanes']}"
         f"{', fp16' if machine['kernel_f16'] else ''}); memory "
         f"bandwidth " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
-  print(f"{'optimizer':56s} {'ms/step':>8s} {'vs ref':>7s} {'B/param':>8s} {'moved B/p':>9s} "
+  print(f"{'optimizer':{width}s} {'ms/step':>8s} {'vs ref':>7s} {'B/param':>8s} {'moved B/p':>9s} "
         f"{'GB/s':>6s} {'of bw':>6s} {'setup s':>8s}")
   table = {}
   for name, r in runs.items():
@@ -208,7 +209,7 @@ def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dic
                fraction_of_bandwidth=gbs / best_bw, setup_s=r["setup_s"],
                times_ms=[t * 1e3 for t in r["times"]], **r.get("extra", {}))
     table[name] = row
-    print(f"{name:56s} {ms:8.2f} {ref / ms:6.2f}x {r['bytes_per_param']:8.1f} "
+    print(f"{name:{width}s} {ms:8.2f} {ref / ms:6.2f}x {r['bytes_per_param']:8.1f} "
           f"{r['moved_per_param']:9.1f} {gbs:6.1f} {gbs / best_bw:6.0%} {r['setup_s']:8.2f}")
   out = dict(title=title, params=n_params, reference=reference, bandwidth_gb_per_s=bandwidth,
              cpu=machine, runs=table, **(extra or {}))

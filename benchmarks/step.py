@@ -135,6 +135,17 @@ FLAX = {
     # step is traced, not on every call
     "oh.nnx.Optimizer adamw_bf16 kahan (functional)": (
         jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "oh.nnx functional"),
+    # nnx.jit_partial (Flax >= 0.12.5), tree mode: the model and optimizer
+    # flattened once into a list of Variables, passed donated on every call
+    "nnx.Optimizer optax.adamw fp32 (jit_partial)": (
+        jnp.float32, lambda lr: optax.adamw(lr), "nnx jit_partial"),
+    "oh.nnx.Optimizer adamw_bf16 kahan (jit_partial)": (
+        jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "oh.nnx jit_partial"),
+    "oh.nnx.Optimizer adamw_bf16 kahan flat_state (jit_partial)": (
+        jnp.bfloat16, lambda lr: oh.adamw_bf16(lr, flat_state=True), "oh.nnx jit_partial"),
+    "oh.nnx.Optimizer oh.chain(oh.clip_by_global_norm + kahan) (jit_partial)": (
+        jnp.bfloat16, lambda lr: oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(lr)),
+        "oh.nnx jit_partial"),
     "TrainState optax.adamw fp32": (jnp.float32, lambda lr: optax.adamw(lr), "train_state"),
     "oh.TrainState adamw_bf16 kahan": (jnp.bfloat16, lambda lr: oh.adamw_bf16(lr),
                                        "oh.train_state"),
@@ -144,8 +155,8 @@ FLAX = {
 }
 
 
-FLAX_MODES = ("nnx", "oh.nnx", "oh.nnx cached", "oh.nnx functional", "train_state",
-              "oh.train_state")
+FLAX_MODES = ("nnx", "oh.nnx", "oh.nnx cached", "oh.nnx functional", "nnx jit_partial",
+              "oh.nnx jit_partial", "train_state", "oh.train_state")
 
 
 def all_candidates(lr=1e-3):
@@ -185,20 +196,28 @@ def linear_loss(params, coefficients):
 
 
 def flax_step(mode, tx, params, grads, in_step=False):
-  """(params-like, state-like, grads, step, lowered) of a Flax step: the
-  harness calls ``step(a, b, g)`` and gets back the next ``(a, b)``. With
-  ``in_step``, ``grads`` are the coefficients of ``linear_loss`` and the step
-  takes the gradients of it (``nnx.grad``, ``jax.grad``), as a training step
-  does."""
-  if mode in ("nnx", "oh.nnx", "oh.nnx cached", "oh.nnx functional"):
+  """(params-like, state-like, grads, step, lowered, ready) of a Flax step:
+  the harness calls ``step(a, b, g)`` and gets back the next ``(a, b)``, then
+  ``ready(a, b)``, which waits for one output of the step (all of a step's
+  outputs are ready together; waiting on the module itself would also time
+  flattening it, which a training loop does not do). With ``in_step``,
+  ``grads`` are the coefficients of ``linear_loss`` and the step takes the
+  gradients of it (``nnx.grad``, ``jax.grad``), as a training step does."""
+  if mode.startswith(("nnx", "oh.nnx")):
     model = _Tree(params)
-    cls = nnx.Optimizer if mode == "nnx" else oh.nnx.Optimizer
+    cls = nnx.Optimizer if mode.startswith("nnx") else oh.nnx.Optimizer
     optimizer = cls(model, tx, wrt=nnx.Param)
+    ready = lambda m, o: o.step[...].block_until_ready()
     if in_step:
       g = grads
 
       def update(m, o, c):
         o.update(m, nnx.grad(lambda m: linear_loss(_pure_params(m), c))(m))
+    elif mode.endswith("jit_partial"):  # takes no Variables: the gradients as arrays
+      g = grads
+
+      def update(m, o, g):
+        o.update(m, nnx.state(_Tree(g), nnx.Param))
     else:
       g = nnx.state(_Tree(grads), nnx.Param)
 
@@ -212,7 +231,17 @@ def flax_step(mode, tx, params, grads, in_step=False):
         update(m, o, g)
         return nnx.state((m, o))
       pure = jax.jit(pure, donate_argnums=(0, 1))
-      return state, None, g, lambda st, _, g: (pure(st, g), None), pure.lower(state, g)
+      return (state, None, g, lambda st, _, g: (pure(st, g), None), pure.lower(state, g),
+              lambda st, _: jax.block_until_ready(st[1]["step"]))
+    if mode.endswith("jit_partial"):
+      # the partial args (model, optimizer) are the jitted function's first
+      # argument, one list of Variables; donated with the gradients
+      jitted = nnx.jit_partial(update, model, optimizer, donate_argnums=(0, 1), graph=False)
+
+      def step(m, o, g):
+        jitted(g)
+        return m, o
+      return model, optimizer, g, step, jitted.lower(g), ready
     jitted = nnx.jit(update, donate_argnums=(0, 1, 2))
     lowered = jitted.lower(model, optimizer, g)
     if mode == "oh.nnx cached":
@@ -227,7 +256,7 @@ def flax_step(mode, tx, params, grads, in_step=False):
       def step(m, o, g):
         jitted(m, o, g)
         return m, o
-    return model, optimizer, g, step, lowered
+    return model, optimizer, g, step, lowered, ready
   cls = oh.train_state.TrainState if mode == "oh.train_state" else train_state.TrainState
   state = cls.create(apply_fn=None, params=params, tx=tx)
 
@@ -236,7 +265,8 @@ def flax_step(mode, tx, params, grads, in_step=False):
       g = jax.grad(linear_loss)(st.params, g)
     return st.apply_gradients(grads=g)
   jitted = jax.jit(apply, donate_argnums=(0, 1))
-  return state, None, grads, lambda st, _, g: (jitted(st, g), None), jitted.lower(state, grads)
+  return (state, None, grads, lambda st, _, g: (jitted(st, g), None), jitted.lower(state, grads),
+          lambda st, _: st.step.block_until_ready())
 
 
 # The yardsticks' steps, each writing into a donated buffer. The copy's
@@ -328,8 +358,8 @@ def main(argv=None):
       # simply die, which is what a training step does with them too.
       warnings.filterwarnings("ignore", "Some donated buffers were not usable")
       if flax_mode:
-        a, b, g, fn, lowered = flax_step(in_place, tx, params, grads,
-                                         in_step=args.grads == "in-step")
+        a, b, g, fn, lowered, ready = flax_step(in_place, tx, params, grads,
+                                                in_step=args.grads == "in-step")
         compiled = lowered.compile()
         for _ in range(2):  # warm-up; nnx.jit and jax.jit compile again on the first call
           a, b = fn(a, b, fresh(g))
@@ -337,10 +367,11 @@ def main(argv=None):
       else:
         fn = compiled = jax.jit(step, donate_argnums=(0, 1, 2)).lower(
             params, state, grads).compile()
+        ready = lambda p, _: jax.block_until_ready(p)
     compile_s = time.perf_counter() - start
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    runs[name] = dict(fn=fn, params=params, state=state, grads=grads, times=[],
+    runs[name] = dict(fn=fn, params=params, state=state, grads=grads, times=[], ready=ready,
                       setup_s=compile_s, bytes_per_param=(persistent + nbytes(grads)) / n,
                       # clipped: the norm reads the gradients once more
                       moved_per_param=0.0 if in_place == "identity" else (
@@ -360,7 +391,7 @@ def main(argv=None):
       common.settle(args.settle_ms)
       start = time.perf_counter()
       r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
-      jax.block_until_ready(r["params"])
+      r["ready"](r["params"], r["state"])
       r["times"].append(time.perf_counter() - start)
 
   out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}"

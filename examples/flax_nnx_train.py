@@ -39,19 +39,19 @@ def main(argv=None) -> dict:
   tx = oh.chain(oh.clip_by_global_norm(1.0), oh.adamw_bf16(schedule, weight_decay=0.01))
   optimizer = oh.nnx.Optimizer(model, tx, wrt=nnx.Param)  # nnx.Optimizer + update_and_apply
 
-  @nnx.jit
   def train_step(model, optimizer, x, y):
     loss, grads = nnx.value_and_grad(charlm_flax.loss_fn)(model, x, y)
     optimizer.update(model, grads)
     return loss
 
-  @nnx.jit
   def val_loss(model, x, y):
     return charlm_flax.loss_fn(model, x, y)
 
-  # Bind model and optimizer once, so nnx.jit does not re-walk them every step.
-  train_step = nnx.cached_partial(train_step, model, optimizer)
-  val_loss = nnx.cached_partial(val_loss, model)
+  # Bind model and optimizer once (Flax >= 0.12.5): the call then does not
+  # re-walk their graphs, and donating them (argument 0: the bound objects)
+  # lets the kernel write the params in their own buffers.
+  train_step = nnx.jit_partial(train_step, model, optimizer, donate_argnums=0, graph=False)
+  val_loss = nnx.jit_partial(val_loss, model, graph=False)
 
   def evaluate():
     return float(np.mean([val_loss(x, y) for x, y in val_batches]))

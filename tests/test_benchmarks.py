@@ -40,7 +40,10 @@ def _check(out, path, expected_bytes):
 # no param (custom calls count as 0 bytes in cost_analysis).
 FLAX_ROWS = ("oh.nnx.Optimizer adamw_bf16 kahan", "oh.TrainState adamw_bf16 kahan",
              "oh.nnx.Optimizer adamw_bf16 kahan (cached_partial)",
-             "oh.nnx.Optimizer adamw_bf16 kahan flat_state (cached_partial)")
+             "oh.nnx.Optimizer adamw_bf16 kahan flat_state (cached_partial)",
+             "oh.nnx.Optimizer adamw_bf16 kahan (functional)",
+             "oh.nnx.Optimizer adamw_bf16 kahan (jit_partial)",
+             "oh.nnx.Optimizer adamw_bf16 kahan flat_state (jit_partial)")
 
 
 def test_jax_benchmark_quick(tmp_path):

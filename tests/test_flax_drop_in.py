@@ -135,26 +135,46 @@ def _bytes_accessed_per_param(optimizer_cls):
   return float(cost.get("bytes accessed", 0)) / (257 * 256)
 
 
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel runs on CPU")
-@pytest.mark.parametrize("name", ["adamw_bf16 kahan", "kahan_summation(scaled_adam)"])
-def test_nnx_optimizer_under_cached_partial_steps_in_place_same_bits(name):
-  """Flax's cache of the model's and optimizer's traversal
-  (``nnx.cached_partial`` of a donating ``nnx.jit`` step) keeps the bits of
-  the uncached step and the in-place write: the params stay in their
-  buffers."""
-  ref_model, ref_opt, _, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], jnp.bfloat16)
-  model = _Model(jnp.bfloat16)
-  optimizer = oh.nnx.Optimizer(model, TXS[name](), wrt=nnx.Param)
-
-  @nnx.jit(donate_argnums=(0, 1))
-  def train_step(model, optimizer, x):
+def _fast_loop(how, model, optimizer):
+  """``train_step(x)`` in one of Flax's ways to skip ``nnx.jit``'s per-call
+  graph traversal (or part of it), donating the model and the optimizer."""
+  def step(model, optimizer, x):
     grads = nnx.grad(lambda m: (m(x).astype(jnp.float32) ** 2).mean())(model)
     optimizer.update(model, grads)
 
-  cached = nnx.cached_partial(train_step, model, optimizer)
+  if how == "cached_partial":
+    return nnx.cached_partial(nnx.jit(step, donate_argnums=(0, 1)), model, optimizer)
+  if how.startswith("jit_partial"):  # Flax >= 0.12.5; the partial args are one donated list
+    return nnx.jit_partial(step, model, optimizer, donate_argnums=0,
+                           graph=how.endswith("graph"), graph_updates=False)
+  jitted = nnx.jit(step, donate_argnums=(0, 1), graph=False)  # tree mode: Flax >= 0.12.4
+  return lambda x: jitted(model, optimizer, x)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel runs on CPU")
+@pytest.mark.parametrize("how", [
+    "cached_partial",
+    pytest.param("jit_partial tree", marks=pytest.mark.skipif(
+        not hasattr(nnx, "jit_partial"), reason="nnx.jit_partial: Flax >= 0.12.5")),
+    pytest.param("jit_partial graph", marks=pytest.mark.skipif(
+        not hasattr(nnx, "jit_partial"), reason="nnx.jit_partial: Flax >= 0.12.5")),
+    pytest.param("jit tree", marks=pytest.mark.skipif(
+        not hasattr(nnx, "set_graph_mode"), reason="nnx.jit(graph=False): Flax >= 0.12.4")),
+])
+@pytest.mark.parametrize("name", ["adamw_bf16 kahan", "kahan_summation(scaled_adam)"])
+def test_nnx_optimizer_in_flax_fast_loops_steps_in_place_same_bits(name, how):
+  """Flax's ways to cut ``nnx.jit``'s per-call traversal of the model and
+  optimizer (``nnx.cached_partial`` of a donating ``nnx.jit`` step,
+  ``nnx.jit_partial`` in tree or graph mode, ``nnx.jit(graph=False)``) keep
+  the bits of the plain ``nnx.jit`` step and the in-place write: the params
+  stay in their buffers."""
+  ref_model, ref_opt, _, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], jnp.bfloat16)
+  model = _Model(jnp.bfloat16)
+  optimizer = oh.nnx.Optimizer(model, TXS[name](), wrt=nnx.Param)
+  train_step = _fast_loop(how, model, optimizer)
   pointer = model.dense.kernel[...].unsafe_buffer_pointer()
   for x in _batches(jnp.bfloat16):
-    cached(x)
+    train_step(x)
   assert model.dense.kernel[...].unsafe_buffer_pointer() == pointer
   _same(nnx.state(model), nnx.state(ref_model))
   _same(nnx.state(optimizer), nnx.state(ref_opt))
