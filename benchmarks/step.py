@@ -141,6 +141,9 @@ FLAX = {
         jnp.float32, lambda lr: optax.adamw(lr), "nnx jit_partial"),
     "oh.nnx.Optimizer adamw_bf16 kahan (jit_partial)": (
         jnp.bfloat16, lambda lr: oh.adamw_bf16(lr), "oh.nnx jit_partial"),
+    "oh.nnx.Optimizer kahan_summation(scaled_adam clip 2.0) (jit_partial)": (
+        jnp.bfloat16, lambda lr: oh.kahan_summation(oh.scaled_adam(lr, clipping_scale=2.0)),
+        "oh.nnx jit_partial"),
     "oh.nnx.Optimizer adamw_bf16 kahan flat_state (jit_partial)": (
         jnp.bfloat16, lambda lr: oh.adamw_bf16(lr, flat_state=True), "oh.nnx jit_partial"),
     "oh.nnx.Optimizer oh.chain(oh.clip_by_global_norm + kahan) (jit_partial)": (

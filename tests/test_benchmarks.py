@@ -213,3 +213,12 @@ def test_jax_yardsticks_write_into_the_donated_buffers():
   x = jnp.ones(1024, jnp.float32)
   for fn, args in ((step._scale, (x,)), (step._copy, (jnp.zeros_like(x), x))):
     assert fn.lower(*args).compile().memory_analysis().alias_size_in_bytes == x.nbytes
+
+
+def test_flax_call_cost_benchmark_runs_every_wrapper():
+  from benchmarks import flax_calls  # noqa: PLC0415
+  out = flax_calls.main(["--reps", "1", "--trees", "quick"])["quick"]
+  expected = {f"{name}, {wrapper}" for name in flax_calls.OPTIMIZERS
+              for wrapper in flax_calls.WRAPPERS}
+  assert expected <= set(out) and len(out) == len(expected) + 2
+  assert all(ms > 0 for ms in out.values())
