@@ -151,17 +151,16 @@ def _fast_loop(how, model, optimizer):
   return lambda x: jitted(model, optimizer, x)
 
 
+_FAST_LOOPS = ["cached_partial", "jit_partial tree", "jit_partial graph", "jit tree"]
+
+
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel runs on CPU")
-@pytest.mark.parametrize("how", [
-    "cached_partial",
-    pytest.param("jit_partial tree", marks=pytest.mark.skipif(
-        not hasattr(nnx, "jit_partial"), reason="nnx.jit_partial: Flax >= 0.12.5")),
-    pytest.param("jit_partial graph", marks=pytest.mark.skipif(
-        not hasattr(nnx, "jit_partial"), reason="nnx.jit_partial: Flax >= 0.12.5")),
-    pytest.param("jit tree", marks=pytest.mark.skipif(
-        not hasattr(nnx, "set_graph_mode"), reason="nnx.jit(graph=False): Flax >= 0.12.4")),
-])
-@pytest.mark.parametrize("name", ["adamw_bf16 kahan", "kahan_summation(scaled_adam)"])
+@pytest.mark.skipif(not hasattr(nnx, "jit_partial"), reason="nnx.jit_partial: Flax >= 0.12.5")
+@pytest.mark.parametrize("name,how", default_or_slow(
+    [(name, how) for name in ("adamw_bf16 kahan", "kahan_summation(scaled_adam)")
+     for how in _FAST_LOOPS],
+    [("adamw_bf16 kahan", how) for how in _FAST_LOOPS] + [
+        ("kahan_summation(scaled_adam)", "jit_partial tree")]))
 def test_nnx_optimizer_in_flax_fast_loops_steps_in_place_same_bits(name, how):
   """Flax's ways to cut ``nnx.jit``'s per-call traversal of the model and
   optimizer (``nnx.cached_partial`` of a donating ``nnx.jit`` step,
