@@ -24,7 +24,7 @@ import optax
 from flax import nnx
 
 import optax_half as oh
-from benchmarks.step import _pure_params, _Tree, linear_loss, make_tree
+from benchmarks.step import _pure_params, _Tree, functional_loop, linear_loss, make_tree
 
 # How the Flax rows call the step: nnx.jit (graph mode, Flax's default), its
 # tree mode, nnx.cached_partial, nnx.jit_partial (tree mode), and Flax's
@@ -60,13 +60,7 @@ def _flax_call(wrapper, model, optimizer, coefficients):
   """A zero-argument call of one step of ``wrapper`` that waits for it."""
   wait = lambda: optimizer.step[...].block_until_ready()
   if wrapper == "functional":
-    graphdef, state = nnx.split((model, optimizer))
-
-    def pure(state, c):
-      m, o = nnx.merge(graphdef, state)
-      _update(m, o, c)
-      return nnx.state((m, o))
-    pure = jax.jit(pure, donate_argnums=0)
+    state, pure = functional_loop(_update, model, optimizer, donate_argnums=0)
     box = [state]
 
     def call():

@@ -198,6 +198,19 @@ def linear_loss(params, coefficients):
       jax.tree.leaves(params), jax.tree.leaves(coefficients))).astype(jnp.float32)
 
 
+def functional_loop(update, model, optimizer, donate_argnums):
+  """Flax's functional training loop: ``nnx.split`` once, then a ``jax.jit``
+  of merge, ``update(model, optimizer, x)`` and split. Returns ``(state,
+  step)``; ``step(state, x)`` returns the next state."""
+  graphdef, state = nnx.split((model, optimizer))
+
+  def pure(state, x):
+    m, o = nnx.merge(graphdef, state)
+    update(m, o, x)
+    return nnx.state((m, o))
+  return state, jax.jit(pure, donate_argnums=donate_argnums)
+
+
 def flax_step(mode, tx, params, grads, in_step=False):
   """(params-like, state-like, grads, step, lowered, ready) of a Flax step:
   the harness calls ``step(a, b, g)`` and gets back the next ``(a, b)``, then
@@ -227,13 +240,7 @@ def flax_step(mode, tx, params, grads, in_step=False):
       def update(m, o, g):
         o.update(m, g)
     if mode == "oh.nnx functional":
-      graphdef, state = nnx.split((model, optimizer))
-
-      def pure(state, g):
-        m, o = nnx.merge(graphdef, state)
-        update(m, o, g)
-        return nnx.state((m, o))
-      pure = jax.jit(pure, donate_argnums=(0, 1))
+      state, pure = functional_loop(update, model, optimizer, donate_argnums=(0, 1))
       return (state, None, g, lambda st, _, g: (pure(st, g), None), pure.lower(state, g),
               lambda st, _: jax.block_until_ready(st[1]["step"]))
     if mode.endswith("jit_partial"):
