@@ -28,6 +28,8 @@ def _txs():
   return {
       "adamw_bf16 kahan": lambda: oh.adamw_bf16(1e-2, weight_decay=0.1),
       "adamw_bf16 stochastic": lambda: oh.adamw_bf16(1e-2, compensation="stochastic"),
+      "adamw_bf16 kahan flat_state": lambda: oh.adamw_bf16(1e-2, weight_decay=0.1,
+                                                           flat_state=True),
       "adam_fp32_master": lambda: oh.adam_fp32_master(1e-2),
       "dynamic_loss_scale(adamw_bf16)": lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-2)),
       "oh.chain(clip, adamw_bf16)": lambda: oh.chain(oh.clip_by_global_norm(0.5),
@@ -157,10 +159,13 @@ _FAST_LOOPS = ["cached_partial", "jit_partial tree", "jit_partial graph", "jit t
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the native kernel runs on CPU")
 @pytest.mark.skipif(not hasattr(nnx, "jit_partial"), reason="nnx.jit_partial: Flax >= 0.12.5")
 @pytest.mark.parametrize("name,how", default_or_slow(
-    [(name, how) for name in ("adamw_bf16 kahan", "kahan_summation(scaled_adam)")
+    [(name, how) for name in ("adamw_bf16 kahan", "adamw_bf16 kahan flat_state",
+                              "dynamic_loss_scale(adamw_bf16)", "kahan_summation(scaled_adam)")
      for how in _FAST_LOOPS],
     [("adamw_bf16 kahan", how) for how in _FAST_LOOPS] + [
-        ("kahan_summation(scaled_adam)", "jit_partial tree")]))
+        (name, "jit_partial tree") for name in (
+            "adamw_bf16 kahan flat_state", "dynamic_loss_scale(adamw_bf16)",
+            "kahan_summation(scaled_adam)")]))
 def test_nnx_optimizer_in_flax_fast_loops_steps_in_place_same_bits(name, how):
   """Flax's ways to cut ``nnx.jit``'s per-call traversal of the model and
   optimizer (``nnx.cached_partial`` of a donating ``nnx.jit`` step,
