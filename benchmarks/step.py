@@ -166,7 +166,7 @@ def all_candidates(lr=1e-3):
   """(dtype, tx, mode) by name: every candidate (mode False: tx.update and
   apply_updates), then the in-place steps (True: update_and_apply), the
   clipped in-place steps, the floor ("identity"), then the Flax steps (mode:
-  "nnx", "oh.nnx", "train_state" or "oh.train_state")."""
+  one of FLAX_MODES)."""
   out = {name: (dtype, tx, False) for name, (dtype, tx) in candidates(lr).items()}
   for name in IN_PLACE:
     out[name + IN_PLACE_SUFFIX] = (*out[name][:2], True)

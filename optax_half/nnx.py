@@ -50,10 +50,11 @@ class Optimizer(nnx.Optimizer):
   call, a cost that grows with the number of variables. The fastest loop
   binds them once: ``nnx.jit_partial(train_step, model, optimizer,
   donate_argnums=0, graph=False)`` (Flax >= 0.12.5; argument 0 is the bound
-  objects), within a few percent of ``oh.update_and_apply`` on 16 tensors;
-  with ``flat_state=True`` (one array per state field: fewer variables) also
-  on hundreds. ``nnx.cached_partial`` caches part of the traversal
-  (benchmarks/README.md: Flax steps on many tensors).
+  objects): what is left per call is JAX's cost per array and Flax's per
+  ``Variable`` passed, close to ``oh.update_and_apply``'s time on tens of
+  tensors, and on hundreds with ``flat_state=True`` (one array per state
+  field: fewer variables). ``nnx.cached_partial`` caches part of the
+  traversal (benchmarks/README.md: Flax steps on many tensors).
 
   ``update`` returns the change of each param (``new - old``, in fp32 for
   16-bit params), as ``nnx.Optimizer.update`` returns the updates; under
