@@ -651,7 +651,10 @@ inline void put_moments_stochastic(M* mu, V* nu, int64_t i, typename L::F m32,
 // norm NaN or Inf), and where fp32 results flush to zero (MXCSR.FTZ, as in
 // XLA's threads), so no quotient or product is subnormal: the roundings to
 // bf16 then need no NaN or subnormal fix-up (clip_read picks the mode).
-enum GradRead : int { kPlain = 0, kClip = 1, kClipFinite = 2 };
+// kClipFiniteUnit is kClipFinite where G(max_norm) is 1 (the usual
+// max_norm): the quotient, a bf16 value, times 1 is itself, and rounding it
+// to bf16 again changes nothing, so the product and its rounding are left out.
+enum GradRead : int { kPlain = 0, kClip = 1, kClipFinite = 2, kClipFiniteUnit = 3 };
 
 // Whether this thread's fp32 results flush to zero (x86 MXCSR.FTZ).
 inline bool flushes_to_zero() {
@@ -675,7 +678,8 @@ template <typename G>
 inline GradRead clip_read(const Scalars& s) {
   if (!clip_reads<G>() || !clips(s)) return kPlain;
   const bool finite = std::isnormal(s.clip_div) && std::isfinite(s.clip_mul);
-  return std::is_same_v<G, bf16> && finite && flushes_to_zero() ? kClipFinite : kClip;
+  if (!(std::is_same_v<G, bf16> && finite && flushes_to_zero())) return kClip;
+  return s.clip_mul == 1.0f ? kClipFiniteUnit : kClipFinite;
 }
 
 // Gradient element(s) i widened to fp32 as the step reads them (READ: a
@@ -684,7 +688,9 @@ inline GradRead clip_read(const Scalars& s) {
 template <typename L, typename G, int READ>
 inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s) {
   typename L::F gi = L::get(g, i);
-  if constexpr (READ == kClipFinite) {
+  if constexpr (READ == kClipFiniteUnit) {
+    gi = L::rounded_bf16(gi / s.clip_div);
+  } else if constexpr (READ == kClipFinite) {
     gi = L::rounded_bf16(L::rounded_bf16(gi / s.clip_div) * s.clip_mul);
   } else if constexpr (READ == kClip) {
     const auto quotient = L::to(gi / s.clip_div, G{});

@@ -95,6 +95,7 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
       const GradRead read = kClipRead ? clip_read<G>(t.s) : kPlain;
       if constexpr (kClipRead && std::is_same_v<G, bf16>) {
         if (read == kClipFinite) range(std::integral_constant<int, kClipFinite>{});
+        if (read == kClipFiniteUnit) range(std::integral_constant<int, kClipFiniteUnit>{});
       }
       if constexpr (kClipRead && clip_reads<G>()) {
         if (read == kClip) range(std::integral_constant<int, kClip>{});

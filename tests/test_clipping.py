@@ -207,11 +207,13 @@ def _steps_as_optax_chain(max_norm, make, params, grads_list, expect_fold=True, 
 
 
 @pytest.mark.parametrize("make,max_norm", default_or_slow(
-    [(make, max_norm) for max_norm in (0.5, 1e4) for make in FOLDED],  # clipped, kept
-    default=[("kahan", 0.5), ("master", 0.5), ("kahan flat_state", 0.5), ("kahan", 1e4)]))
+    [(make, max_norm) for max_norm in (0.5, 1.0, 1e4) for make in FOLDED],  # clipped, kept
+    default=[("kahan", 0.5), ("master", 0.5), ("kahan flat_state", 0.5), ("kahan", 1.0),
+             ("kahan", 1e4)]))
 def test_folded_clip_equals_optax_chain(make, max_norm):
   """bf16 and fp32 gradients (the kernel's clip in each type; a flat state
-  takes one dtype, bf16), both branches of the clip, three steps."""
+  takes one dtype, bf16), both branches of the clip, three steps; max_norm 1,
+  whose product the kernel leaves out for bf16 gradients (kClipFiniteUnit)."""
   tree = (lambda scale, seed: _tree(jnp.bfloat16, scale, seed)) if "flat" in make else _mixed_tree
   params = jax.tree.map(lambda x: x + 1, tree(1.0, seed=3))
   grads = [tree(1e-2 * (k + 1), seed=10 + k) for k in range(3)]
@@ -239,12 +241,13 @@ def test_in_place_chain_equals_optax_chain():
 
 @pytest.mark.parametrize("dtype,max_norm", default_or_slow(
     [(dtype, m) for dtype in (jnp.bfloat16, jnp.float16, jnp.float32)
-     for m in ("0.3", "0.3 in the dtype", "1/3")],
-    default=[(jnp.bfloat16, "0.3 in the dtype"), (jnp.float32, "1/3")]))
+     for m in ("0.3", "0.3 in the dtype", "1/3", "1")],
+    default=[(jnp.bfloat16, "0.3 in the dtype"), (jnp.bfloat16, "1"), (jnp.float32, "1/3")]))
 def test_folded_clip_edge_values_equal_optax_chain(dtype, max_norm):
   """Quotients that flush to zero (a gradient far below the norm), one that
   lands on the smallest normal fp32 (2^-126: g = norm * 2^-126), zeros of
-  both signs, and a max_norm that rounds in the gradients' type. (fp16
+  both signs, a max_norm that rounds in the gradients' type and max_norm 1
+  (the kernel's read without the product for bf16 gradients). (fp16
   gradients: clipped before the kernel, not by it; the same bits.)"""
   params = {"w": jnp.linspace(-1, 1, 4096).astype(dtype)}
   g = np.array(jax.random.normal(jax.random.key(0), (4096,)), np.float32)
@@ -253,7 +256,8 @@ def test_folded_clip_edge_values_equal_optax_chain(dtype, max_norm):
   norm = float(np.asarray(optax.tree.norm(grads)).astype(np.float32))
   exact = np.float32(np.asarray(jnp.asarray(norm, dtype).astype(jnp.float32))) * np.float32(2**-126)
   grads["w"] = grads["w"].at[8].set(jnp.asarray(exact, jnp.float32).astype(dtype))
-  max_norm = {"0.3": 0.3, "0.3 in the dtype": jnp.asarray(0.3, dtype), "1/3": 1 / 3}[max_norm]
+  max_norm = {"0.3": 0.3, "0.3 in the dtype": jnp.asarray(0.3, dtype), "1/3": 1 / 3,
+              "1": 1.0}[max_norm]
   _steps_as_optax_chain(max_norm, lambda: oh.adamw_bf16(1e-2), params, [grads] * 2,
                         expect_fold=dtype != jnp.float16)
 
