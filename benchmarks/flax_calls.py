@@ -24,7 +24,8 @@ import optax
 from flax import nnx
 
 import optax_half as oh
-from benchmarks.step import _pure_params, _Tree, functional_loop, linear_loss, make_tree
+from benchmarks import common
+from benchmarks.step import _pure_params, _Tree, functional_loop, linear_loss
 
 # How the Flax rows call the step: nnx.jit (graph mode, Flax's default), its
 # tree mode, nnx.cached_partial, nnx.jit_partial (tree mode), and Flax's
@@ -80,7 +81,8 @@ def _flax_call(wrapper, model, optimizer, coefficients):
 
 
 def rows(tree_name: str, reps: int) -> dict[str, float]:
-  keys = list(make_tree(tree_name))
+  # make_tree's keys (p000, p001, ...), each tensor 4 elements
+  keys = [f"p{i:03d}" for i in range(len(common.shapes(tree_name)))]
   coefficients = {k: jnp.full((4,), 0.1, jnp.float32) for k in keys}
   params = lambda dtype: {k: jnp.ones((4,), dtype) for k in keys}
   out = {}
@@ -121,7 +123,7 @@ def main(argv=None) -> dict:
   args = parser.parse_args(argv)
   trees = args.trees.split(",")
   results = {t: rows(t, args.reps) for t in trees}
-  counts = [len(make_tree(t)) for t in trees]
+  counts = [len(common.shapes(t)) for t in trees]
   names = list(results[trees[0]])
   width = max(map(len, names))
   print(f"{'ms per call (4-element tensors; gradients in the step)':{width}s} "

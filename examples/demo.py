@@ -154,7 +154,7 @@ def train_jax(run: str, args, data, bar) -> Result:
     return charlm_flax.loss_fn(model, x, y)
 
   # Bind the model and optimizer once: nnx.jit then skips re-walking their
-  # graphs on every call (Flax's recommended pattern for small, fast steps).
+  # graphs on every call (nnx.jit_partial skips more: benchmarks/README.md).
   train_step = nnx.cached_partial(train_step, model, optimizer)
   eval_step = nnx.cached_partial(eval_step, model)
 

@@ -192,7 +192,7 @@ struct Scalar {
   static U counter(uint64_t first) { return uint32_t(first); }
   static U bits(F x) { return as_u32(x); }
   // x rounded to nearest even bf16, as fp32; x neither NaN nor subnormal
-  // (kClipFinite), where every lane type's rounding gives these bits.
+  // (kClipFinite, kClipFiniteUnit), where every lane type's rounding gives these bits.
   static F rounded_bf16(F x) { return as_f32(nearest_even_bits(as_u32(x)) << 16); }
   template <typename T> static T to(F x, T tag) { return round_nearest(x, tag); }
   template <typename T> static T to_stochastic(F x, U bits, T tag) {

@@ -207,7 +207,8 @@ def _steps_as_optax_chain(max_norm, make, params, grads_list, expect_fold=True, 
 
 
 @pytest.mark.parametrize("make,max_norm", default_or_slow(
-    [(make, max_norm) for max_norm in (0.5, 1.0, 1e4) for make in FOLDED],  # clipped, kept
+    # clipped (0.5, 1.0: the read without the product), kept (1e4)
+    [(make, max_norm) for max_norm in (0.5, 1.0, 1e4) for make in FOLDED],
     default=[("kahan", 0.5), ("master", 0.5), ("kahan flat_state", 0.5), ("kahan", 1.0),
              ("kahan", 1e4)]))
 def test_folded_clip_equals_optax_chain(make, max_norm):
