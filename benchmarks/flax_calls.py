@@ -19,13 +19,12 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 import optax_half as oh
 from benchmarks import common
-from benchmarks.step import _pure_params, _Tree, functional_loop, linear_loss
+from benchmarks.step import _Tree, functional_loop, in_step_update, linear_loss
 
 # How the Flax rows call the step: nnx.jit (graph mode, Flax's default), its
 # tree mode, nnx.cached_partial, nnx.jit_partial (tree mode), and Flax's
@@ -41,7 +40,8 @@ OPTIMIZERS = {
 }
 
 
-def median_ms(call, reps: int) -> float:
+def ms_per_call(call, reps: int) -> float:
+  """The median of ``reps`` timed calls, after 3 untimed ones."""
   for _ in range(3):
     call()
   times = []
@@ -49,19 +49,14 @@ def median_ms(call, reps: int) -> float:
     start = time.perf_counter()
     call()
     times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3
-
-
-def _update(model, optimizer, coefficients):
-  grads = nnx.grad(lambda m: linear_loss(_pure_params(m), coefficients))(model)
-  optimizer.update(model, grads)
+  return common.median_ms(times)
 
 
 def _flax_call(wrapper, model, optimizer, coefficients):
   """A zero-argument call of one step of ``wrapper`` that waits for it."""
   wait = lambda: optimizer.step[...].block_until_ready()
   if wrapper == "functional":
-    state, pure = functional_loop(_update, model, optimizer, donate_argnums=0)
+    state, pure = functional_loop(in_step_update, model, optimizer, donate_argnums=0)
     box = [state]
 
     def call():
@@ -69,13 +64,13 @@ def _flax_call(wrapper, model, optimizer, coefficients):
       jax.block_until_ready(box[0][1]["step"])
     return call
   if wrapper == "nnx.jit_partial":
-    bound = nnx.jit_partial(_update, model, optimizer, donate_argnums=0, graph=False)
+    bound = nnx.jit_partial(in_step_update, model, optimizer, donate_argnums=0, graph=False)
     step = lambda: bound(coefficients)
   elif wrapper == "nnx.cached_partial":
-    bound = nnx.cached_partial(nnx.jit(_update, donate_argnums=(0, 1)), model, optimizer)
+    bound = nnx.cached_partial(nnx.jit(in_step_update, donate_argnums=(0, 1)), model, optimizer)
     step = lambda: bound(coefficients)
   else:
-    jitted = nnx.jit(_update, donate_argnums=(0, 1), graph=wrapper == "nnx.jit")
+    jitted = nnx.jit(in_step_update, donate_argnums=(0, 1), graph=wrapper == "nnx.jit")
     step = lambda: jitted(model, optimizer, coefficients)
   return lambda: (step(), wait())
 
@@ -96,7 +91,7 @@ def rows(tree_name: str, reps: int) -> dict[str, float]:
   def update_and_apply():
     box[0], box[1] = in_place(box[0], box[1], coefficients)
     box[0][keys[0]].block_until_ready()
-  out["oh.update_and_apply + adamw_bf16 in jax.jit"] = median_ms(update_and_apply, reps)
+  out["oh.update_and_apply + adamw_bf16 in jax.jit"] = ms_per_call(update_and_apply, reps)
 
   state = [oh.train_state.TrainState.create(apply_fn=None, params=params(jnp.bfloat16), tx=tx)]
   apply = jax.jit(lambda st, c: st.apply_gradients(grads=jax.grad(linear_loss)(st.params, c)),
@@ -105,13 +100,13 @@ def rows(tree_name: str, reps: int) -> dict[str, float]:
   def train_state():
     state[0] = apply(state[0], coefficients)
     state[0].step.block_until_ready()
-  out["oh.TrainState + adamw_bf16 in jax.jit"] = median_ms(train_state, reps)
+  out["oh.TrainState + adamw_bf16 in jax.jit"] = ms_per_call(train_state, reps)
 
   for name, (cls, make_tx, dtype) in OPTIMIZERS.items():
     for wrapper in WRAPPERS:
       model = _Tree(params(dtype))
       optimizer = cls(model, make_tx(), wrt=nnx.Param)
-      out[f"{name}, {wrapper}"] = median_ms(
+      out[f"{name}, {wrapper}"] = ms_per_call(
           _flax_call(wrapper, model, optimizer, coefficients), reps)
   return out
 

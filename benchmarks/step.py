@@ -198,6 +198,13 @@ def linear_loss(params, coefficients):
       jax.tree.leaves(params), jax.tree.leaves(coefficients))).astype(jnp.float32)
 
 
+def in_step_update(model, optimizer, coefficients):
+  """``optimizer.update`` with the gradients of ``linear_loss`` taken in the
+  step (``nnx.grad``), as a training step takes them."""
+  grads = nnx.grad(lambda m: linear_loss(_pure_params(m), coefficients))(model)
+  optimizer.update(model, grads)
+
+
 def functional_loop(update, model, optimizer, donate_argnums):
   """Flax's functional training loop: ``nnx.split`` once, then a ``jax.jit``
   of merge, ``update(model, optimizer, x)`` and split. Returns ``(state,
@@ -225,10 +232,7 @@ def flax_step(mode, tx, params, grads, in_step=False):
     optimizer = cls(model, tx, wrt=nnx.Param)
     ready = lambda m, o: o.step[...].block_until_ready()
     if in_step:
-      g = grads
-
-      def update(m, o, c):
-        o.update(m, nnx.grad(lambda m: linear_loss(_pure_params(m), c))(m))
+      g, update = grads, in_step_update
     elif mode.endswith("jit_partial"):  # takes no Variables: the gradients as arrays
       g = grads
 

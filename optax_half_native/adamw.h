@@ -688,10 +688,9 @@ inline GradRead clip_read(const Scalars& s) {
 template <typename L, typename G, int READ>
 inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s) {
   typename L::F gi = L::get(g, i);
-  if constexpr (READ == kClipFiniteUnit) {
+  if constexpr (READ == kClipFinite || READ == kClipFiniteUnit) {
     gi = L::rounded_bf16(gi / s.clip_div);
-  } else if constexpr (READ == kClipFinite) {
-    gi = L::rounded_bf16(L::rounded_bf16(gi / s.clip_div) * s.clip_mul);
+    if constexpr (READ == kClipFinite) gi = L::rounded_bf16(gi * s.clip_mul);
   } else if constexpr (READ == kClip) {
     const auto quotient = L::to(gi / s.clip_div, G{});
     gi = L::widen(L::to(L::widen(quotient, G{}) * s.clip_mul, G{}), G{});
