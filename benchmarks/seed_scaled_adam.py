@@ -65,7 +65,7 @@ class SeedScaledAdam(torch.optim.Optimizer):
       state["param_rms"] = rms
       state["scale_exp_avg_sq"] = torch.zeros_like(rms)
       state["scale_grads"] = torch.zeros(group["size_update_period"], *rms.shape,
-                                         dtype=stack.dtype)
+                                         dtype=stack.dtype, device=stack.device)
 
   def _clipping_factor(self, group, stacks) -> float:
     scale, state0 = group["clipping_scale"], stacks[0][3]
@@ -73,12 +73,12 @@ class SeedScaledAdam(torch.optim.Optimizer):
     if scale is None or t == 0:
       return 1.0
     period = group["clipping_update_period"]
-    total = torch.tensor(0.0)
+    total = torch.zeros((), device=stacks[0][1].device)
     for _, stack, grad, state in stacks:
       total += (grad ** 2).sum() if stack[0].numel() == 1 else (
           (grad * state["param_rms"]) ** 2).sum()
     norm = total.sqrt()
-    norms = state0.setdefault("model_norms", torch.zeros(period))
+    norms = state0.setdefault("model_norms", torch.zeros(period, device=norm.device))
     norms[t % period] = norm
     if t % period == 0:
       median = norms.sort()[0][min(period - 1, (period // 4) * 2)].item()

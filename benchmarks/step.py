@@ -162,6 +162,12 @@ FLAX_MODES = ("nnx", "oh.nnx", "oh.nnx cached", "oh.nnx functional", "nnx jit_pa
               "oh.nnx jit_partial", "train_state", "oh.train_state")
 
 
+def _flax_has(mode: str) -> bool:
+  """Whether this Flax has what a Flax mode calls (jit_partial: Flax >= 0.12.5)."""
+  needs = {"jit_partial": "jit_partial", "cached": "cached_partial"}
+  return all(hasattr(nnx, fn) for key, fn in needs.items() if mode.endswith(key))
+
+
 def all_candidates(lr=1e-3):
   """(dtype, tx, mode) by name: every candidate (mode False: tx.update and
   apply_updates), then the in-place steps (True: update_and_apply), the
@@ -174,7 +180,8 @@ def all_candidates(lr=1e-3):
     out[name] = (jnp.bfloat16, oh.chain(clip(1.0), oh.adamw_bf16(lr)), True)
   out[FLOOR] = (*out["adamw_bf16 kahan"][:2], "identity")
   for name, (dtype, make, mode) in FLAX.items():
-    out[name] = (dtype, make(lr), mode)
+    if _flax_has(mode):
+      out[name] = (dtype, make(lr), mode)
   return out
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N]
                                     [--only A,B] [--heap-malloc] [--gc on|freeze|off]
-                                    [--settle-ms MS] [--json PATH]
+                                    [--settle-ms MS] [--device cpu|cuda] [--json PATH]
 
 The trees of benchmarks/step.py. Runs are interleaved (every run once per
 repetition, in an order shuffled each repetition), the median of the
@@ -29,9 +29,9 @@ from benchmarks import common
 from benchmarks.seed_scaled_adam import SeedScaledAdam
 
 
-def make_tree(tree: str):
+def make_tree(tree: str, device="cpu"):
   gen = torch.Generator().manual_seed(0)
-  return [torch.randn(s, generator=gen) * 0.02 for s in common.shapes(tree)]
+  return [(torch.randn(s, generator=gen) * 0.02).to(device) for s in common.shapes(tree)]
 
 
 def candidates(lr=1e-3):
@@ -71,10 +71,19 @@ def candidates(lr=1e-3):
   return out
 
 
-def bandwidth() -> dict:
-  x = torch.ones(common.BANDWIDTH_BYTES // 4)
+def waiter(device: torch.device):
+  """What makes a timed call return when its work is done: on CUDA, a wait
+  for the device (kernels are queued asynchronously); nothing on CPU."""
+  if device.type == "cuda":
+    return lambda: torch.cuda.synchronize(device)
+  return lambda: None
+
+
+def bandwidth(device: torch.device) -> dict:
+  x = torch.ones(common.BANDWIDTH_BYTES // 4, device=device)
   y = torch.empty_like(x)
-  return {name: common.best_gb_per_s(fn, 2 * common.BANDWIDTH_BYTES)
+  wait = waiter(device)
+  return {name: common.best_gb_per_s(lambda fn=fn: (fn(), wait()), 2 * common.BANDWIDTH_BYTES)
           for name, fn in (("in-place scale", lambda: x.mul_(1.0000001)),
                            ("copy", lambda: y.copy_(x)))}
 
@@ -96,6 +105,9 @@ def main(argv=None):
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--only", default=None, help="comma-separated candidate names (+ reference)")
   parser.add_argument("--json", default=None)
+  parser.add_argument("--device", default="cpu",
+                      help="where the params and state live: cpu (default) or cuda; on CUDA "
+                           "each timed step ends with a wait for the device")
   common.add_settle_argument(parser)
   common.add_gc_argument(parser)
   parser.add_argument("--heap-malloc", action="store_true",
@@ -107,9 +119,11 @@ def main(argv=None):
   heap_malloc = common.heap_malloc_active()
   tree_name = args.tree or ("quick" if args.quick else "standard")
   reps = args.reps or (3 if args.quick else 11)
-  tree = make_tree(tree_name)
+  device = torch.device(args.device)
+  wait = waiter(device)
+  tree = make_tree(tree_name, device)
   n = sum(x.numel() for x in tree)
-  bw = bandwidth()
+  bw = bandwidth(device)
   chosen = candidates()
   if args.only:
     keep = {"torch AdamW fused fp32 (reference)", *args.only.split(",")}
@@ -122,6 +136,7 @@ def main(argv=None):
     opt = make(params)
     start = time.perf_counter()
     opt.step()  # warm-up: builds the kernel / compiles on first use in the process
+    wait()
     setup = time.perf_counter() - start
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     persistent = param_bytes + state_bytes(opt)
@@ -133,13 +148,16 @@ def main(argv=None):
       common.settle(args.settle_ms)
       start = time.perf_counter()
       run["opt"].step()
+      wait()
       run["times"].append(time.perf_counter() - start)
   return common.report(
-      f"torch {torch.__version__}, {torch.get_num_threads()} threads, tree {tree_name}"
+      f"torch {torch.__version__}, "
+      f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}"
+      f"{'' if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}, tree {tree_name}"
       f"{', heap-only malloc' if heap_malloc else ''}"
       f"{'' if args.gc == 'on' else f', gc {args.gc}'}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
-      extra=dict(framework="torch", tree=tree_name, reps=reps, heap_malloc=heap_malloc,
+      extra=dict(framework="torch", device=str(device), tree=tree_name, reps=reps, heap_malloc=heap_malloc,
                  settle_ms=args.settle_ms, gc=args.gc),
       kernel_library=native.library())
 

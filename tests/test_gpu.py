@@ -9,13 +9,14 @@ kernel is not taken), which the native kernel equals bit for bit
 On the GPU JAX runs the composed transformation on XLA:GPU and torch_bridge
 its eager or compiled (Triton) step.
 
-Over 12 steps the JAX adamw_bf16 steps (every compensation; no implicit host
-transfer in them) and scaled_adam's params, and every eager torch step, equal
-the CPU steps bit for bit. GPU-compiled code does not always: the fp32 master
-of adam_fp32_master (JAX, and torch compiled with Triton) may be up to 10 ULP
-off, and a Kahan buffer up to 2 ULP. The cause is not established
-(docs/algorithms.md#on-gpu). Those cases are marked ``xfail`` (not strict),
-so that they run and report.
+Over 12 steps scaled_adam's params, the JAX adamw_bf16 steps with kahan,
+stochastic and no compensation (no implicit host transfer in them), and every
+eager torch step, equal the CPU steps bit for bit. GPU-compiled code does not
+always: the fp32 master of adam_fp32_master (JAX, and torch compiled with
+Triton) may be up to 10 ULP off, a Kahan buffer up to 2 ULP, and the low
+halves of split's master up to 28 (JAX on an H200). The cause is not
+established (docs/algorithms.md#on-gpu). Those cases are marked ``xfail``
+(not strict), so that they run and report.
 """
 
 import warnings
@@ -34,9 +35,9 @@ jax_gpu = pytest.mark.skipif(not JAX_GPU, reason="JAX has no GPU here")
 
 GPU_COMPILED = ("GPU-compiled fp32 arithmetic differs from the CPU's "
                 "(docs/algorithms.md#on-gpu): fp32 master up to 10 ULP, "
-                "Kahan buffer up to 2 ULP")
+                "Kahan buffer up to 2 ULP, split's low halves up to 28")
 # The configurations measured to differ (the others were bitwise equal).
-JAX_DIFFERS = {"adam_fp32_master", "loss_scale(adamw_bf16)"}
+JAX_DIFFERS = {"adam_fp32_master", "loss_scale(adamw_bf16)", "adamw_bf16/split"}
 TORCH_COMPILED_DIFFERS = {"adamw_bf16/kahan", "adamw_bf16/split", "adam_fp32_master"}
 
 SHAPES = {"w": (96, 64), "b": (64,), "block": (5, 7, 3), "one": (1,), "scalar": ()}
@@ -87,6 +88,16 @@ def _run_jax(make, device, in_place):
     return jax.device_get((params, state))
 
 
+def _distance(a, b) -> int:
+  """ULPs between float arrays; for integers the largest difference; else
+  whether they differ."""
+  if not np.issubdtype(a.dtype, np.number):
+    return int(not bitwise_equal(a, b))
+  if np.issubdtype(a.dtype, np.integer):
+    return int(np.abs(a.astype(np.int64) - b.astype(np.int64)).max(initial=0))
+  return ulp_diff(a, b)
+
+
 @jax_gpu
 @pytest.mark.parametrize("in_place", [False, True], ids=["update", "in_place"])
 @pytest.mark.parametrize("name", [
@@ -98,9 +109,10 @@ def test_jax_step_on_gpu_equals_cpu(name, in_place):
   with_path, g_def = jax.tree_util.tree_flatten_with_path(gpu)
   c_leaves, c_def = jax.tree.flatten(cpu)
   assert g_def == c_def
-  worst = {jax.tree_util.keystr(path): ulp_diff(np.asarray(a), np.asarray(b))
-           for (path, a), b in zip(with_path, c_leaves)
-           if jnp.issubdtype(np.asarray(a).dtype, jnp.floating)}
+  # int16 leaves (split's low halves): the integer distance, which is the
+  # fp32 master's distance in its ULPs where the bf16 halves are equal
+  worst = {jax.tree_util.keystr(path): _distance(np.asarray(a), np.asarray(b))
+           for (path, a), b in zip(with_path, c_leaves)}
   print("\nGPUCHECK", name, in_place, max(worst.values()), worst)
   unequal = [k for (k, a), b in zip(with_path, c_leaves) if not bitwise_equal(a, b)]
   assert not unequal, (name, worst)
@@ -180,9 +192,9 @@ def _run_torch(make, device, fused=None, loss_scale=None):
 
 
 def _ulp(a, b) -> int:
-  """Largest ULP distance of two host tensors (integers: 0 if equal, else 2**31)."""
+  """Largest ULP distance of two host tensors (integers: ``_distance``)."""
   if not a.is_floating_point():
-    return 0 if torch.equal(a, b) else 2 ** 31
+    return _distance(a.numpy(), b.numpy())
   return ulp_diff(dlpack.to_jax(a.contiguous()), dlpack.to_jax(b.contiguous()))
 
 
