@@ -181,8 +181,11 @@ def cpu(kernel_library=None) -> dict:
   except AttributeError:  # not on Linux
     cores = os.cpu_count() or 1
   import optax_half_native  # noqa: PLC0415
-  lanes = 0 if kernel_library is None else optax_half_native.lanes(kernel_library)
-  return dict(model=model, machine=platform.machine(), cores=cores, kernel_lanes=lanes,
+  if kernel_library is None:  # not built (a run on a GPU builds nothing for the report)
+    return dict(model=model, machine=platform.machine(), cores=cores, kernel_lanes=0,
+                kernel_f16=False)
+  return dict(model=model, machine=platform.machine(), cores=cores,
+              kernel_lanes=optax_half_native.lanes(kernel_library),
               kernel_f16=optax_half_native.has_f16(kernel_library))
 
 
@@ -194,8 +197,10 @@ def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dic
   width = max(56, *map(len, runs))
   ref = median_ms(runs[reference]["times"])
   machine = cpu(kernel_library)
+  lanes = machine["kernel_lanes"]
+  kernel = f"kernel lanes {lanes}" if lanes else "kernel not used"
   print(f"{title}: {n_params / 1e6:.2f}M params; {machine['model']} ({machine['machine']}, "
-        f"{machine['cores']} CPUs, kernel lanes {machine['kernel_lanes']}"
+        f"{machine['cores']} CPUs, {kernel}"
         f"{', fp16' if machine['kernel_f16'] else ''}); memory "
         f"bandwidth " + ", ".join(f"{k} {v:.1f} GB/s" for k, v in bandwidth.items()))
   print(f"{'optimizer':{width}s} {'ms/step':>8s} {'vs ref':>7s} {'B/param':>8s} {'moved B/p':>9s} "

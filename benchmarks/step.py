@@ -422,7 +422,9 @@ def main(argv=None):
                       extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads,
                                  heap_malloc=heap_malloc, settle_ms=args.settle_ms,
                                  gc=args.gc),
-                      kernel_library=native.ffi_library(jax.ffi.include_dir()))
+                      # on a GPU the kernel is not taken: nothing to build for the report
+                      kernel_library=native.ffi_library(jax.ffi.include_dir())
+                      if jax.default_backend() == "cpu" else None)
   print("\nXLA cost_analysis bytes accessed per param: " + ", ".join(
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   print("\nXLA temporaries (memory_analysis, allocated each step) bytes per param: " + ", ".join(

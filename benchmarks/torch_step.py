@@ -159,7 +159,7 @@ def main(argv=None):
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
       extra=dict(framework="torch", device=str(device), tree=tree_name, reps=reps, heap_malloc=heap_malloc,
                  settle_ms=args.settle_ms, gc=args.gc),
-      kernel_library=native.library())
+      kernel_library=native.library() if device.type == "cpu" else None)
 
 
 if __name__ == "__main__":

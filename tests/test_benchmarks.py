@@ -222,3 +222,15 @@ def test_flax_call_cost_benchmark_runs_every_wrapper():
               for wrapper in flax_calls.WRAPPERS}
   assert expected <= set(out) and len(out) == len(expected) + 2
   assert all(ms > 0 for ms in out.values())
+
+
+def test_report_without_a_kernel_builds_none(monkeypatch, capsys):
+  # A run on a GPU (no kernel taken) reports "kernel not used" and builds no
+  # library for the report (building one took 40 s of a GPU machine's time).
+  from benchmarks import common
+  monkeypatch.setattr(native, "library", lambda: pytest.fail("built a library"))
+  monkeypatch.setattr(native, "ffi_library", lambda *a: pytest.fail("built a library"))
+  runs = {"ref": dict(times=[1e-3], moved_per_param=1.0, bytes_per_param=1.0, setup_s=0.0)}
+  out = common.report("t", runs, "ref", 10, {"copy": 1.0}, kernel_library=None)
+  assert (out["cpu"]["kernel_lanes"], out["cpu"]["kernel_f16"]) == (0, False)
+  assert "kernel not used" in capsys.readouterr().out
