@@ -34,7 +34,7 @@ def make_tree(tree: str, device="cpu"):
   return [(torch.randn(s, generator=gen) * 0.02).to(device) for s in common.shapes(tree)]
 
 
-def candidates(lr=1e-3):
+def candidates(lr=1e-3, device="cpu"):
   bf16, f32 = torch.bfloat16, torch.float32
   out = {
       "torch AdamW fused fp32 (reference)": (f32, lambda ps: torch.optim.AdamW(ps, lr, fused=True)),
@@ -60,6 +60,9 @@ def candidates(lr=1e-3):
       "seed ScaledAdam clip 2.0 fp32 (stacked eager)": (
           f32, lambda ps: SeedScaledAdam(ps, lr, clipping_scale=2.0)),
   }
+  if torch.device(device).type != "cpu":  # on CPU the default is the native kernel, as True
+    out["adamw_bf16 kahan (fused=False)"] = (bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False))
+    out["adamw_bf16 kahan (fused=True)"] = (bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=True))
   try:
     import optimi  # noqa: PLC0415
   except ImportError:
@@ -124,7 +127,7 @@ def main(argv=None):
   tree = make_tree(tree_name, device)
   n = sum(x.numel() for x in tree)
   bw = bandwidth(device)
-  chosen = candidates()
+  chosen = candidates(device=args.device)
   if args.only:
     keep = {"torch AdamW fused fp32 (reference)", *args.only.split(",")}
     chosen = {k: v for k, v in chosen.items() if k in keep}

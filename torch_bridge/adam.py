@@ -136,6 +136,104 @@ def _compiled_step(config: tuple):
   return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
 
+# The most elements a grouped eager step concatenates (its fp32 temporaries,
+# about ten of this many elements, are what it adds to the device's memory).
+_GROUP_ELEMENTS = 1 << 23
+
+
+def _groups_on(device: torch.device) -> bool:
+  """Whether the default step (``fused=None``) groups this device's tensors:
+  every device but the CPU, where the native kernel steps them."""
+  return device.type != "cpu"
+
+
+class _Grouped:
+  """The eager step of many tensors at once (``fused=None`` off the CPU).
+
+  ``adamw_step`` on one tensor is about 70 ops, each a kernel launch on a
+  GPU, so stepping tensors one by one is bound by the launches. Tensors of
+  one configuration (device, mode, dtypes, step, group scalars) are
+  concatenated, stepped by one ``adamw_step`` with every element's random-bit
+  counter (its index in its own tensor) and keys (its own tensor's), and
+  copied back: the same bits as stepping each alone, in about 70 launches
+  for all of them plus a few per buffer. ``add`` each tensor, then ``run``.
+  ``cache``: the optimizer's, for the small index tensors of each group of
+  tensors (copied to the device once, not every step).
+  """
+
+  def __init__(self, seed: int, state_rounding: str, cache: dict):
+    self._seed = seed
+    self._state_rounding = state_rounding
+    self._cache = cache
+    self._configs: dict = {}  # config -> [scalars, [(tensors, leaf)], elements]
+
+  def add(self, tensors, mode: str, step: int, leaf: int, scalars, index=0) -> bool:
+    """Takes ``(param, grad, mu, nu, buffer)`` for a grouped step; False if
+    it does not (the CPU, a shard's counters, a non-contiguous tensor, a
+    tensor of ``_GROUP_ELEMENTS`` or more: its own step costs no more)."""
+    p = tensors[0]
+    if (not _groups_on(p.device) or torch.is_tensor(index) or index
+        or p.numel() >= _GROUP_ELEMENTS
+        or not all(t is None or t.is_contiguous() for t in tensors)):
+      return False
+    config = (p.device, mode, step, id(scalars),
+              *(None if t is None else t.dtype for t in tensors))
+    entry = self._configs.get(config)
+    if entry is not None and entry[2] + p.numel() > _GROUP_ELEMENTS:
+      self._step(config, self._configs.pop(config))  # full: step it, start another
+      entry = None
+    if entry is None:
+      entry = self._configs[config] = [scalars, [], 0]
+    entry[1].append((tensors, leaf))
+    entry[2] += p.numel()
+    return True
+
+  def run(self) -> None:
+    """Steps every tensor added (the caller advances their step counts)."""
+    for config, entry in self._configs.items():
+      self._step(config, entry)
+    self._configs.clear()
+
+  def _index(self, device, sizes: tuple, leaves: tuple):
+    """The group's leaves, sizes and first elements' positions on the device."""
+    key = (device, sizes, leaves)
+    if key not in self._cache:
+      if len(self._cache) >= 64:  # groups that change every step: keep a few
+        self._cache.clear()
+      starts = np.concatenate([[0], np.cumsum(sizes[:-1])])
+      self._cache[key] = tuple(torch.tensor(np.asarray(v), dtype=dtype).to(device)
+                               for v, dtype in ((leaves, torch.int32), (sizes, torch.int64),
+                                                (starts, torch.int32)))
+    return self._cache[key]
+
+  @torch.no_grad()
+  def _step(self, config, entry) -> None:
+    device, mode, step = config[:3]
+    scalars, rows, total = entry
+    if len(rows) == 1:  # nothing to concatenate
+      tensors, leaf = rows[0]
+      keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
+                   for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
+      adamw_step(*tensors, scalars, keys, mode, self._state_rounding)
+      return
+    columns = list(zip(*(tensors for tensors, _ in rows)))
+    sizes = tuple(t.numel() for t in columns[0])
+    leaves, counts, starts = self._index(device, sizes, tuple(leaf for _, leaf in rows))
+    flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col])
+            for col in columns]
+    # every element's random-bit counter: its index in its own tensor
+    index = (torch.arange(total, dtype=torch.int32, device=device)
+             - torch.repeat_interleave(starts, counts, output_size=total))
+    # every element's keys: its tensor's leaf_key, mix32(stream_key ^ leaf)
+    keys = tuple(torch.repeat_interleave(rounding.mix32(
+        rounding._key_tensor_of(rounding._stream_key(self._seed, step, s), device) ^ leaves),
+        counts, output_size=total) for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
+    adamw_step(*flat, scalars, keys, mode, self._state_rounding, index)
+    for k, (col, values) in enumerate(zip(columns, flat)):
+      if k != 1 and values is not None:  # the gradient is only read
+        torch._foreach_copy_([t.view(-1) for t in col], list(values.split(list(sizes))))
+
+
 class LowPrecisionAdamW(LowPrecisionOptimizer):
   r"""AdamW on 16-bit (or wider) params with fp32 math; see ``adamw_bf16``.
 
@@ -269,15 +367,22 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   def _step_all(self) -> None:
     # CPU tensors go to the native kernel, one call per configuration, after the loop.
     native = _native.Batch(self._seed, self._state_rounding) if self._fused is not False else None
+    # Off the CPU, the default step groups tensors (_Grouped); fused=True
+    # compiles each, fused=False steps each eagerly.
+    grouped = (_Grouped(self._seed, self._state_rounding,
+                        self.__dict__.setdefault("_grouped_cache", {}))
+               if self._fused is None else None)
     stepped: list = []
     try:
-      self._step_each(native, stepped)
+      self._step_each(native, grouped, stepped)
     finally:  # as the eager step would have: what was taken is stepped, even if a later check fails
       if native is not None:
         native.run()
+      if grouped is not None:
+        grouped.run()
       self._remember(stepped)
 
-  def _step_each(self, native, stepped: list) -> None:
+  def _step_each(self, native, grouped, stepped: list) -> None:
     position = 0
     for group in self.param_groups:
       count = group["count"]
@@ -310,6 +415,9 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           continue
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache)
+        if grouped is not None and grouped.add(tensors, mode, step, leaf, scalars, index):
+          state["step"] += 1
+          continue
         keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
                      for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
@@ -402,12 +510,16 @@ def adam_fp32_master(
       ``torch.amp.GradScaler``. Without it a non-finite gradient element
       poisons its own param and moments (docs/algorithms.md#non-finite-gradients).
     fused: how the step runs (torch only). None: CPU tensors the native
-      kernel takes (``optax_half_native``, one call for all of them) there,
-      others (other devices, non-contiguous tensors, fp16 params where the
-      CPU has no F16C) in the eager per-tensor step; True: the same kernel,
-      and the per-tensor step compiled by ``torch.compile`` for the others;
-      False: the eager per-tensor step everywhere (the reference). On CPU the numbers are the
-      same bits in all three (on CUDA see docs/algorithms.md#on-gpu).
+      kernel takes (``optax_half_native``, one call for all of them) there;
+      tensors on other devices (CUDA) in the eager step of all of a
+      configuration at once (concatenated: a number of ops that does not
+      grow with the tensors, each tensor's bits); the rest (non-contiguous
+      tensors, fp16 params where the CPU has no F16C) in the eager
+      per-tensor step. True: the same kernel, and the per-tensor step
+      compiled by ``torch.compile`` for the others. False: the eager
+      per-tensor step everywhere (the reference). The eager steps have the
+      same bits on any device; on CPU all three do (on CUDA see
+      docs/algorithms.md#on-gpu).
     lr, betas: torch's spellings of ``learning_rate`` and ``(b1, b2)``.
 
   Example:

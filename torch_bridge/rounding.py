@@ -91,6 +91,15 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
   return x
 
 
+def _stream_key(seed: int, step: int, stream: int) -> int:
+  """The part of ``leaf_key`` common to every leaf: ``leaf_key(seed, step,
+  stream, leaf) == mix32(_stream_key(seed, step, stream) ^ leaf)`` (a uint32
+  Python int)."""
+  k = _mix32_int(seed)
+  k = _mix32_int(k ^ (step & _MASK))
+  return _mix32_int(k ^ ((stream * _GOLDEN) & _MASK))
+
+
 def leaf_key(seed: int, step: int, stream: int, leaf: int) -> int:
   """The uint32 key of one (seed, step, stream, leaf), as a Python int.
 
@@ -104,11 +113,7 @@ def leaf_key(seed: int, step: int, stream: int, leaf: int) -> int:
     >>> rounding.leaf_key(0, 1, rounding.STREAM_PARAMS, leaf=1) != 1317927411
     True
   """
-  k = _mix32_int(seed)
-  k = _mix32_int(k ^ (step & _MASK))
-  k = _mix32_int(k ^ ((stream * _GOLDEN) & _MASK))
-  k = _mix32_int(k ^ (leaf & _MASK))
-  return k
+  return _mix32_int(_stream_key(seed, step, stream) ^ (leaf & _MASK))
 
 
 def device_scalar(value, dtype: torch.dtype, device=None) -> torch.Tensor:
@@ -129,6 +134,11 @@ def device_scalar(value, dtype: torch.dtype, device=None) -> torch.Tensor:
   return torch.full((), value, dtype=dtype, device=device)
 
 
+def _key_tensor_of(key: int, device=None) -> torch.Tensor:
+  """A uint32 key (a Python int) as a 0-dim int32 tensor of its bits, by a fill."""
+  return device_scalar(_signed32(key), torch.int32, device)
+
+
 def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> torch.Tensor:
   """``leaf_key`` as a 0-dim int32 tensor (its uint32 bits), for ``bits_from_key``.
 
@@ -138,8 +148,7 @@ def key_tensor(seed: int, step: int, stream: int, leaf: int, device=None) -> tor
     >>> k.dtype, k.item() & 0xFFFFFFFF == rounding.leaf_key(0, 1, rounding.STREAM_PARAMS, 0)
     (torch.int32, True)
   """
-  key = leaf_key(int(seed), int(step), int(stream), int(leaf))
-  return device_scalar(_signed32(key), torch.int32, device)
+  return _key_tensor_of(leaf_key(int(seed), int(step), int(stream), int(leaf)), device)
 
 
 def _counter(shape, device, index) -> torch.Tensor:
