@@ -96,10 +96,17 @@ def test_grouped_step_has_the_bits_of_each_tensor_alone(case, no_grad_at, groupe
 def test_grouped_step_splits_at_its_element_cap(monkeypatch, grouped_on_cpu):
   # A tensor of the cap or more steps alone; the others fill groups up to it.
   monkeypatch.setattr(adam, "_GROUP_ELEMENTS", 40)
+  calls = []
+  step = adam.adamw_step
+  monkeypatch.setattr(adam, "adamw_step", lambda *a, **k: (calls.append(a[0].numel()),
+                                                          step(*a, **k))[1])
   make, dtype = CASES["stochastic"]
-  grouped = _train(make, None, dtype)
-  assert grouped_on_cpu[1] > 0 and max(grouped_on_cpu) > 1
-  _assert_same(grouped, _train(make, False, dtype))
+  shapes = SHAPES + [(6, 7)]  # 42 elements: above the cap, stepped by itself
+  grouped = _train(make, None, dtype, shapes=shapes)
+  assert max(grouped_on_cpu) > 1 and 42 in calls and max(calls) == 42
+  assert all(n <= 40 for n in calls if n != 42)
+  calls.clear()
+  _assert_same(grouped, _train(make, False, dtype, shapes=shapes))
 
 
 def _is_step_counter(x):
@@ -159,3 +166,37 @@ def test_grouped_step_resumes_after_deepcopy_pickle_and_state_dict(grouped_on_cp
     assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(a), _bits(c))
   buffer.seek(0)
   assert isinstance(torch.load(buffer, weights_only=False), type(opt))
+
+
+def test_grouped_step_steps_what_it_took_when_a_later_param_is_refused(grouped_on_cpu):
+  # A sparse gradient is refused when the loop reaches it; the params before
+  # it were taken and are stepped, with their step counts, as fused=False does.
+  make, dtype = CASES["kahan"]
+  results = []
+  for fused in (None, False):
+    params, opt = _train(make, fused, dtype, steps=1)
+    for p in params:
+      p.grad = torch.full_like(p, 0.01)
+    params[-1].grad = params[-1].grad.to_sparse()
+    with pytest.raises(Exception, match="sparse"):
+      opt.step()
+    results.append((params, opt))
+  _assert_same(*results)
+  steps = [int(results[0][1].state[p]["step"]) for p in results[0][0]]
+  assert steps == [2] * (len(SHAPES) - 1) + [1], steps
+
+
+def test_a_param_listed_twice_steps_twice_in_order(grouped_on_cpu):
+  make, dtype = CASES["stochastic"]
+  results = []
+  for fused in (None, False):
+    gen = torch.Generator().manual_seed(1)
+    params = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES[:3]]
+    with pytest.warns(UserWarning):
+      opt = make(params + params[:1], fused)
+    for p in params:
+      p.grad = torch.full_like(p, 0.01)
+    opt.step()
+    results.append((params, opt))
+  _assert_same(*results)
+  assert int(results[0][1].state[results[0][0][0]]["step"]) == 2

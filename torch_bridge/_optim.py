@@ -653,6 +653,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
       state.pop(name, None)
     state["_unscaled_grads"] = {}
     state.pop("_grads_checked_finite", None)
+    state.pop("_grouped_cache", None)  # LowPrecisionAdamW's device-side index cache
     return state
 
   def __setstate__(self, state: dict) -> None:

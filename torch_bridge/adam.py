@@ -16,6 +16,7 @@ JAX ones for the same integer key.
 
 from __future__ import annotations
 
+import collections
 import functools
 import types
 from typing import Callable, Optional
@@ -136,9 +137,12 @@ def _compiled_step(config: tuple):
   return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
 
 
-# The most elements a grouped eager step concatenates (its fp32 temporaries,
-# about ten of this many elements, are what it adds to the device's memory).
+# The most elements a grouped eager step concatenates: what it adds to the
+# device's memory is one such group's copies, counters and keys, and the
+# step's fp32 temporaries, at most about 75 bytes an element (0.6 GB).
 _GROUP_ELEMENTS = 1 << 23
+# Groups whose index tensors _Grouped keeps on the device (least recently used out).
+_GROUP_CACHE = 256
 
 
 def _groups_on(device: torch.device) -> bool:
@@ -147,27 +151,39 @@ def _groups_on(device: torch.device) -> bool:
   return device.type != "cpu"
 
 
+def _to_device(values, dtype: torch.dtype, device) -> torch.Tensor:
+  """A small host array on ``device`` without a sync: on CUDA, copied from
+  pinned memory without blocking (a copy from pageable memory waits)."""
+  host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
+  if device.type == "cuda":
+    return host.pin_memory().to(device, non_blocking=True)
+  return host.to(device)
+
+
 class _Grouped:
   """The eager step of many tensors at once (``fused=None`` off the CPU).
 
   ``adamw_step`` on one tensor is about 70 ops, each a kernel launch on a
   GPU, so stepping tensors one by one is bound by the launches. Tensors of
   one configuration (device, mode, dtypes, step, group scalars) are
-  concatenated, stepped by one ``adamw_step`` with every element's random-bit
-  counter (its index in its own tensor) and keys (its own tensor's), and
-  copied back: the same bits as stepping each alone, in about 70 launches
-  for all of them plus a few per buffer. ``add`` each tensor, then ``run``.
-  ``cache``: the optimizer's, for the small index tensors of each group of
-  tensors (copied to the device once, not every step).
+  concatenated, up to ``_GROUP_ELEMENTS`` elements, stepped by one
+  ``adamw_step`` with every element's random-bit counter (its index in its
+  own tensor) and keys (its own tensor's), and copied back: the same bits as
+  stepping each alone, in about 70 launches for all of them plus a few per
+  buffer. ``add`` each tensor, then ``run``; a tensor's step count advances
+  once it is stepped. ``cache``: the optimizer's, for the small index
+  tensors of each group of tensors (on the device once, not every step).
   """
 
-  def __init__(self, seed: int, state_rounding: str, cache: dict):
+  def __init__(self, seed: int, state_rounding: str, cache: collections.OrderedDict):
     self._seed = seed
     self._state_rounding = state_rounding
     self._cache = cache
-    self._configs: dict = {}  # config -> [scalars, [(tensors, leaf)], elements]
+    self._configs: dict = {}  # config -> [scalars, [(tensors, leaf, state)], elements]
+    self._taken: set = set()  # ids of the params taken since the last run
 
-  def add(self, tensors, mode: str, step: int, leaf: int, scalars, index=0) -> bool:
+  def add(self, tensors, mode: str, step: int, leaf: int, scalars, state: dict,
+          index=0) -> bool:
     """Takes ``(param, grad, mu, nu, buffer)`` for a grouped step; False if
     it does not (the CPU, a shard's counters, a non-contiguous tensor, a
     tensor of ``_GROUP_ELEMENTS`` or more: its own step costs no more)."""
@@ -176,6 +192,7 @@ class _Grouped:
         or p.numel() >= _GROUP_ELEMENTS
         or not all(t is None or t.is_contiguous() for t in tensors)):
       return False
+    self._taken.add(id(p))
     config = (p.device, mode, step, id(scalars),
               *(None if t is None else t.dtype for t in tensors))
     entry = self._configs.get(config)
@@ -184,54 +201,73 @@ class _Grouped:
       entry = None
     if entry is None:
       entry = self._configs[config] = [scalars, [], 0]
-    entry[1].append((tensors, leaf))
+    entry[1].append((tensors, leaf, state))
     entry[2] += p.numel()
     return True
 
+  def before(self, p: torch.Tensor) -> None:
+    """Called before ``p``'s step count is read: a param listed twice in the
+    optimizer steps twice, in order (its first step is run here)."""
+    if id(p) in self._taken:
+      self.run()
+
   def run(self) -> None:
-    """Steps every tensor added (the caller advances their step counts)."""
-    for config, entry in self._configs.items():
+    """Steps every tensor added and advances its step count."""
+    configs, self._configs = self._configs, {}
+    self._taken.clear()
+    for config, entry in configs.items():
       self._step(config, entry)
-    self._configs.clear()
 
   def _index(self, device, sizes: tuple, leaves: tuple):
     """The group's leaves, sizes and first elements' positions on the device."""
     key = (device, sizes, leaves)
-    if key not in self._cache:
-      if len(self._cache) >= 64:  # groups that change every step: keep a few
-        self._cache.clear()
+    if key in self._cache:
+      self._cache.move_to_end(key)
+    else:
       starts = np.concatenate([[0], np.cumsum(sizes[:-1])])
-      self._cache[key] = tuple(torch.tensor(np.asarray(v), dtype=dtype).to(device)
-                               for v, dtype in ((leaves, torch.int32), (sizes, torch.int64),
-                                                (starts, torch.int32)))
+      self._cache[key] = (_to_device(leaves, torch.int32, device),
+                          _to_device(sizes, torch.int64, device),
+                          _to_device(starts, torch.int32, device))
+      if len(self._cache) > _GROUP_CACHE:
+        self._cache.popitem(last=False)
     return self._cache[key]
+
+  def _random_bits(self, mode: str, mu, nu) -> bool:
+    """Whether the step draws random bits (stochastic params or moments)."""
+    return mode == _STOCHASTIC or (self._state_rounding == "stochastic"
+                                   and min(mu.dtype.itemsize, nu.dtype.itemsize) < 4)
 
   @torch.no_grad()
   def _step(self, config, entry) -> None:
     device, mode, step = config[:3]
     scalars, rows, total = entry
     if len(rows) == 1:  # nothing to concatenate
-      tensors, leaf = rows[0]
+      tensors, leaf, _ = rows[0]
       keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
                    for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
       adamw_step(*tensors, scalars, keys, mode, self._state_rounding)
-      return
-    columns = list(zip(*(tensors for tensors, _ in rows)))
-    sizes = tuple(t.numel() for t in columns[0])
-    leaves, counts, starts = self._index(device, sizes, tuple(leaf for _, leaf in rows))
-    flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col])
-            for col in columns]
-    # every element's random-bit counter: its index in its own tensor
-    index = (torch.arange(total, dtype=torch.int32, device=device)
-             - torch.repeat_interleave(starts, counts, output_size=total))
-    # every element's keys: its tensor's leaf_key, mix32(stream_key ^ leaf)
-    keys = tuple(torch.repeat_interleave(rounding.mix32(
-        rounding._key_tensor_of(rounding._stream_key(self._seed, step, s), device) ^ leaves),
-        counts, output_size=total) for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
-    adamw_step(*flat, scalars, keys, mode, self._state_rounding, index)
-    for k, (col, values) in enumerate(zip(columns, flat)):
-      if k != 1 and values is not None:  # the gradient is only read
-        torch._foreach_copy_([t.view(-1) for t in col], list(values.split(list(sizes))))
+    else:
+      columns = list(zip(*(tensors for tensors, _, _ in rows)))
+      sizes = tuple(t.numel() for t in columns[0])
+      flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col])
+              for col in columns]
+      index, keys = 0, (0, 0)
+      if self._random_bits(mode, columns[2][0], columns[3][0]):
+        leaves, counts, starts = self._index(device, sizes, tuple(leaf for _, leaf, _ in rows))
+        # every element's random-bit counter: its index in its own tensor
+        index = (torch.arange(total, dtype=torch.int32, device=device)
+                 - torch.repeat_interleave(starts, counts, output_size=total))
+        # every element's keys: its tensor's leaf_key, mix32(stream_key ^ leaf)
+        keys = tuple(torch.repeat_interleave(rounding.mix32(
+            rounding._key_tensor_of(rounding._stream_key(self._seed, step, s), device)
+            ^ leaves), counts, output_size=total)
+            for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
+      adamw_step(*flat, scalars, keys, mode, self._state_rounding, index)
+      for k, (col, values) in enumerate(zip(columns, flat)):
+        if k != 1 and values is not None:  # the gradient is only read
+          torch._foreach_copy_([t.view(-1) for t in col], list(values.split(list(sizes))))
+    for _, _, state in rows:
+      state["step"] += 1
 
 
 class LowPrecisionAdamW(LowPrecisionOptimizer):
@@ -370,17 +406,21 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     # Off the CPU, the default step groups tensors (_Grouped); fused=True
     # compiles each, fused=False steps each eagerly.
     grouped = (_Grouped(self._seed, self._state_rounding,
-                        self.__dict__.setdefault("_grouped_cache", {}))
+                        self.__dict__.setdefault("_grouped_cache", collections.OrderedDict()))
                if self._fused is None else None)
     stepped: list = []
     try:
       self._step_each(native, grouped, stepped)
     finally:  # as the eager step would have: what was taken is stepped, even if a later check fails
-      if native is not None:
-        native.run()
-      if grouped is not None:
-        grouped.run()
-      self._remember(stepped)
+      try:
+        if native is not None:
+          native.run()
+      finally:
+        try:
+          if grouped is not None:
+            grouped.run()
+        finally:
+          self._remember(stepped)
 
   def _step_each(self, native, grouped, stepped: list) -> None:
     position = 0
@@ -394,6 +434,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         if grad_of(p) is None:
           continue
         check_grad(grad_of(p), leaf)
+        if grouped is not None:
+          grouped.before(p)
         grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])
@@ -415,8 +457,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           continue
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache)
-        if grouped is not None and grouped.add(tensors, mode, step, leaf, scalars, index):
-          state["step"] += 1
+        if grouped is not None and grouped.add(tensors, mode, step, leaf, scalars, state, index):
           continue
         keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
                      for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
@@ -512,10 +553,11 @@ def adam_fp32_master(
     fused: how the step runs (torch only). None: CPU tensors the native
       kernel takes (``optax_half_native``, one call for all of them) there;
       tensors on other devices (CUDA) in the eager step of all of a
-      configuration at once (concatenated: a number of ops that does not
-      grow with the tensors, each tensor's bits); the rest (non-contiguous
-      tensors, fp16 params where the CPU has no F16C) in the eager
-      per-tensor step. True: the same kernel, and the per-tensor step
+      configuration at once (concatenated up to 2^23 elements: about 70
+      ops for them all, each tensor's bits; docs/algorithms.md#pytorch-mirror);
+      the rest (tensors of 2^23 elements or more, non-contiguous tensors,
+      DTensor shards at a non-zero offset, fp16 params where the CPU has no
+      F16C) in the eager per-tensor step. True: the same kernel, and the per-tensor step
       compiled by ``torch.compile`` for the others. False: the eager
       per-tensor step everywhere (the reference). The eager steps have the
       same bits on any device; on CPU all three do (on CUDA see

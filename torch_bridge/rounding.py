@@ -3,7 +3,9 @@
 32-bit words live in int32 tensors: PyTorch has no full uint32 arithmetic, but
 the bits of a wrapping int32 product, xor and add are those of the uint32 ones,
 and a logical right shift is an arithmetic shift followed by a mask. Scalar
-keys are hashed on the host with Python integers (no device work, no sync).
+keys are hashed on the host with Python integers (no device work, no sync);
+the grouped eager step (``adam._Grouped``) mixes each tensor's leaf into the
+part common to its keys (``_stream_key``) on the device.
 Spec: ``docs/algorithms.md#rounding-primitives``.
 """
 
