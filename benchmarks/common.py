@@ -181,12 +181,10 @@ def cpu(kernel_library=None) -> dict:
   except AttributeError:  # not on Linux
     cores = os.cpu_count() or 1
   import optax_half_native  # noqa: PLC0415
-  if kernel_library is None:  # not built (a run on a GPU builds nothing for the report)
-    return dict(model=model, machine=platform.machine(), cores=cores, kernel_lanes=0,
-                kernel_f16=False)
+  built = kernel_library is not None  # a run on a GPU builds nothing for the report
   return dict(model=model, machine=platform.machine(), cores=cores,
-              kernel_lanes=optax_half_native.lanes(kernel_library),
-              kernel_f16=optax_half_native.has_f16(kernel_library))
+              kernel_lanes=optax_half_native.lanes(kernel_library) if built else 0,
+              kernel_f16=built and optax_half_native.has_f16(kernel_library))
 
 
 def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dict,

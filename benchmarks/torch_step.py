@@ -153,15 +153,15 @@ def main(argv=None):
       run["opt"].step()
       wait()
       run["times"].append(time.perf_counter() - start)
+  where = (torch.cuda.get_device_name(device) if device.type == "cuda"
+           else f"{torch.get_num_threads()} threads")
   return common.report(
-      f"torch {torch.__version__}, "
-      f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else ''}"
-      f"{'' if device.type == 'cuda' else f'{torch.get_num_threads()} threads'}, tree {tree_name}"
+      f"torch {torch.__version__}, {where}, tree {tree_name}"
       f"{', heap-only malloc' if heap_malloc else ''}"
       f"{'' if args.gc == 'on' else f', gc {args.gc}'}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
-      extra=dict(framework="torch", device=str(device), tree=tree_name, reps=reps, heap_malloc=heap_malloc,
-                 settle_ms=args.settle_ms, gc=args.gc),
+      extra=dict(framework="torch", device=str(device), tree=tree_name, reps=reps,
+                 heap_malloc=heap_malloc, settle_ms=args.settle_ms, gc=args.gc),
       kernel_library=native.library() if device.type == "cpu" else None)
 
 

@@ -17,6 +17,7 @@ JAX ones for the same integer key.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import types
 from typing import Callable, Optional
@@ -145,6 +146,14 @@ _GROUP_ELEMENTS = 1 << 23
 _GROUP_CACHE = 256
 
 
+_STREAMS = (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS)
+
+
+def _leaf_keys(seed: int, step: int, leaf: int, device) -> tuple:
+  """One tensor's keys of the params and moments streams (``key_tensor``)."""
+  return tuple(rounding.key_tensor(seed, step, s, leaf, device) for s in _STREAMS)
+
+
 def _groups_on(device: torch.device) -> bool:
   """Whether the default step (``fused=None``) groups this device's tensors:
   every device but the CPU, where the native kernel steps them."""
@@ -233,9 +242,11 @@ class _Grouped:
     return self._cache[key]
 
   def _random_bits(self, mode: str, mu, nu) -> bool:
-    """Whether the step draws random bits (stochastic params or moments)."""
-    return mode == _STOCHASTIC or (self._state_rounding == "stochastic"
-                                   and min(mu.dtype.itemsize, nu.dtype.itemsize) < 4)
+    """Whether the step draws random bits: stochastic params, or moments
+    that ``rounding.round_moments`` rounds stochastically."""
+    nearest_moments = self._state_rounding != "stochastic" or (
+        mu.dtype.itemsize >= 4 and nu.dtype.itemsize >= 4)
+    return mode == _STOCHASTIC or not nearest_moments
 
   @torch.no_grad()
   def _step(self, config, entry) -> None:
@@ -243,9 +254,8 @@ class _Grouped:
     scalars, rows, total = entry
     if len(rows) == 1:  # nothing to concatenate
       tensors, leaf, _ = rows[0]
-      keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
-                   for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
-      adamw_step(*tensors, scalars, keys, mode, self._state_rounding)
+      adamw_step(*tensors, scalars, _leaf_keys(self._seed, step, leaf, device), mode,
+                 self._state_rounding)
     else:
       columns = list(zip(*(tensors for tensors, _, _ in rows)))
       sizes = tuple(t.numel() for t in columns[0])
@@ -260,8 +270,7 @@ class _Grouped:
         # every element's keys: its tensor's leaf_key, mix32(stream_key ^ leaf)
         keys = tuple(torch.repeat_interleave(rounding.mix32(
             rounding._key_tensor_of(rounding._stream_key(self._seed, step, s), device)
-            ^ leaves), counts, output_size=total)
-            for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
+            ^ leaves), counts, output_size=total) for s in _STREAMS)
       adamw_step(*flat, scalars, keys, mode, self._state_rounding, index)
       for k, (col, values) in enumerate(zip(columns, flat)):
         if k != 1 and values is not None:  # the gradient is only read
@@ -409,18 +418,14 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                         self.__dict__.setdefault("_grouped_cache", collections.OrderedDict()))
                if self._fused is None else None)
     stepped: list = []
-    try:
+    # As the eager step would have: what was taken is stepped, even if a
+    # later check fails; each of these runs even if one before it raises.
+    with contextlib.ExitStack() as after:
+      after.callback(self._remember, stepped)
+      for batch in (grouped, native):  # run last in, first out: native first
+        if batch is not None:
+          after.callback(batch.run)
       self._step_each(native, grouped, stepped)
-    finally:  # as the eager step would have: what was taken is stepped, even if a later check fails
-      try:
-        if native is not None:
-          native.run()
-      finally:
-        try:
-          if grouped is not None:
-            grouped.run()
-        finally:
-          self._remember(stepped)
 
   def _step_each(self, native, grouped, stepped: list) -> None:
     position = 0
@@ -459,8 +464,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         scalars = self._scalars(group, step + 1, lr, device, cache)
         if grouped is not None and grouped.add(tensors, mode, step, leaf, scalars, state, index):
           continue
-        keys = tuple(rounding.key_tensor(self._seed, step, s, leaf, device)
-                     for s in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS))
+        keys = _leaf_keys(self._seed, step, leaf, device)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
           # Flat views: the element index (the random-bit counter) is the
           # row-major index either way.
