@@ -521,8 +521,12 @@ struct Pairs8 {
   // The block's 16 words from each lane's low 16 bits (each lane < 2^16:
   // the roundings' results after their >> 16).
   static V words(U low) { return low.e | (low.o << 16); }
-  // The same from each lane's high 16 bits.
-  static V high_words(U u) { return (u.e >> 16) | (u.o & 0xFFFF0000u); }
+  // The same from each lane's high 16 bits: the even lanes' shifted down,
+  // blended with the odd lanes' in place (vpblendw, words 1, 3, 5, 7 of each
+  // 128-bit half from the odd vector).
+  static V high_words(U u) {
+    return (V)_mm256_blend_epi16((__m256i)(u.e >> 16), (__m256i)u.o, 0xAA);
+  }
   static bool any_nan(F x) {
     return _mm256_movemask_ps(_mm256_cmp_ps(x.e, x.o, _CMP_UNORD_Q)) != 0;
   }
@@ -594,6 +598,25 @@ struct Pairs8 {
     }
     put(mu, i, high_words(bits(m32) + (w >> 16)));
     put(nu, i, high_words(bits(v32) + (w & 0xFFFFu)));
+  }
+  // adamw_write's Kahan write of the new fp32 param x to a bf16 param and
+  // buffer: p_out = round(x), comp = round(x - widen(p_out)), each rounded
+  // to nearest even, with one NaN check for both. The residual x - widen(p_out)
+  // is a NaN exactly where x is a NaN or an Inf (Inf - Inf); a finite x
+  // gives a finite residual or, where its rounding overflows to an Inf, the
+  // opposite Inf, whose integer rounding is that Inf: neither rounding then
+  // meets a NaN. A block with a NaN residual takes the two roundings of `to`.
+  static void put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
+    const U high = nearest_even_high(bits(x));
+    const F residual = x - floats(high & 0xFFFF0000u);
+    if (__builtin_expect(any_nan(residual), 0)) {
+      const V rounded = to(x, bf16{});
+      put(comp, i, to(x - widen(rounded), bf16{}));
+      put(p_out, i, rounded);
+      return;
+    }
+    put(comp, i, high_words(nearest_even_high(bits(residual))));
+    put(p_out, i, high_words(high));
   }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
@@ -743,6 +766,12 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   else return x + u;
 }
 
+// Whether lanes L have their own Kahan write for bf16 params (put_kahan: Pairs8).
+template <typename L, typename = void>
+struct kahan_put : std::false_type {};
+template <typename L>
+struct kahan_put<L, std::void_t<decltype(&L::put_kahan)>> : std::true_type {};
+
 // y: adamw_math's value (x + u; u for kDirect and kUpdate).
 template <typename L, typename P, int MODE>
 inline __attribute__((always_inline)) void adamw_write(
@@ -760,6 +789,8 @@ inline __attribute__((always_inline)) void adamw_write(
       L::put(p_out, i, L::to(x_new, P{}));
     } else if constexpr (MODE == kSplit) {
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
+    } else if constexpr (MODE == kKahan && kahan_put<L>::value && std::is_same_v<P, bf16>) {
+      L::put_kahan(p_out, comp, i, x_new);  // the same roundings, one NaN check
     } else if constexpr (MODE == kKahan) {
       const auto new_p = L::to(x_new, P{});
       L::put(comp, i, L::to(x_new - L::widen(new_p, P{}), P{}));

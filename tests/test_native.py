@@ -1146,6 +1146,48 @@ def test_torch_kernel_rounds_subnormals_and_nans_as_the_eager_step(config):
   assert subnormal > 0, subnormal  # the run reached the subnormal range
 
 
+@pytest.mark.parametrize("lr", [1e-2, 1e36], ids=["lr 1e-2", "lr 1e36"])
+def test_torch_kernel_writes_kahan_params_at_the_edges_as_the_eager_step(lr):
+  """Kahan's write rounds the new fp32 param x and its residual x - round(x)
+  with one NaN check for both (Pairs8: a NaN residual is a NaN or an
+  infinite x). Params at bf16's largest finite value, Infs and NaNs, in the
+  wide lanes and the tail; with lr 1e36 the updates (about +-1e36) push
+  params past the largest value, whose roundings overflow to an Inf with the
+  opposite Inf as residual, then make Inf - Inf in the next step. Every bit
+  of the param, buffer and moments equals the eager step's (a NaN only has
+  to be a NaN)."""
+  n = 4099
+  w = _values(21, (n,), 0.5)
+  big = float(torch.finfo(torch.bfloat16).max)
+  w[[0, 17, 100, 4098]] = big
+  w[[1, 33]] = -big
+  w[[2, 50, 4097]] = np.inf
+  w[[3, 51]] = -np.inf
+  w[[4, 70]] = np.nan
+  grads = [_values(22 + t, (n,), 0.1) for t in range(3)]
+  runs = []
+  for fused in (None, False):
+    p = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16))
+    opt = tb.adamw_bf16([p], lr, weight_decay=0.0, compensation="kahan", fused=fused)
+    steps = []
+    for g in grads:
+      p.grad = torch.from_numpy(g).to(torch.bfloat16)
+      opt.step()
+      steps.append([p.detach().clone()] + [
+          v.clone() for k, v in opt.state[p].items() if k != "step"])
+    runs.append(steps)
+  for t, (a, b) in enumerate(zip(*runs)):
+    for x, y in zip(a, b):
+      _same_but_nan_bits(x.float().numpy(), y.float().numpy(), (lr, t))
+      if x.dtype == torch.bfloat16:  # the kernel's NaNs are round_nearest's
+        nan = torch.isnan(x.float()).numpy()
+        assert (x.view(torch.int16).numpy().view(np.uint16)[nan] == 0x7FC0).all(), (lr, t)
+  if lr > 1:  # the first step's overflows: an Inf param from a finite one, an Inf buffer
+    first = [x.float().numpy() for x in runs[0][0]]
+    assert (np.isinf(first[0]) & np.isfinite(w)).sum() >= 1
+    assert any(np.isinf(buf).any() for buf in first[1:])
+
+
 _FALLBACK = r"""
 import glob, os, sys
 import optax_half_native as native
