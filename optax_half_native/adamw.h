@@ -329,6 +329,25 @@ struct Lanes16 {
     put(mu, i, _mm512_castsi512_si256(both));
     put(nu, i, _mm512_extracti64x4_epi64(both, 1));
   }
+  // adamw_write's Kahan write of the new fp32 param x to a bf16 param and
+  // buffer, p_out = round(x), comp = round(x - widen(p_out)), with one
+  // vfpclassps for the two: the residual is a NaN where x is a NaN or an Inf
+  // (Inf - Inf), and a subnormal where x is one (vcvtneps2bf16 read it as 0)
+  // or where it is one itself; a normal x rounds exactly, to an Inf where it
+  // overflows, and its residual (finite, or the opposite Inf) too. A block
+  // with such a residual takes the two roundings of `to`.
+  static void put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
+    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
+    const F residual = x - widen(rounded);
+    if (__builtin_expect(_mm512_fpclass_ps_mask(residual, kNanOrSubnormal) != 0, 0)) {
+      const __m256i exact = to(x, bf16{});
+      put(comp, i, to(x - widen(exact), bf16{}));
+      put(p_out, i, exact);
+      return;
+    }
+    put(comp, i, (__m256i)_mm512_cvtneps_pbh(residual));
+    put(p_out, i, rounded);
+  }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
     U h = split_high(b);
@@ -766,11 +785,13 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   else return x + u;
 }
 
-// Whether lanes L have their own Kahan write for bf16 params (put_kahan: Pairs8).
+// Whether lanes L have their own Kahan write for bf16 params (put_kahan:
+// Lanes16, Pairs8).
 template <typename L, typename = void>
 struct kahan_put : std::false_type {};
 template <typename L>
-struct kahan_put<L, std::void_t<decltype(&L::put_kahan)>> : std::true_type {};
+struct kahan_put<L, std::void_t<decltype(L::put_kahan(nullptr, nullptr, 0, typename L::F{}))>>
+    : std::true_type {};
 
 // y: adamw_math's value (x + u; u for kDirect and kUpdate).
 template <typename L, typename P, int MODE>
