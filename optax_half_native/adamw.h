@@ -593,6 +593,21 @@ struct Pairs8 {
     const V even = uint32_t(first) + V{0, 2, 4, 6, 8, 10, 12, 14};
     return {even, even + 1u};
   }
+  // mix32(counter(first) ^ key) for an even `first` (adamw_range starts
+  // Pairs8's blocks at even counters): an odd lane's counter is its even
+  // neighbour's with bit 0 set, so its word after the key and mix32's first
+  // x ^= x >> 16 is the even lane's with bit 0 flipped, and only the rest of
+  // mix32 is computed for both.
+  static U mix_counter(uint64_t first, uint32_t key) {
+    V x = (uint32_t(first) + V{0, 2, 4, 6, 8, 10, 12, 14}) ^ key;
+    x ^= x >> 16;
+    U y = {x, x ^ 1u};
+    y *= kM1;
+    y ^= y >> 15;
+    y *= kM2;
+    y ^= y >> 15;
+    return y;
+  }
 
   static F to(F x, float) { return x; }
   static F rounded_bf16(F x) { return floats(nearest_even_high(bits(x)) & 0xFFFF0000u); }
@@ -667,6 +682,21 @@ constexpr int kLanes = 8;
 #else
 constexpr int kLanes = 1;
 #endif
+
+// Whether lanes L hash their counters themselves (mix_counter: Pairs8, whose
+// blocks then start at even counters).
+template <typename L, typename = void>
+struct mixes_counter : std::false_type {};
+template <typename L>
+struct mixes_counter<L, std::void_t<decltype(L::mix_counter(0, 0))>> : std::true_type {};
+
+// The random words of the elements from counter `first` on (each element's
+// index): rounding.random_bits' mix32(index ^ key), lane by lane.
+template <typename L>
+inline typename L::U counter_hash(uint64_t first, uint32_t key) {
+  if constexpr (mixes_counter<L>::value) return L::mix_counter(first, key);
+  else return mix32(L::counter(first) ^ key);
+}
 
 // The stochastic moment writes of rounding.round_moments with the word w of
 // each element: mu rounded with w, nu with swap_halves(w) = (w << 16) |
@@ -775,8 +805,7 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   if constexpr (SR) {  // rounding.round_moments: one word w, swap_halves(w) for nu
     // The element index is the random-bit counter, a uint32 (mod 2^32) as in
     // rounding.random_bits; counting it in 32 bits keeps its vector lanes 32-bit.
-    const auto index = L::counter(index0 + uint64_t(i));
-    put_moments_stochastic<L>(mu, nu, i, m32, v32, mix32(index ^ key_m));
+    put_moments_stochastic<L>(mu, nu, i, m32, v32, counter_hash<L>(index0 + uint64_t(i), key_m));
   } else {
     L::put(mu, i, L::to(m32, M{}));
     L::put(nu, i, L::to(v32, V{}));
@@ -817,8 +846,7 @@ inline __attribute__((always_inline)) void adamw_write(
       L::put(comp, i, L::to(x_new - L::widen(new_p, P{}), P{}));
       L::put(p_out, i, new_p);
     } else if constexpr (MODE == kStochastic) {
-      const auto index = L::counter(index0 + uint64_t(i));
-      L::put(p_out, i, L::to_stochastic(x_new, mix32(index ^ key_p), P{}));
+      L::put(p_out, i, L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}));
     } else {
       L::put(p_out, i, L::to(x_new, P{}));
     }
@@ -854,6 +882,13 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   P* comp = static_cast<P*>(buffer);
   const Scalars s = scalars;  // a local copy: the stores cannot alias it, it stays in registers
   int64_t i = begin;
+  // One element at a time (Scalar): the tail, and the first element where
+  // Pairs8 would start at an odd counter.
+  const auto scalar_step = [&](int64_t j) {
+    const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
+        j, index0, p, read_grad<Scalar, G, READ>(g, j, s), mu, nu, master, low, comp, s, key_m);
+    adamw_write<Scalar, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
+  };
 #if defined(OH_LANES16) || defined(OH_LANES8)
 #if defined(OH_LANES16)
   using L = Lanes16;
@@ -870,6 +905,9 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   const auto write = [&](int64_t j, F y) {
     adamw_write<L, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
   };
+  if constexpr (mixes_counter<L>::value && (SR || MODE == kStochastic)) {  // even counters
+    if (i < end && ((index0 + uint64_t(i)) & 1u)) scalar_step(i++);
+  }
   if constexpr (L::kThreeStages) {
     if (i + 2 * W <= end) {
       F y = math(i, read(i));
@@ -901,11 +939,7 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     i += W;
   }
 #endif
-  for (; i < end; ++i) {
-    const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
-        i, index0, p, read_grad<Scalar, G, READ>(g, i, s), mu, nu, master, low, comp, s, key_m);
-    adamw_write<Scalar, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
-  }
+  for (; i < end; ++i) scalar_step(i);
 }
 
 // Whether fl(widen(g[i]) * scale) is finite for every i in [begin, end): the

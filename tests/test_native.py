@@ -1188,6 +1188,33 @@ def test_torch_kernel_writes_kahan_params_at_the_edges_as_the_eager_step(lr):
     assert any(np.isinf(buf).any() for buf in first[1:])
 
 
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic", "none"])
+def test_torch_kernel_steps_spans_that_start_at_odd_elements(compensation):
+  """The kernel splits the concatenated elements between its threads at
+  multiples of 256; after a one-element tensor, a span of the next one
+  starts at an odd element, whose random-bit counter is odd (Pairs8 steps
+  that element alone and its blocks from the next, even, counter). Two
+  threads, stochastic moments (and, with compensation "stochastic",
+  stochastic params): every bit equals the eager step's."""
+  shapes = [(), (2**17 + 10,), (3,), (1001,)]
+  threads = torch.get_num_threads()
+  runs = []
+  for fused in (None, False):
+    torch.set_num_threads(2 if fused is None else 1)
+    try:
+      params = [torch.nn.Parameter(torch.from_numpy(_values(40 + k, s, 0.5)).to(torch.bfloat16))
+                for k, s in enumerate(shapes)]
+      opt = tb.adamw_bf16(params, 1e-2, key=3, compensation=compensation, fused=fused)
+      for t in range(3):
+        for k, p in enumerate(params):
+          p.grad = torch.from_numpy(_values(50 + 10 * t + k, p.shape, 0.1)).to(torch.bfloat16)
+        opt.step()
+    finally:
+      torch.set_num_threads(threads)
+    runs.append((params, opt))
+  _assert_torch_equal(*runs)
+
+
 _FALLBACK = r"""
 import glob, os, sys
 import optax_half_native as native
