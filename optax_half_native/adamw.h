@@ -335,7 +335,10 @@ struct Lanes16 {
   // (Inf - Inf), and a subnormal where x is one (vcvtneps2bf16 read it as 0)
   // or where it is one itself; a normal x rounds exactly, to an Inf where it
   // overflows, and its residual (finite, or the opposite Inf) too. A block
-  // with such a residual takes the two roundings of `to`.
+  // with such a residual takes the two roundings of `to`. x is the sum
+  // x + u: where fp32 results flush to zero (FTZ, with DAZ in XLA's
+  // threads) neither it nor the residual is ever subnormal, and without
+  // FTZ (torch) the residual x - 0 of a subnormal x is x.
   static void put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
     const F residual = x - widen(rounded);
