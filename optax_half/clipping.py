@@ -76,11 +76,12 @@ class ClipRead(NamedTuple):
     """Whether a step may clip a gradient of ``dtype`` as it reads it (trace
     time): bf16 or fp32, clipped in its own dtype (``max_norm`` a Python
     float or an array of that dtype; one that promotes makes optax's select
-    fail). XLA:CPU computes the clip of those as written, a true division
-    then a multiplication, each rounded to the dtype; an fp16 gradient's
-    division it may turn into a multiplication by the norm's reciprocal
-    rounded to fp16, depending on the graph around it, so fp16 gradients
-    are clipped by ``apply`` (docs/algorithms.md#gradient-clipping)."""
+    fail). XLA:CPU computes the clip of those as the kernel reads it: a
+    true division for fp32, a product with the norm's fp32 reciprocal for
+    bf16, then the product with ``max_norm``, each rounded to the dtype; an
+    fp16 gradient's division it may turn into a multiplication by the norm's
+    reciprocal rounded to fp16, depending on the graph around it, so fp16
+    gradients are clipped by ``apply`` (docs/algorithms.md#gradient-clipping)."""
     dtype = jnp.dtype(dtype)
     return (dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
             and jnp.result_type(dtype, self.max_norm) == dtype)

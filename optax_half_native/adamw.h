@@ -729,6 +729,9 @@ inline void put_moments_stochastic(M* mu, V* nu, int64_t i, typename L::F m32,
 // kClipFiniteUnit is kClipFinite where G(max_norm) is 1 (the usual
 // max_norm): the quotient, a bf16 value, times 1 is itself, and rounding it
 // to bf16 again changes nothing, so the product and its rounding are left out.
+// XLA:CPU divides bf16 gradients by the norm as a product with the norm's
+// fp32 reciprocal (its rewrite of a division by a broadcast scalar), and
+// fp32 ones by a true division; the reads do the same (read_grad).
 enum GradRead : int { kPlain = 0, kClip = 1, kClipFinite = 2, kClipFiniteUnit = 3 };
 
 // Whether this thread's fp32 results flush to zero (x86 MXCSR.FTZ).
@@ -757,17 +760,30 @@ inline GradRead clip_read(const Scalars& s) {
   return s.clip_mul == 1.0f ? kClipFiniteUnit : kClipFinite;
 }
 
+// The factor a clipped read of G multiplies by: for bf16, 1 / norm in fp32,
+// as XLA computes it (on the thread that steps, whose MXCSR is XLA's);
+// unused otherwise.
+template <typename G, int READ>
+inline float clip_reciprocal(const Scalars& s) {
+  return std::is_same_v<G, bf16> && READ != kPlain ? 1.0f / s.clip_div : 1.0f;
+}
+
 // Gradient element(s) i widened to fp32 as the step reads them (READ: a
 // GradRead): optax's clip is (g / norm) * max_norm, each op in fp32 and
-// rounded to G (a true division, as XLA's), then * grad_scale.
+// rounded to G, the division as XLA computes it (GradRead: for bf16 the
+// product with recip = clip_reciprocal<G, READ>(s)), then * grad_scale.
 template <typename L, typename G, int READ>
-inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s) {
+inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s, float recip) {
   typename L::F gi = L::get(g, i);
   if constexpr (READ == kClipFinite || READ == kClipFiniteUnit) {
-    gi = L::rounded_bf16(gi / s.clip_div);
+    gi = L::rounded_bf16(gi * recip);
     if constexpr (READ == kClipFinite) gi = L::rounded_bf16(gi * s.clip_mul);
   } else if constexpr (READ == kClip) {
-    const auto quotient = L::to(gi / s.clip_div, G{});
+    const auto divided = [&] {
+      if constexpr (std::is_same_v<G, bf16>) return gi * recip;
+      else return gi / s.clip_div;
+    };
+    const auto quotient = L::to(divided(), G{});
     gi = L::widen(L::to(L::widen(quotient, G{}) * s.clip_mul, G{}), G{});
   }
   return gi * s.grad_scale;
@@ -884,14 +900,8 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   int16_t* low = static_cast<int16_t*>(buffer);
   P* comp = static_cast<P*>(buffer);
   const Scalars s = scalars;  // a local copy: the stores cannot alias it, it stays in registers
+  const float clip_recip = clip_reciprocal<G, READ>(s);
   int64_t i = begin;
-  // One element at a time (Scalar): the tail, and the first element where
-  // Pairs8 would start at an odd counter.
-  const auto scalar_step = [&](int64_t j) {
-    const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
-        j, index0, p, read_grad<Scalar, G, READ>(g, j, s), mu, nu, master, low, comp, s, key_m);
-    adamw_write<Scalar, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
-  };
 #if defined(OH_LANES16) || defined(OH_LANES8)
 #if defined(OH_LANES16)
   using L = Lanes16;
@@ -900,7 +910,7 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
 #endif
   constexpr int64_t W = L::kWidth;
   using F = typename L::F;
-  const auto read = [&](int64_t j) { return read_grad<L, G, READ>(g, j, s); };
+  const auto read = [&](int64_t j) { return read_grad<L, G, READ>(g, j, s, clip_recip); };
   const auto math = [&](int64_t j, F gj) {
     return adamw_math<L, P, M, V, MODE, SR>(j, index0, p, gj, mu, nu, master, low, comp, s,
                                             key_m);
@@ -909,7 +919,13 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     adamw_write<L, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
   };
   if constexpr (mixes_counter<L>::value && (SR || MODE == kStochastic)) {  // even counters
-    if (i < end && ((index0 + uint64_t(i)) & 1u)) scalar_step(i++);
+    if (i < end && ((index0 + uint64_t(i)) & 1u)) {  // that element alone, as the tail's
+      const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
+          i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low,
+          comp, s, key_m);
+      adamw_write<Scalar, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
+      ++i;
+    }
   }
   if constexpr (L::kThreeStages) {
     if (i + 2 * W <= end) {
@@ -942,7 +958,15 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     i += W;
   }
 #endif
-  for (; i < end; ++i) scalar_step(i);
+  // The tail, one element at a time (Scalar). (Written out, as the odd first
+  // element above: a lambda here that takes s by reference keeps s in memory,
+  // and the vector loop then reloads it after its stores.)
+  for (; i < end; ++i) {
+    const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
+        i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low, comp,
+        s, key_m);
+    adamw_write<Scalar, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
+  }
 }
 
 // Whether fl(widen(g[i]) * scale) is finite for every i in [begin, end): the

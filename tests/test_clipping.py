@@ -1,6 +1,8 @@
 """optax_half.clip_by_global_norm gives optax.clip_by_global_norm's bits,
 without the fp32 temporary XLA:CPU writes for optax's on 16-bit gradients."""
 
+import fractions
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,6 +263,25 @@ def test_folded_clip_edge_values_equal_optax_chain(dtype, max_norm):
               "1": 1.0}[max_norm]
   _steps_as_optax_chain(max_norm, lambda: oh.adamw_bf16(1e-2), params, [grads] * 2,
                         expect_fold=dtype != jnp.float16)
+
+
+def test_folded_clip_divides_bf16_gradients_as_xla_does():
+  """XLA:CPU divides bf16 gradients by the norm as a product with the norm's
+  fp32 reciprocal r = fl(1 / n). That product differs from a true division
+  where the quotient is exactly 2^-126 and r lies below 1 / n: g * r falls
+  under 2^-126 and flushes to zero. A bf16 gradient n * 2^-126 over such a
+  bf16 norm n: the kernel's clip gives XLA's bits. With b1 = 0 the first
+  moment is the clipped gradient itself, so that element shows in the state."""
+  n = 1.90625  # a bf16 value
+  r = np.float32(1) / np.float32(n)
+  below = 1 - fractions.Fraction(n) * fractions.Fraction(float(r))
+  assert below > fractions.Fraction(1, 2**25)  # g * r rounds below 2^-126
+  g = np.zeros(4096, np.float32)
+  g[5], g[9] = n, n * 2.0**-126
+  grads = {"w": jnp.asarray(g).astype(jnp.bfloat16)}
+  assert float(optax.tree.norm(grads)) == n
+  params = {"w": jnp.linspace(-1, 1, 4096).astype(jnp.bfloat16)}
+  _steps_as_optax_chain(1.0, lambda: oh.adamw_bf16(1e-2, b1=0.0), params, [grads] * 2)
 
 
 @pytest.mark.parametrize("bad,leaf", default_or_slow(
