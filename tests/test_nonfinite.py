@@ -403,8 +403,10 @@ def test_skip_and_loss_scale_eagerly_on_leaves_on_several_devices(tmp_path):
   import sys  # noqa: PLC0415
   script = tmp_path / "several_devices.py"
   script.write_text(_EAGER_SEVERAL_DEVICES)
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu")
+  # XLA:CPU ends a process whose device waits 40 s at a collective: longer
+  # on a loaded machine (tests/test_sharding.py).
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 "
+             "--xla_cpu_collective_call_terminate_timeout_seconds=240", JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]

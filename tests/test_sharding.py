@@ -44,7 +44,12 @@ RUNS = [(name, axis, mesh) for name in sj.CONFIGS for axis, mesh in
 
 
 def _run(_):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  # Eight devices' programs on two cores, beside the other pytest-xdist
+  # worker's tests: a device can reach a collective long after the others,
+  # and XLA:CPU ends the process when one waits 40 s (its default); 600 s
+  # here, inside the run's own 900 s limit.
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8 "
+             "--xla_cpu_collective_call_terminate_timeout_seconds=600")
   out = subprocess.run([sys.executable, str(HERE / "sharded_jax.py")], env=env,
                        capture_output=True, text=True, timeout=900)
   assert out.returncode == 0, out.stderr[-4000:]
