@@ -90,8 +90,7 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
   updated in place; with ``in_place`` the new params go into the params'
   buffers."""
   n = len(leaves)
-  sr = state_rounding == "stochastic" and any(  # a 16-bit moment
-      jnp.dtype(x[0].dtype).itemsize == 2 for x in states[:2])
+  sr = rounding._stochastic_moments(states[0][0].dtype, states[1][0].dtype, state_rounding)
   states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
   out_dtype = jnp.float32 if mode == "update" else leaves[0].dtype
   state_arrays = [x for field in states for x in field]

@@ -409,6 +409,13 @@ def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
   return jnp.asarray(x).astype(dtype)
 
 
+def _stochastic_moments(m_dtype, v_dtype, rounding: str) -> bool:
+  """Whether ``round_moments`` draws random bits: stochastic rounding and
+  a 16-bit moment (fp32 moments are written as they are)."""
+  return rounding == "stochastic" and (
+      jnp.dtype(m_dtype).itemsize < 4 or jnp.dtype(v_dtype).itemsize < 4)
+
+
 def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: str,
                   seed=None, step=None, leaf: int = 0) -> tuple[jax.Array, jax.Array]:
   """Round Adam's fp32 moments to their storage dtypes, as one pair.
@@ -429,7 +436,7 @@ def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: st
     bfloat16 float32 1.002
   """
   m_dtype, v_dtype = jnp.dtype(m_dtype), jnp.dtype(v_dtype)
-  if rounding != "stochastic" or (m_dtype.itemsize >= 4 and v_dtype.itemsize >= 4):
+  if not _stochastic_moments(m_dtype, v_dtype, rounding):
     return jnp.asarray(m32).astype(m_dtype), jnp.asarray(v32).astype(v_dtype)
   w = random_bits(seed, step, STREAM_MOMENTS, leaf, m32.shape)
   return stochastic_round(m32, m_dtype, w), stochastic_round(v32, v_dtype, swap_halves(w))

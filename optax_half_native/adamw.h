@@ -106,16 +106,21 @@ inline f16 round_stochastic(float x, uint32_t bits, f16 like) {
 }
 #endif
 
-// rounding.mix32: a bijective 32-bit hash (of one word, or of each lane of
-// a vector of words).
+// mix32 after its first x ^= x >> 16 (Pairs8::mix_counter shares that one).
 template <typename U>
-inline U mix32(U x) {
-  x ^= x >> 16;
+inline U mix32_rest(U x) {
   x *= kM1;
   x ^= x >> 15;
   x *= kM2;
   x ^= x >> 15;
   return x;
+}
+
+// rounding.mix32: a bijective 32-bit hash (of one word, or of each lane of
+// a vector of words).
+template <typename U>
+inline U mix32(U x) {
+  return mix32_rest(x ^ (x >> 16));
 }
 
 // rounding.leaf_key: the key of one (seed, step, stream, leaf).
@@ -335,21 +340,18 @@ struct Lanes16 {
   // (Inf - Inf), and a subnormal where x is one (vcvtneps2bf16 read it as 0)
   // or where it is one itself; a normal x rounds exactly, to an Inf where it
   // overflows, and its residual (finite, or the opposite Inf) too. A block
-  // with such a residual takes the two roundings of `to`. x is the sum
-  // x + u: where fp32 results flush to zero (FTZ, with DAZ in XLA's
-  // threads) neither it nor the residual is ever subnormal, and without
-  // FTZ (torch) the residual x - 0 of a subnormal x is x.
-  static void put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
+  // with such a residual writes nothing here (false) and takes the two
+  // roundings of `to` (adamw_write). x is the sum x + u: where fp32 results
+  // flush to zero (FTZ, with DAZ in XLA's threads) neither it nor the
+  // residual is ever subnormal, and without FTZ (torch) the residual x - 0
+  // of a subnormal x is x.
+  static bool put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
     const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
     const F residual = x - widen(rounded);
-    if (__builtin_expect(_mm512_fpclass_ps_mask(residual, kNanOrSubnormal) != 0, 0)) {
-      const __m256i exact = to(x, bf16{});
-      put(comp, i, to(x - widen(exact), bf16{}));
-      put(p_out, i, exact);
-      return;
-    }
+    if (__builtin_expect(_mm512_fpclass_ps_mask(residual, kNanOrSubnormal) != 0, 0)) return false;
     put(comp, i, (__m256i)_mm512_cvtneps_pbh(residual));
     put(p_out, i, rounded);
+    return true;
   }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
@@ -604,12 +606,7 @@ struct Pairs8 {
   static U mix_counter(uint64_t first, uint32_t key) {
     V x = (uint32_t(first) + V{0, 2, 4, 6, 8, 10, 12, 14}) ^ key;
     x ^= x >> 16;
-    U y = {x, x ^ 1u};
-    y *= kM1;
-    y ^= y >> 15;
-    y *= kM2;
-    y ^= y >> 15;
-    return y;
+    return mix32_rest(U{x, x ^ 1u});
   }
 
   static F to(F x, float) { return x; }
@@ -642,18 +639,15 @@ struct Pairs8 {
   // is a NaN exactly where x is a NaN or an Inf (Inf - Inf); a finite x
   // gives a finite residual or, where its rounding overflows to an Inf, the
   // opposite Inf, whose integer rounding is that Inf: neither rounding then
-  // meets a NaN. A block with a NaN residual takes the two roundings of `to`.
-  static void put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
+  // meets a NaN. A block with a NaN residual writes nothing here (false) and
+  // takes the two roundings of `to` (adamw_write).
+  static bool put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
     const U high = nearest_even_high(bits(x));
     const F residual = x - floats(high & 0xFFFF0000u);
-    if (__builtin_expect(any_nan(residual), 0)) {
-      const V rounded = to(x, bf16{});
-      put(comp, i, to(x - widen(rounded), bf16{}));
-      put(p_out, i, rounded);
-      return;
-    }
+    if (__builtin_expect(any_nan(residual), 0)) return false;
     put(comp, i, high_words(nearest_even_high(bits(residual))));
     put(p_out, i, high_words(high));
+    return true;
   }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
@@ -833,8 +827,9 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   else return x + u;
 }
 
-// Whether lanes L have their own Kahan write for bf16 params (put_kahan:
-// Lanes16, Pairs8).
+// Whether lanes L have a Kahan write for bf16 params with one check for its
+// two roundings (put_kahan: Lanes16, Pairs8; false where a block needs the
+// roundings' fix-ups, which adamw_write's own Kahan write then makes).
 template <typename L, typename = void>
 struct kahan_put : std::false_type {};
 template <typename L>
@@ -858,9 +853,10 @@ inline __attribute__((always_inline)) void adamw_write(
       L::put(p_out, i, L::to(x_new, P{}));
     } else if constexpr (MODE == kSplit) {
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
-    } else if constexpr (MODE == kKahan && kahan_put<L>::value && std::is_same_v<P, bf16>) {
-      L::put_kahan(p_out, comp, i, x_new);  // the same roundings, one NaN check
     } else if constexpr (MODE == kKahan) {
+      if constexpr (kahan_put<L>::value && std::is_same_v<P, bf16>) {
+        if (__builtin_expect(L::put_kahan(p_out, comp, i, x_new), 1)) return;
+      }
       const auto new_p = L::to(x_new, P{});
       L::put(comp, i, L::to(x_new - L::widen(new_p, P{}), P{}));
       L::put(p_out, i, new_p);

@@ -1,4 +1,4 @@
-"""Shared helpers: numeric comparisons in ULPs, random trees."""
+"""Shared helpers: numeric comparisons in ULPs, bitwise ones of torch runs, random trees."""
 
 import importlib.util
 import subprocess
@@ -55,6 +55,30 @@ def bitwise_equal(a, b) -> bool:
   a, b = np.asarray(a), np.asarray(b)
   return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
       a.view(_UINT[a.dtype.itemsize]), b.view(_UINT[b.dtype.itemsize]))
+
+
+def torch_bits(t):
+  """A torch tensor's bytes, as a flat uint8 tensor."""
+  import torch  # noqa: PLC0415 (torch is optional here)
+  return t.detach().reshape(-1).view(torch.uint8)
+
+
+def assert_same_torch_runs(a, b):
+  """Two ``(params, optimizer)`` runs: every param and every state tensor
+  with the same dtype and bits, the same state keys, the other state values
+  equal."""
+  import torch  # noqa: PLC0415
+  (params_a, opt_a), (params_b, opt_b) = a, b
+  assert len(params_a) == len(params_b)
+  for pa, pb in zip(params_a, params_b):
+    assert pa.dtype == pb.dtype and torch.equal(torch_bits(pa), torch_bits(pb))
+    sa, sb = opt_a.state[pa], opt_b.state[pb]
+    assert sa.keys() == sb.keys()
+    for k, v in sa.items():
+      if torch.is_tensor(v):
+        assert v.dtype == sb[k].dtype and torch.equal(torch_bits(v), torch_bits(sb[k])), k
+      else:
+        assert v == sb[k], k
 
 
 def random_tree(seed, shapes, dtype):

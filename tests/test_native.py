@@ -33,7 +33,7 @@ torch = pytest.importorskip("torch")
 import torch_bridge as tb  # noqa: E402
 from torch_bridge import _native as torch_native  # noqa: E402
 from suite_helpers import default_or_slow  # noqa: E402
-from conftest import jitted_step  # noqa: E402
+from conftest import assert_same_torch_runs, jitted_step  # noqa: E402
 
 # The JAX kernel is lowered only where JAX's default backend is the CPU
 # (_native.on_cpu); elsewhere these tests would compare the composed
@@ -48,13 +48,6 @@ STEPS = 4
 
 def _values(seed, shape, scale):
   return np.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, np.float32)
-
-
-def _tbits(t: "torch.Tensor") -> bytes:
-  t = t.detach()
-  if t.dtype == torch.bfloat16:
-    t = t.view(torch.int16)
-  return t.numpy().tobytes()
 
 
 
@@ -117,21 +110,13 @@ def _torch_steps(make, fused, fp32_leaves, loss_scale, low):
   return params, opt
 
 
-def _assert_torch_equal(a, b):
-  (pa, oa), (pb, ob) = a, b
-  for x, y in zip(pa, pb):
-    assert _tbits(x) == _tbits(y)
-    for k, v in oa.state[x].items():
-      assert _tbits(v) == _tbits(ob.state[y][k]), k
-
-
 @pytest.mark.parametrize("config", TORCH_CONFIGS,
                          ids=lambda c: "-".join(str(v).replace("torch.", "") for v in c.values()))
 def test_torch_kernel_equals_the_eager_step(config):
   def make(params, fused):
     return tb.adamw_bf16(params, 1e-2, key=11, fused=fused, **config)
   for fp32_leaves in ((), ("mat", "scalar")):
-    _assert_torch_equal(_torch_run(make, None, fp32_leaves), _torch_run(make, False, fp32_leaves))
+    assert_same_torch_runs(_torch_run(make, None, fp32_leaves), _torch_run(make, False, fp32_leaves))
 
 
 @pytest.mark.parametrize("name", ["adam_fp32_master", "scale_by_adamw", "adamw_bf16 + scaler",
@@ -143,7 +128,7 @@ def test_torch_kernel_equals_the_eager_step_named(name):
                  ps, 1e-2, weight_decay=0.1, state_rounding="stochastic", key=3, fused=fused)}
   make = factory.get(name.split(" ")[0], lambda ps, fused: tb.adamw_bf16(ps, 1e-2, fused=fused))
   scaled = name.endswith("scaler")
-  _assert_torch_equal(_torch_run(make, None, ("scalar",), scaled),
+  assert_same_torch_runs(_torch_run(make, None, ("scalar",), scaled),
                       _torch_run(make, False, ("scalar",), scaled))
 
 
@@ -170,7 +155,7 @@ def test_torch_kernel_steps_fp16_params_of_adam_fp32_master_as_the_eager_step(sc
   eager step's, and the eager step does not run."""
   def make(ps, fused):
     return tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1, fused=fused)
-  _assert_torch_equal(_torch_run(make, None, ("scalar",), scaled, low=torch.float16),
+  assert_same_torch_runs(_torch_run(make, None, ("scalar",), scaled, low=torch.float16),
                       _torch_run(make, False, ("scalar",), scaled, low=torch.float16))
   _assert_the_kernel_steps_an_fp16_param(make, monkeypatch)
 
@@ -197,7 +182,7 @@ def test_torch_kernel_steps_fp16_params_of_adamw_bf16_as_the_eager_step(config, 
   and the eager step does not run for them."""
   def make(params, fused):
     return tb.adamw_bf16(params, 1e-2, key=11, fused=fused, **config)
-  _assert_torch_equal(_torch_run(make, None, ("scalar",), low=torch.float16),
+  assert_same_torch_runs(_torch_run(make, None, ("scalar",), low=torch.float16),
                       _torch_run(make, False, ("scalar",), low=torch.float16))
   _assert_the_kernel_steps_an_fp16_param(make, monkeypatch)
 
@@ -997,7 +982,7 @@ def test_torch_kernel_param_groups_with_their_own_hyperparameters():
   def make(params, fused):
     return tb.adamw_bf16([{"params": params[:2], "lr": 3e-2, "weight_decay": 0.0},
                           {"params": params[2:], "b1": 0.8, "eps": 1e-6}], 1e-2, fused=fused)
-  _assert_torch_equal(_torch_run(make, None, ("vec",)), _torch_run(make, False, ("vec",)))
+  assert_same_torch_runs(_torch_run(make, None, ("vec",)), _torch_run(make, False, ("vec",)))
 
 
 @jax_kernel
@@ -1212,7 +1197,7 @@ def test_torch_kernel_steps_spans_that_start_at_odd_elements(compensation):
     finally:
       torch.set_num_threads(threads)
     runs.append((params, opt))
-  _assert_torch_equal(*runs)
+  assert_same_torch_runs(*runs)
 
 
 _FALLBACK = r"""

@@ -15,6 +15,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_bridge as tb  # noqa: E402
+from conftest import assert_same_torch_runs, torch_bits  # noqa: E402
 from torch_bridge import _native, adam  # noqa: E402
 
 SHAPES = [(7, 5), (3,), (), (4, 4, 2), (1,), (33,)]
@@ -47,22 +48,6 @@ def _train(make, fused, dtype=torch.bfloat16, steps=4, no_grad_at=None, shapes=S
   return params, opt
 
 
-def _bits(t):
-  return t.detach().reshape(-1).view(torch.uint8)
-
-
-def _assert_same(a, b):
-  params_a, opt_a = a
-  params_b, opt_b = b
-  for pa, pb in zip(params_a, params_b):
-    assert torch.equal(_bits(pa), _bits(pb))
-    sa, sb = opt_a.state[pa], opt_b.state[pb]
-    assert sa.keys() == sb.keys()
-    for k in sa:
-      if torch.is_tensor(sa[k]):
-        assert sa[k].dtype == sb[k].dtype and torch.equal(_bits(sa[k]), _bits(sb[k])), k
-
-
 CASES = {
     "kahan": (lambda ps, f: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, fused=f), torch.bfloat16),
     "split": (lambda ps, f: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, compensation="split",
@@ -90,7 +75,7 @@ def test_grouped_step_has_the_bits_of_each_tensor_alone(case, no_grad_at, groupe
   make, dtype = CASES[case]
   grouped = _train(make, None, dtype, no_grad_at=no_grad_at)
   assert sum(n * k for n, k in grouped_on_cpu.items()) > 0 and max(grouped_on_cpu) > 1
-  _assert_same(grouped, _train(make, False, dtype, no_grad_at=no_grad_at))
+  assert_same_torch_runs(grouped, _train(make, False, dtype, no_grad_at=no_grad_at))
 
 
 def test_grouped_step_splits_at_its_element_cap(monkeypatch, grouped_on_cpu):
@@ -106,7 +91,7 @@ def test_grouped_step_splits_at_its_element_cap(monkeypatch, grouped_on_cpu):
   assert max(grouped_on_cpu) > 1 and 42 in calls and max(calls) == 42
   assert all(n <= 40 for n in calls if n != 42)
   calls.clear()
-  _assert_same(grouped, _train(make, False, dtype, shapes=shapes))
+  assert_same_torch_runs(grouped, _train(make, False, dtype, shapes=shapes))
 
 
 def _is_step_counter(x):
@@ -163,7 +148,7 @@ def test_grouped_step_resumes_after_deepcopy_pickle_and_state_dict(grouped_on_cp
       p.grad = torch.full_like(p, 0.01 * (i + 1))
     o.step()
   for a, b, c in zip(params, twin_params, copied.param_groups[0]["params"]):
-    assert torch.equal(_bits(a), _bits(b)) and torch.equal(_bits(a), _bits(c))
+    assert torch.equal(torch_bits(a), torch_bits(b)) and torch.equal(torch_bits(a), torch_bits(c))
   buffer.seek(0)
   assert isinstance(torch.load(buffer, weights_only=False), type(opt))
 
@@ -181,7 +166,7 @@ def test_grouped_step_steps_what_it_took_when_a_later_param_is_refused(grouped_o
     with pytest.raises(Exception, match="sparse"):
       opt.step()
     results.append((params, opt))
-  _assert_same(*results)
+  assert_same_torch_runs(*results)
   steps = [int(results[0][1].state[p]["step"]) for p in results[0][0]]
   assert steps == [2] * (len(SHAPES) - 1) + [1], steps
 
@@ -198,5 +183,5 @@ def test_a_param_listed_twice_steps_twice_in_order(grouped_on_cpu):
       p.grad = torch.full_like(p, 0.01)
     opt.step()
     results.append((params, opt))
-  _assert_same(*results)
+  assert_same_torch_runs(*results)
   assert int(results[0][1].state[results[0][0][0]]["step"]) == 2

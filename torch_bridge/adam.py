@@ -244,9 +244,8 @@ class _Grouped:
   def _random_bits(self, mode: str, mu, nu) -> bool:
     """Whether the step draws random bits: stochastic params, or moments
     that ``rounding.round_moments`` rounds stochastically."""
-    nearest_moments = self._state_rounding != "stochastic" or (
-        mu.dtype.itemsize >= 4 and nu.dtype.itemsize >= 4)
-    return mode == _STOCHASTIC or not nearest_moments
+    return mode == _STOCHASTIC or rounding._stochastic_moments(mu.dtype, nu.dtype,
+                                                               self._state_rounding)
 
   @torch.no_grad()
   def _step(self, config, entry) -> None:

@@ -431,6 +431,12 @@ def swap_halves(bits: torch.Tensor) -> torch.Tensor:
   return ((bits & 0x7FFF) * 65536) | top | ((bits >> 16) & 0xFFFF)
 
 
+def _stochastic_moments(m_dtype: torch.dtype, v_dtype: torch.dtype, rounding: str) -> bool:
+  """Whether ``round_moments`` draws random bits: stochastic rounding and
+  a 16-bit moment (fp32 moments are written as they are)."""
+  return rounding == "stochastic" and (m_dtype.itemsize < 4 or v_dtype.itemsize < 4)
+
+
 def round_moments(m32: torch.Tensor, v32: torch.Tensor, m_dtype: torch.dtype,
                   v_dtype: torch.dtype, rounding: str, key=0, index=0):
   """``optax_half.rounding.round_moments``: both moments from one word per element.
@@ -450,7 +456,7 @@ def round_moments(m32: torch.Tensor, v32: torch.Tensor, m_dtype: torch.dtype,
     >>> m.unique().tolist(), torch.equal(m, v)  # one word, two independent halves
     ([0.99609375, 1.0], False)
   """
-  if rounding != "stochastic" or (m_dtype.itemsize >= 4 and v_dtype.itemsize >= 4):
+  if not _stochastic_moments(m_dtype, v_dtype, rounding):
     return m32.to(m_dtype), v32.to(v_dtype)
   w = bits_from_key(key, m32.shape, m32.device, index)
   return stochastic_round(m32, m_dtype, w), stochastic_round(v32, v_dtype, swap_halves(w))
