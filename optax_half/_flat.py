@@ -30,8 +30,7 @@ import optax_half_native as native_lib
 __all__ = ["Flat", "check", "key", "pack", "relayout_state", "unpack", "template"]
 
 # The state fields that hold one buffer per param.
-FIELDS = ("mu", "nu", *dict.fromkeys(
-    c.buffer for c in native_lib.COMPENSATIONS.values() if c.buffer))
+FIELDS = ("mu", "nu", *native_lib.BUFFERS)
 
 
 class Flat(NamedTuple):

@@ -27,9 +27,11 @@ import numpy as np
 import optax
 
 import optax_half_native as native
-from optax_half import _flat, rounding
+from optax_half import _flat, _in_place, rounding
 from optax_half._coefficients import coefficients
-from optax_half._util import is_float, leaf_indices, unscaled, unscaled_all_finite
+from optax_half._util import (is_float, leaf_indices, transformation, unscaled,
+                              unscaled_all_finite)
+from optax_half.compensation import Compensation
 
 __all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
            "scaled_adam_sums", "scaled_adam_step", "ScaledAdamStep"]
@@ -39,7 +41,6 @@ FLAT_TARGET = "optax_half_adamw_flat"
 FINITE_TARGET = "optax_half_all_finite"
 SCALED_SUMS_TARGET = "optax_half_scaled_adam_sums"
 SCALED_STEP_TARGET = "optax_half_scaled_adam_step"
-_KINDS = tuple(native.COMPENSATIONS)
 _registered: dict = {}
 
 
@@ -155,18 +156,16 @@ def has_f16() -> bool:
   return available() and native.has_f16(native.ffi_library(jax.ffi.include_dir()))
 
 
-def _mode(kind: str, dtype) -> str:
-  """The kernel's mode for a param of ``dtype`` (``torch_bridge.adam._mode``):
+def _mode(compensation: Compensation, dtype) -> str:
+  """The kernel's mode (a ``native.MODES`` key) for a param of ``dtype``:
   fp32 params take ``"update"`` (the wrappers hand them to the core as they
-  are), fp16 params of ``"split"`` ``"master"`` (``master_weights(split=True)``
-  splits bf16 only and keeps a full fp32 master of the others), every other
-  param its kind's."""
+  are), 16-bit ones their compensation's (``for_dtype``)."""
   if jnp.dtype(dtype) == jnp.float32:
     return "update"
-  return native.compensation_of(kind, jnp.dtype(dtype) == jnp.bfloat16).name
+  return compensation.for_dtype(dtype).name
 
 
-def _takes(kind, params, grads, core) -> bool:
+def _takes(compensation, params, grads, core) -> bool:
   """Whether the kernel takes this tree (trace time: dtypes and shapes only):
   bf16 and fp32 leaves, and fp16 params with fp16 or fp32 gradients and
   moments (``_takes_f16``)."""
@@ -180,7 +179,7 @@ def _takes(kind, params, grads, core) -> bool:
     if np.shape(g) != np.shape(p):
       return False
     if dtypes[0] == jnp.float16:
-      if not _takes_f16(_mode(kind, dtypes[0]), dtypes[1], dtypes[2:]):
+      if not _takes_f16(dtypes[1], dtypes[2:]):
         return False
       continue
     if any(d not in ok for d in dtypes):
@@ -191,14 +190,12 @@ def _takes(kind, params, grads, core) -> bool:
           == len(jax.tree.leaves(core.nu)))
 
 
-def _takes_f16(mode: str, grad_dtype, moment_dtypes) -> bool:
-  """Whether the kernel steps an fp16 param in ``mode`` with these gradient
-  and moment dtypes (``dispatch`` in adamw_ffi.cc: fp16 or fp32 each, in
-  every mode but ``"split"``, which fp16 params do not take, where the
-  library has fp16)."""
+def _takes_f16(grad_dtype, moment_dtypes) -> bool:
+  """Whether the kernel steps an fp16 param with these gradient and moment
+  dtypes (``dispatch`` in adamw_ffi.cc: fp16 or fp32 each, in every
+  compensation fp16 params take, where the library has fp16)."""
   ok = (jnp.float16, jnp.float32)
-  return (mode in ("master", "kahan", "stochastic", "none") and grad_dtype in ok
-          and all(d in ok for d in moment_dtypes) and has_f16())
+  return grad_dtype in ok and all(d in ok for d in moment_dtypes) and has_f16()
 
 
 def on_cpu(params) -> bool:
@@ -220,7 +217,7 @@ def _maybe_sharded(params) -> bool:
              for p in jax.tree.leaves(params))
 
 
-def _takes_flat(kind: str, params, grads, state) -> bool:
+def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
   """Whether one flat call (``_flat_update``) takes this tree and flat state:
   every leaf a param of one 16-bit dtype (bf16, or fp16 as ``_takes_f16``
   allows) with one gradient dtype, one dtype per flat buffer (the mode's buffer of the
@@ -239,43 +236,34 @@ def _takes_flat(kind: str, params, grads, state) -> bool:
 
   def dtypes(flat):
     return [x.dtype for x in flat.arrays.values()]
-  mode = _mode(kind, dtype)
   if len(dtypes(core.mu)) != 1 or len(dtypes(core.nu)) != 1:
     return False
   moments = dtypes(core.mu) + dtypes(core.nu)
   if dtype == jnp.float16:
-    if not _takes_f16(mode, grad_dtype, moments):
+    if not _takes_f16(grad_dtype, moments):
       return False
   elif any(d not in (jnp.bfloat16, jnp.float32) for d in moments):
     return False
-  # The buffer each mode reads (buffer_type in adamw_ffi.cc).
-  buffer_dtype = native.COMPENSATIONS[mode].buffer_dtype
+  # The buffer the kernel reads (buffer_type in adamw_ffi.cc).
+  buffer_dtype = compensation.for_dtype(dtype).buffer_dtype
   want = [] if buffer_dtype is None else [dtype if buffer_dtype == "param" else buffer_dtype]
-  buffer = dtypes(getattr(state, _BUFFER_FIELD[kind])) if kind in _BUFFER_FIELD else []
+  buffer = dtypes(compensation.buffers(state)) if compensation.buffer else []
   return buffer == want
 
 
-def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update,
-          flat_state: bool = False):
-  """``(init, update, update_and_apply, scaled)`` of ``adamw_bf16(compensation=kind)``
-  or (``kind="master"``) ``adam_fp32_master``, with the kernel on CPU and
-  ``tx_update`` (the composed transformation's update) elsewhere.
-  ``update`` is the transformation's update; ``update_and_apply(updates,
-  state, params)`` returns ``(new_params, new_state)``, the same bits as
-  ``update`` followed by ``optax.apply_updates``, with the kernel writing the
-  new params into the params' own buffers (``optax_half.update_and_apply``).
-  ``scaled(in_place, updates, inv_scale, state, params)`` is either of them
-  given the gradients ``_util.unscaled(updates, inv_scale)``, which the kernel
-  forms as it reads each gradient element (``dynamic_loss_scale``: no fp32
-  copy of the gradients). ``hyperparams``: (learning_rate, b1, b2, eps,
-  weight_decay) as the core takes them. With ``flat_state`` the state is in
-  ``_flat``'s layout: ``init`` packs ``tx_init``'s, and a step is one call of
-  the flat kernel on CPU where it takes the tree (``_takes_flat``), else the
-  tree layout's step between an unpack and a pack."""
-  assert kind in _KINDS, kind
+def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, tx_init,
+          tx_update, flat_state: bool, name: str) -> _in_place.InPlaceTransformation:
+  """``wrap(compensation, scale_by_adamw(*hyperparams, ...))`` (``tx_init``,
+  ``tx_update``) with the kernel on CPU: ``adamw_bf16`` or
+  ``adam_fp32_master``, as an ``InPlaceTransformation`` whose in-place,
+  scaled and clipped steps the kernel takes (the same bits as ``tx_update``,
+  which runs elsewhere). With ``flat_state`` the state is in ``_flat``'s
+  layout: one call of the flat kernel where it takes the tree
+  (``_takes_flat``), else the tree layout's step between an unpack and a
+  pack (docs/algorithms.md#the-jax-entry)."""
 
   def native(updates, state, params) -> bool:
-    return on_cpu(params) and _takes(kind, params, updates, state.inner_state)
+    return on_cpu(params) and _takes(compensation, params, updates, state.inner_state)
 
   def step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
     if (inv_scale is not None or clip is not None) and not native(updates, state, params):
@@ -294,7 +282,7 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
     if not native(updates, state, params):
       return elsewhere()
     return jax.lax.platform_dependent(
-        cpu=lambda: _native_update(kind, hyperparams, state_rounding, updates, state, params,
+        cpu=lambda: _native_update(compensation, hyperparams, state_rounding, updates, state, params,
                                    in_place=in_place, grad_scale=inv_scale, clip=clip),
         default=elsewhere)
 
@@ -309,10 +297,10 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
                             inv_scale, clip)
       return out, _flat.pack(new_state)
 
-    if not (on_cpu(params) and _takes_flat(kind, params, updates, state)):
+    if not (on_cpu(params) and _takes_flat(compensation, params, updates, state)):
       return via_tree()
     return jax.lax.platform_dependent(
-        cpu=lambda: _flat_update(kind, hyperparams, state_rounding, updates, state, params,
+        cpu=lambda: _flat_update(compensation, hyperparams, state_rounding, updates, state, params,
                                  in_place=in_place, grad_scale=inv_scale, clip=clip),
         default=via_tree)
 
@@ -335,7 +323,8 @@ def fused(kind: str, hyperparams: tuple, state_rounding: str, tx_init, tx_update
   def clipped(updates, clip, state, params, **extra_args):
     return run(True, updates, state, params, extra_args, clip=clip)
 
-  return init, update, update_and_apply, scaled, clipped
+  return _in_place.register(transformation(init, update, name), update_and_apply, scaled,
+                            clipped)
 
 
 def _read(updates, inv_scale, clip):
@@ -359,16 +348,12 @@ def _scalars(hyperparams, count, grad_scale, clip=None, grad_dtype=None) -> jax.
   return jnp.stack([values[name] for name in native.ADAMW_SCALARS]).astype(jnp.float32)
 
 
-# The wrapper state's field holding each kind's per-param buffer (None: no buffer).
-_BUFFER_FIELD = {c.name: c.buffer for c in native.COMPENSATIONS.values() if c.buffer}
-
-
-def _keys(kind, state, leaf) -> jax.Array:
+def _keys(compensation: Compensation, state, leaf) -> jax.Array:
   """The leaf keys (param stream, moment stream) of leaf index ``leaf`` (a
   scalar, or a vector of them: one row each). The param stream is the
-  wrapper's for ``stochastic``, the core's otherwise."""
+  wrapper's where it draws bits, the core's otherwise."""
   core = state.inner_state
-  p_seed, p_count = (state.seed, state.count) if kind == "stochastic" else (core.seed, core.count)
+  p_seed, p_count = compensation.param_stream(state) or (core.seed, core.count)
   return jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, leaf),
                     rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, leaf)],
                    axis=-1)
@@ -380,18 +365,14 @@ def _fp32_update(p_out, p) -> jax.Array:
   return rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
 
 
-def _stepped(kind, state, mu, nu, buffers):
+def _stepped(compensation: Compensation, state, mu, nu, buffers):
   """``state`` after one step: the new moments and buffers, the counts advanced."""
   core = state.inner_state
   new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
-  if kind in _BUFFER_FIELD:
-    return state._replace(**{_BUFFER_FIELD[kind]: buffers, "inner_state": new_core})
-  if kind == "stochastic":
-    return state._replace(count=optax.safe_increment(state.count), inner_state=new_core)
-  return state._replace(inner_state=new_core)
+  return compensation.next_state(state, buffers, new_core)
 
 
-def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
+def _flat_update(compensation, hyperparams, state_rounding, updates, state, params,
                  in_place=False, grad_scale=None, clip=None):
   """``_native_update`` for a flat state (``_takes_flat``): every leaf in one
   call of ``FLAT_TARGET``, whose operands are the leaves' params and
@@ -399,13 +380,12 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads = jax.tree.leaves(updates)
   core = state.inner_state
-  field = _BUFFER_FIELD.get(kind)
-  flats = [core.mu, core.nu, None if field is None else getattr(state, field)]
+  flats = [core.mu, core.nu, compensation.buffers(state)]
   states = [[None] if f is None else list(f.arrays.values()) for f in flats]
   # Every leaf is a float leaf: its leaf index is its position.
-  keys = _keys(kind, state, jnp.arange(len(leaves), dtype=jnp.uint32))
+  keys = _keys(compensation, state, jnp.arange(len(leaves), dtype=jnp.uint32))
   scalars = _scalars(hyperparams, core.count, grad_scale, clip, grads[0].dtype)
-  p_out, new = _call(FLAT_TARGET, _mode(kind, leaves[0].dtype), state_rounding, scalars, keys,
+  p_out, new = _call(FLAT_TARGET, _mode(compensation, leaves[0].dtype), state_rounding, scalars, keys,
                      leaves, grads, states, in_place)
   if in_place:
     result = jax.tree.unflatten(treedef, p_out)
@@ -413,10 +393,10 @@ def _flat_update(kind, hyperparams, state_rounding, updates, state, params,
     result = jax.tree.unflatten(treedef, [_fp32_update(q, p) for q, p in zip(p_out, leaves)])
   mu, nu, buffer = (None if f is None else _flat.Flat(dict(zip(f.arrays, x)))
                     for f, x in zip(flats, new))
-  return result, _stepped(kind, state, mu, nu, buffer)
+  return result, _stepped(compensation, state, mu, nu, buffer)
 
 
-def _native_update(kind, hyperparams, state_rounding, updates, state, params,
+def _native_update(compensation, hyperparams, state_rounding, updates, state, params,
                    in_place=False, grad_scale=None, clip=None):
   """(updates, state), or with ``in_place`` (new params, state). With
   ``grad_scale`` (fp32), the step of the gradients ``unscaled(updates,
@@ -430,15 +410,15 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads, mus, nus, index = (treedef.flatten_up_to(t) for t in (
       updates, state.inner_state.mu, state.inner_state.nu, leaf_indices(params)))
-  if kind in _BUFFER_FIELD:
-    buffers = treedef.flatten_up_to(getattr(state, _BUFFER_FIELD[kind]))
+  if compensation.buffer:
+    buffers = treedef.flatten_up_to(compensation.buffers(state))
   else:
     buffers = [optax.MaskedNode()] * len(leaves)
   core = state.inner_state
   groups: dict = {}
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
     # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
-    mode = _mode(kind, p.dtype)
+    mode = _mode(compensation, p.dtype)
     buffer_dtype = None if mode == "update" or isinstance(b, optax.MaskedNode) else b.dtype
     groups.setdefault((mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype), []).append(k)
   out, new_mu, new_nu, new_buffers = [None] * len(leaves), list(mus), list(nus), list(buffers)
@@ -449,7 +429,7 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
     scalars = _scalars(hyperparams, core.count, grad_scale, clip, grad_dtype)
     has_buffer = buffer_dtype is not None
     states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
-    keys = _keys(kind, state, jnp.asarray([index[k] for k in ks], jnp.uint32))
+    keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32))
     p_out, (m, v, b) = _call(TARGET, mode, state_rounding, scalars, keys, pick(leaves),
                              pick(grads), states, in_place and mode != "update")
     for j, k in enumerate(ks):
@@ -462,8 +442,8 @@ def _native_update(kind, hyperparams, state_rounding, updates, state, params,
       if has_buffer:
         new_buffers[k] = b[j]
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
-  buffers_tree = unflat(new_buffers) if kind in _BUFFER_FIELD else None
-  return unflat(out), _stepped(kind, state, unflat(new_mu), unflat(new_nu), buffers_tree)
+  buffers_tree = unflat(new_buffers) if compensation.buffer else None
+  return unflat(out), _stepped(compensation, state, unflat(new_mu), unflat(new_nu), buffers_tree)
 
 
 # -- ScaledAdam (optax_half_native/scaled_adam.h) -------------------------------

@@ -248,8 +248,7 @@ def _widened(like, x):
   return x.astype(like.dtype)
 
 
-def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled=None,
-                         check=None, clipped=None):
+def maybe_skip_nonfinite(tx, skip_nonfinite: bool, check=None):
   """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
 
   ``optax.apply_if_finite`` never giving up, for transformations whose updates
@@ -257,26 +256,20 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, update_and_apply=None, scaled
   grads, which ``apply_if_finite``'s zero branch would not match). Same state,
   ``optax.ApplyIfFiniteState``: on a non-finite gradient the updates are -0.0,
   the inner state (step count included) is kept, ``notfinite_count`` (in a
-  row), ``last_finite`` and ``total_notfinite`` record the skip. Under
-  ``jax.jit`` the check is one device-side reduction and a ``lax.cond``: no
-  host sync. Called eagerly (op by op), the branch is taken in Python, so the
-  step runs op by op too, on whatever devices its leaves are on.
+  row), ``last_finite`` and ``total_notfinite`` record the skip. Jitted, the
+  check is one device-side reduction and a ``lax.cond`` (no host sync); eagerly
+  the branch is taken in Python (docs/algorithms.md#non-finite-gradients).
 
-  ``update_and_apply``: ``tx``'s in-place step (``optax_half.update_and_apply``),
-  if it has one; the result gets one too, which keeps the params on a skip.
-  ``scaled``: ``tx``'s scaled step (``InPlaceTransformation.scaled``), if it has one; so
-  does the result, which checks the unscaled gradients. ``check``:
+  An in-place ``tx`` (``_in_place.InPlaceTransformation``) gives a result with
+  its in-place and scaled steps, guarded the same way; its clipped step is
+  dropped (the check would need the clipped gradients). ``check``:
   ``unscaled_all_finite`` or another way to compute it (``_native.all_finite``).
-  ``clipped``: ``tx``'s clipped step (``InPlaceTransformation.clipped``), if
-  it has one; kept without ``skip_nonfinite`` (the check would need the
-  clipped gradients: a skipping ``tx`` after a clip runs the clip first).
   """
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
-    if update_and_apply is None:
-      return tx
-    return _in_place.register(tx, update_and_apply, scaled, clipped)
+    return tx
+  update_and_apply, scaled = _in_place.step_of(tx), _in_place.scaled_of(tx)
   inner = optax.with_extra_args_support(tx)
   check = check or unscaled_all_finite
 

@@ -27,10 +27,10 @@ from optax_half._coefficients import Coefficients, _f32, coefficients  # noqa: F
 from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_param,
                               maybe_skip_nonfinite, seed_from_key, transformation, unzip,
                               zeros_like_param)
+from optax_half.compensation import COMPENSATIONS
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
-_COMPENSATIONS = native_lib.OPTIMIZER_COMPENSATIONS
 _STATE_ROUNDINGS = ("stochastic", "nearest")
 
 
@@ -296,13 +296,11 @@ def adam_fp32_master(
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
                         state_rounding="nearest")
-  tx = wrappers.master_weights(core, master_dtype=jnp.float32)
-  init, update, update_and_apply, scaled, clipped = _native.fused(
-      "master", (learning_rate, b1, b2, eps, weight_decay), "nearest", tx.init, tx.update,
-      flat_state)
-  return maybe_skip_nonfinite(transformation(init, update, "adam_fp32_master"),
-                              skip_nonfinite, update_and_apply, scaled, _native.all_finite,
-                              clipped)
+  compensation = COMPENSATIONS["master"]
+  tx = wrappers.wrap(compensation, core)
+  tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), "nearest",
+                     tx.init, tx.update, flat_state, "adam_fp32_master")
+  return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)
 
 
 def adamw_bf16(
@@ -397,24 +395,15 @@ def adamw_bf16(
     arogozhnikov, `adamw_bfloat16 <https://github.com/arogozhnikov/adamw_bfloat16>`_
     (AdamW with bf16 params and moments, and its schedule)
   """
-  if compensation not in _COMPENSATIONS:
-    raise ValueError(
-        f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
+  compensation = COMPENSATIONS[native_lib.check_compensation(compensation).name]
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay, mu_dtype=mu_dtype,
                         nu_dtype=nu_dtype, state_rounding=state_rounding, key=key)
-  if compensation == "kahan":
-    tx = wrappers.kahan_summation(core)
-  elif compensation == "split":
-    tx = wrappers.master_weights(core, master_dtype=jnp.float32, split=True)
-  elif compensation == "stochastic":
-    tx = wrappers.stochastic_rounding(core, key=0 if key is None else key)
-  else:
-    tx = wrappers.round_to_nearest(core)
+  wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key)
 
   def init(params):
     # The wrapper initialises the core on the fp32 view of the params; moments
     # without an explicit dtype take the dtype of the param itself.
-    state = tx.init(params)
+    state = wrapped.init(params)
     core_state = state.inner_state
     def param_dtype(moments, override):
       if override is not None:
@@ -426,9 +415,6 @@ def adamw_bf16(
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
-  init, update, update_and_apply, scaled, clipped = _native.fused(
-      compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding, init, tx.update,
-      flat_state)
-  return maybe_skip_nonfinite(transformation(init, update, "adamw_bf16"),
-                              skip_nonfinite, update_and_apply, scaled, _native.all_finite,
-                              clipped)
+  tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding,
+                     init, wrapped.update, flat_state, "adamw_bf16")
+  return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)

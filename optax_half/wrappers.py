@@ -27,8 +27,6 @@ leaves (integers, bools) are masked out of the inner transformation with
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -36,7 +34,10 @@ from optax import MaskedNode
 
 from optax_half import _in_place, rounding
 from optax_half._util import (check_trees, is_float, leaf_indices, like_param, seed_from_key,
-                              transformation, unzip, zeros_like_param)
+                              transformation, unzip)
+from optax_half.compensation import (COMPENSATIONS, Compensation, KahanSummationState,
+                                     MasterWeightsState, RoundToNearestState,
+                                     StochasticRoundingState)
 
 __all__ = [
     "master_weights",
@@ -50,87 +51,7 @@ __all__ = [
 ]
 
 
-class MasterWeightsState(NamedTuple):
-  """State of ``master_weights``.
-
-  Attributes:
-    master: per leaf, the ``master_dtype`` copy; with ``split=True`` the int16
-      low half for bf16 leaves; ``MaskedNode()`` for leaves without a buffer.
-    inner_state: the inner transformation's state, built on the master params.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(3, jnp.float32)}
-    >>> state = oh.master_weights(optax.sgd(0.1)).init(params)
-    >>> print(state.master["w"].dtype, state.master["b"])  # fp32 leaves: no copy
-    float32 MaskedNode()
-    >>> split = oh.master_weights(optax.sgd(0.1), split=True).init(params)
-    >>> print(split.master["w"].dtype)  # the low half of the fp32 master
-    int16
-  """
-  master: Any
-  inner_state: Any
-
-
-class KahanSummationState(NamedTuple):
-  """State of ``kahan_summation``: compensation ``c`` in the param dtype.
-
-  Attributes:
-    compensation: per 16-bit leaf, what rounding the param lost (``x' - p'``),
-      in the param dtype; ``MaskedNode()`` for leaves without a buffer.
-    inner_state: the inner transformation's state.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
-    >>> state = oh.kahan_summation(optax.sgd(0.1)).init(params)
-    >>> print(state.compensation["w"].dtype, state.compensation["w"].tolist())
-    bfloat16 [0.0, 0.0, 0.0]
-  """
-  compensation: Any
-  inner_state: Any
-
-
-class RoundToNearestState(NamedTuple):
-  """State of ``round_to_nearest``: only the inner state.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
-    >>> state = oh.round_to_nearest(optax.adam(1e-3)).init(params)
-    >>> print(state.inner_state[0].mu["w"].dtype)  # the inner state, on fp32
-    float32
-  """
-  inner_state: Any
-
-
-class StochasticRoundingState(NamedTuple):
-  """State of ``stochastic_rounding``.
-
-  Attributes:
-    seed: uint32 scalar; with ``count`` it determines every random bit.
-    count: int32 number of updates taken (the per-step key is derived from
-      ``(seed, count)`` by hashing: a counter-based split of the key).
-    inner_state: the inner transformation's state.
-
-  Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
-    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
-    >>> state = oh.stochastic_rounding(optax.sgd(0.1), key=7).init(params)
-    >>> print(state.seed.dtype, int(state.count))
-    uint32 0
-  """
-  seed: jax.Array
-  count: jax.Array
-  inner_state: Any
-
-
-_WRAPPER_STATES = (MasterWeightsState, KahanSummationState, RoundToNearestState,
-                   StochasticRoundingState)
+_WRAPPER_STATES = tuple(dict.fromkeys(c.state_type for c in COMPENSATIONS.values()))
 
 # ---------------------------------------------------------------------------
 # Shared machinery.
@@ -142,44 +63,37 @@ _DIRECT = "direct"  # wide enough: inner runs on it as is, no buffer
 _LOW = "low"        # 16-bit: inner runs on x, a buffer keeps the rest
 
 
-def _lowp_wrapper(
-    name: str,
-    inner: optax.GradientTransformation,
-    *,
-    role: Callable[[jnp.dtype], str],
-    work_dtype: Callable[[jnp.dtype], jnp.dtype],
-    init_buffer: Callable[[jax.Array], jax.Array],
-    read: Callable[[jax.Array, jax.Array], jax.Array],
-    write: Callable[..., tuple[jax.Array, jax.Array]],
-    nested_ok: bool = False,
-):
-  """Builds (init, step) for a wrapper from per-leaf rules.
-
-  ``read(p, buf) -> x`` gives the high-precision value the inner transformation
-  sees; ``write(x_new, p, buf, leaf_index, ctx) -> (new_p, new_buf)`` stores it
-  back. ``ctx`` is whatever the caller passes to ``step`` (the random seed and
-  step for stochastic rounding).
-  """
+def _engine(compensation: Compensation, inner: optax.GradientTransformation,
+            master_dtype, nested_ok: bool):
+  """``(init, step)`` of a wrapper applying ``compensation`` (per 16-bit leaf,
+  ``compensation.for_dtype``) around ``inner``, working in ``master_dtype``
+  (docs/algorithms.md#wrappers)."""
+  name = compensation.wrapper
   inner = optax.with_extra_args_support(inner)
 
   def roles(params):
-    return jax.tree.map(
-        lambda p: role(jnp.dtype(p.dtype)) if is_float(p) else _FROZEN, params)
+    def role(p):
+      if not is_float(p):
+        return _FROZEN
+      return _DIRECT if jnp.dtype(p.dtype).itemsize >= master_dtype.itemsize else _LOW
+    return jax.tree.map(role, params)
+
+  def rules(p) -> Compensation:
+    return compensation.for_dtype(p.dtype)
 
   def view(params, buffers, rl):
     def one(p, buf, r):
       if r == _FROZEN:
         return MaskedNode()
-      if r == _DIRECT:
-        return p
-      return read(p, buf)
+      return p if r == _DIRECT else rules(p).read(p, buf)
     return jax.tree.map(one, params, buffers, rl)
 
   def init(params):
     params = jax.tree.map(jnp.asarray, params)
     rl = roles(params)
     buffers = jax.tree.map(
-        lambda p, r: init_buffer(p) if r == _LOW else MaskedNode(), params, rl)
+        lambda p, r: rules(p).init_buffer(p, master_dtype) if r == _LOW else MaskedNode(),
+        params, rl)
     # The view is sharded like the params, so state the inner transformation
     # makes from it is too.
     x = jax.tree.map(lambda p, xi, r: xi if r == _FROZEN else like_param(p, xi),
@@ -189,35 +103,36 @@ def _lowp_wrapper(
       _check_not_nested(name, inner_state)
     return buffers, inner_state
 
-  def step(grads, buffers, inner_state, params, ctx, fused=None, in_place=False, **extra_args):
-    """The wrapper's step: ``(updates, buffers, inner state)``, or with
-    ``in_place`` ``(new params, buffers, inner state)``: a 16-bit leaf's new
-    param itself (the param its update lands on), the others
-    ``optax.apply_updates``'. ``fused(g, inner_state, x, leaves, finish,
-    in_place, **extra_args)``, or None: an inner step that may take the whole
-    step of some 16-bit leaves (the inner's own ``kahan_update``); ``leaves``
-    lists, per leaf the inner sees, ``(param, gradient, buffer or None, x,
-    leaf index)``; it returns None (not taken) or ``(inner updates, inner
-    state, done)`` with ``done`` mapping a leaf index to its ``(new param,
-    new buffer)``, the bits ``finish`` would give; with ``in_place`` the new
-    param may be written into the param's buffer."""
+  def step(grads, buffers, inner_state, params, stream, fused=None, in_place=False,
+           **extra_args):
+    """``(updates, buffers, inner state)``, or with ``in_place`` ``(new
+    params, ...)``. ``stream``: ``(seed, count)`` of the param writes' random
+    bits, or None. ``fused(g, inner_state, x, leaves, finish, in_place,
+    **extra_args)``, or None: an inner step that may take the whole step of
+    some 16-bit leaves (the inner's own ``kahan_update``); ``leaves`` lists,
+    per leaf the inner sees, ``(param, gradient, buffer or None, x, leaf
+    index)``; it returns None (not taken) or ``(inner updates, inner state,
+    done)``, ``done`` mapping a leaf index to ``finish``'s ``(new param, new
+    buffer)``."""
     check_trees(name, grads, params)
     params = jax.tree.map(jnp.asarray, params)
-    if buffers is None:  # wrappers without per-leaf buffers
+    if buffers is None:  # compensations without per-leaf buffers
       buffers = jax.tree.map(lambda _: MaskedNode(), params)
     rl = roles(params)
 
     def finish(p, buf, xi, ui, i):
-      """A 16-bit leaf's end of the step: x' = x + u stored back as
-      ``(new param, new buffer)``."""
-      # x' = x + u, rounded like optax.apply_updates rounds it.
+      """A 16-bit leaf's ``x' = x + u`` (rounded as optax.apply_updates
+      rounds it) stored back as ``(new param, new buffer)``."""
       x_new = jnp.asarray(xi + ui).astype(xi.dtype)
-      return write(x_new, p, buf, i, ctx)
+      c = rules(p)
+      bits = (rounding.random_bits(*stream, rounding.STREAM_PARAMS, i, x_new.shape)
+              if c.draws_bits else None)
+      return c.write(x_new, p, buf, bits)
 
     x = view(params, buffers, rl)
     g = jax.tree.map(
         lambda p, g_, r: MaskedNode() if r == _FROZEN
-        else rounding.widen(g_).astype(work_dtype(jnp.dtype(p.dtype))),
+        else rounding.widen(g_).astype(master_dtype),
         params, grads, rl)
     index = leaf_indices(params)
     taken = None
@@ -250,6 +165,41 @@ def _lowp_wrapper(
     return updates, buffers, inner_state
 
   return init, step
+
+
+def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key=None,
+         master_dtype=jnp.float32, fused=None) -> optax.GradientTransformationExtraArgs:
+  """``inner`` on 16-bit params kept by ``compensation`` (a ``COMPENSATIONS``
+  entry): the transformation every wrapper here is. ``key``: the seed of a
+  compensation that draws random bits. ``fused``: the inner's
+  ``kahan_update``, or None; with it the result has an in-place step."""
+  _validate_inner(compensation.wrapper, inner)
+  master_dtype = jnp.dtype(master_dtype)
+  init_fn, step = _engine(compensation, inner, master_dtype,
+                          nested_ok=master_dtype.itemsize < 4)
+
+  def init(params):
+    buffers, inner_state = init_fn(params)
+    seed = seed_from_key(key) if compensation.draws_bits else None
+    return compensation.init_state(buffers, inner_state, seed)
+
+  def run(updates, state, params, in_place, extra_args):
+    out, buffers, inner_state = step(
+        updates, compensation.buffers(state), state.inner_state, params,
+        compensation.param_stream(state), fused=fused, in_place=in_place, **extra_args)
+    return out, compensation.next_state(state, buffers, inner_state)
+
+  def update(updates, state, params=None, **extra_args):
+    return run(updates, state, params, False, extra_args)
+
+  tx = transformation(init, update, compensation.wrapper)
+  if fused is None:
+    return tx
+
+  def update_and_apply(updates, state, params, **extra_args):
+    return run(updates, state, params, True, extra_args)
+
+  return _in_place.register(tx, update_and_apply)
 
 
 def _like_view(inner, inner_state, x):
@@ -369,7 +319,6 @@ def master_weights(
     NVIDIA NeMo, ``MainParamsOptimizerWrapper``, `github.com/NVIDIA/NeMo
     <https://github.com/NVIDIA/NeMo>`_ (fp32 main params for any optimizer)
   """
-  _validate_inner("master_weights", inner)
   master_dtype = jnp.dtype(master_dtype)
   if not jnp.issubdtype(master_dtype, jnp.floating):
     raise ValueError(f"master_dtype must be a float dtype; got {master_dtype}.")
@@ -377,48 +326,7 @@ def master_weights(
     raise ValueError(
         "master_weights(split=True) stores an fp32 master as a bf16 high half plus "
         f"int16 low half; it needs master_dtype=float32, got {master_dtype}.")
-
-  def role(dtype):
-    return _DIRECT if dtype.itemsize >= master_dtype.itemsize else _LOW
-
-  def is_split(p):
-    return split and p.dtype == jnp.bfloat16
-
-  def init_buffer(p):
-    if is_split(p):
-      return zeros_like_param(p, jnp.int16)  # bf16 -> fp32 is exact: lo = 0
-    return p.astype(master_dtype)
-
-  def read(p, buf):
-    if is_split(p):
-      return rounding.join_f32(p, buf)
-    # The master follows the param: where the param is not the master's
-    # rounding (written from outside: a checkpoint loaded into the model
-    # after init), the step starts from the param (docs/algorithms.md#wrappers).
-    # `widen`: XLA must not fold the round trip through p.dtype away.
-    p_wide = rounding.widen(p).astype(master_dtype)
-    return jnp.where(rounding.widen(buf.astype(p.dtype)).astype(master_dtype) == p_wide,
-                     buf, p_wide)
-
-  def write(x_new, p, buf, leaf, ctx):
-    if is_split(p):
-      return rounding.split_f32(x_new)
-    return x_new.astype(p.dtype), x_new
-
-  init_fn, step = _lowp_wrapper(
-      "master_weights", inner, role=role, work_dtype=lambda _: master_dtype,
-      init_buffer=init_buffer, read=read, write=write,
-      nested_ok=master_dtype.itemsize < 4)
-
-  def init(params):
-    return MasterWeightsState(*init_fn(params))
-
-  def update(updates, state, params=None, **extra_args):
-    updates, master, inner_state = step(
-        updates, state.master, state.inner_state, params, None, **extra_args)
-    return updates, MasterWeightsState(master, inner_state)
-
-  return transformation(init, update, "master_weights")
+  return wrap(COMPENSATIONS["split" if split else "master"], inner, master_dtype=master_dtype)
 
 
 def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -470,46 +378,10 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation for bf16
     weight updates)
   """
-  _validate_inner("kahan_summation", inner)
-
-  def write(x_new, p, buf, leaf, ctx):
-    new_p = x_new.astype(p.dtype)
-    # `widen`, not astype: an excess-precision rewrite would make this 0.
-    return new_p, (x_new - rounding.widen(new_p)).astype(p.dtype)
-
-  init_fn, step = _lowp_wrapper(
-      "kahan_summation", inner,
-      role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
-      work_dtype=lambda _: jnp.float32,
-      init_buffer=zeros_like_param,
-      read=lambda p, c: rounding.widen(p) + rounding.widen(c),
-      write=write)
-
-  def init(params):
-    return KahanSummationState(*init_fn(params))
-
   # An inner transformation may step its 16-bit leaves and their compensation
   # in one kernel pass (scaled_adam on CPU: the same bits), and then write
   # the new params into their buffers (update_and_apply).
-  fused = getattr(inner, "kahan_update", None)
-
-  def update(updates, state, params=None, **extra_args):
-    updates, comp, inner_state = step(
-        updates, state.compensation, state.inner_state, params, None, fused=fused,
-        **extra_args)
-    return updates, KahanSummationState(comp, inner_state)
-
-  tx = transformation(init, update, "kahan_summation")
-  if fused is None:
-    return tx
-
-  def update_and_apply(updates, state, params, **extra_args):
-    new_params, comp, inner_state = step(
-        updates, state.compensation, state.inner_state, params, None, fused=fused,
-        in_place=True, **extra_args)
-    return new_params, KahanSummationState(comp, inner_state)
-
-  return _in_place.register(tx, update_and_apply)
+  return wrap(COMPENSATIONS["kahan"], inner, fused=getattr(inner, "kahan_update", None))
 
 
 def stochastic_rounding(inner: optax.GradientTransformation,
@@ -555,38 +427,12 @@ def stochastic_rounding(inner: optax.GradientTransformation,
     <https://arxiv.org/abs/2010.06192>`_, 2020 (stochastic rounding of bf16
     weight updates)
   """
-  _validate_inner("stochastic_rounding", inner)
   if key is None:
     raise ValueError(
         "stochastic_rounding needs a key: pass key=<int seed> (an int gives the same "
         "random bits in optax_half and torch_bridge; optax_half also takes a jax.random.key).")
   seed_from_key(key)  # a bad key fails here, not at init
-
-  def write(x_new, p, buf, leaf, ctx):
-    seed, count = ctx
-    bits = rounding.random_bits(seed, count, rounding.STREAM_PARAMS, leaf, x_new.shape)
-    return rounding.stochastic_round(x_new, p.dtype, bits), buf
-
-  init_fn, step = _lowp_wrapper(
-      "stochastic_rounding", inner,
-      role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
-      work_dtype=lambda _: jnp.float32,
-      init_buffer=lambda p: MaskedNode(),
-      read=lambda p, buf: rounding.widen(p),
-      write=write)
-
-  def init(params):
-    _, inner_state = init_fn(params)
-    return StochasticRoundingState(seed_from_key(key), jnp.zeros([], jnp.int32), inner_state)
-
-  def update(updates, state, params=None, **extra_args):
-    ctx = (state.seed, state.count)
-    updates, _, inner_state = step(
-        updates, None, state.inner_state, params, ctx, **extra_args)
-    return updates, StochasticRoundingState(
-        state.seed, optax.safe_increment(state.count), inner_state)
-
-  return transformation(init, update, "stochastic_rounding")
+  return wrap(COMPENSATIONS["stochastic"], inner, key=key)
 
 
 def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -624,22 +470,4 @@ def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTrans
     <https://arxiv.org/abs/2010.06192>`_, 2020 (why nearest rounding of bf16
     weight updates stalls)
   """
-  _validate_inner("round_to_nearest", inner)
-
-  init_fn, step = _lowp_wrapper(
-      "round_to_nearest", inner,
-      role=lambda dtype: _DIRECT if dtype.itemsize >= 4 else _LOW,
-      work_dtype=lambda _: jnp.float32,
-      init_buffer=lambda p: MaskedNode(),
-      read=lambda p, buf: rounding.widen(p),
-      write=lambda x_new, p, buf, leaf, ctx: (x_new.astype(p.dtype), buf))
-
-  def init(params):
-    return RoundToNearestState(init_fn(params)[1])
-
-  def update(updates, state, params=None, **extra_args):
-    updates, _, inner_state = step(updates, None, state.inner_state, params, None,
-                                   **extra_args)
-    return updates, RoundToNearestState(inner_state)
-
-  return transformation(init, update, "round_to_nearest")
+  return wrap(COMPENSATIONS["none"], inner)

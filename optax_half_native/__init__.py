@@ -36,46 +36,74 @@ import numpy as np
 __all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
            "leaf_keys", "ADAMW_SCALARS", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE",
            "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
-           "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "Compensation",
-           "compensation_of", "build_errors"]
+           "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation",
+           "compensation_of", "check_compensation", "build_errors"]
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h", "scaled_adam.h")
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-pthread"]
 
-# oh::Mode in adamw.h, by torch_bridge.adam's mode names.
+# oh::Mode in adamw.h: a compensation's, or a wide param's ("direct": p += u in
+# place; "update": the fp32 update itself, for JAX).
 MODES = {"direct": 0, "master": 1, "split": 2, "kahan": 3, "stochastic": 4, "none": 5,
          "update": 6}
 
 
 class Compensation(NamedTuple):
   """One way a 16-bit param keeps what its rounding loses
-  (docs/algorithms.md#wrappers), as both frameworks and the kernel name it.
+  (docs/algorithms.md#wrappers): the facts both frameworks and the kernel share.
 
-  ``name``: the ``compensation=`` value, the wrappers' mode and the kernel's
-  mode (a ``MODES`` key). ``buffer``: the per-param buffer's field in the
-  JAX wrapper state and its key in the torch optimizer state (None: no
-  buffer). ``buffer_dtype``: ``"param"`` (the param's own dtype),
-  ``"int16"``, ``"float32"`` or None. ``fp16``: the compensation fp16
-  params take instead (``split`` needs a bf16 high half: a full fp32 master).
+  ``optax_half.compensation`` and ``torch_bridge.compensation`` hold each
+  entry's rules (init, read, write, follow) under the same name.
+
+  Attributes:
+    name: the ``compensation=`` value and the kernel's mode (a ``MODES`` key).
+    wrapper: the wrapper that applies it to any optimizer.
+    buffer: the per-param buffer's field in the JAX wrapper state and its key
+      in the torch optimizer state; None: no buffer.
+    buffer_dtype: "param" (the param's dtype), "int16", "float32" (the
+      master dtype) or None.
+    holds_value: the buffer is the working value itself (a full master copy),
+      which a wrapped optimizer steps in place.
+    follows: the buffer is re-seeded where the param was written from outside
+      (docs/algorithms.md#pytorch-mirror).
+    read_follows: its read does that for every element on every step.
+    draws_bits: its write draws random bits (stream ``STREAM_PARAMS``).
+    fp16: the compensation non-bf16 16-bit params take instead (a split
+      master needs a bf16 high half).
   """
   name: str
+  wrapper: str
   buffer: Optional[str]
   buffer_dtype: Optional[str]
+  holds_value: bool
+  follows: bool
+  read_follows: bool
+  draws_bits: bool
   fp16: str
+
+  @property
+  def kernel_mode(self) -> int:
+    return MODES[self.name]
 
 
 COMPENSATIONS = {c.name: c for c in (
-    Compensation("kahan", "compensation", "param", "kahan"),
-    Compensation("split", "master", "int16", "master"),
-    Compensation("stochastic", None, None, "stochastic"),
-    Compensation("none", None, None, "none"),
+    Compensation("kahan", "kahan_summation", "compensation", "param", False, True, False, False,
+                 "kahan"),
+    Compensation("split", "master_weights", "master", "int16", False, False, False, False,
+                 "master"),
+    Compensation("stochastic", "stochastic_rounding", None, None, False, False, False, True,
+                 "stochastic"),
+    Compensation("none", "round_to_nearest", None, None, False, False, False, False, "none"),
     # adam_fp32_master and master_weights (not an adamw_bf16 choice)
-    Compensation("master", "master", "float32", "master"),
+    Compensation("master", "master_weights", "master", "float32", True, True, True, False,
+                 "master"),
 )}
 # adamw_bf16's compensation= choices, its default first.
 OPTIMIZER_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
+# The buffer fields, each once ("master" is split's and master's).
+BUFFERS = tuple(dict.fromkeys(c.buffer for c in COMPENSATIONS.values() if c.buffer))
 
 
 def compensation_of(name: str, bfloat16: bool) -> Compensation:
@@ -83,6 +111,14 @@ def compensation_of(name: str, bfloat16: bool) -> Compensation:
   or for a param that is not bf16 its ``fp16`` one."""
   c = COMPENSATIONS[name]
   return c if bfloat16 else COMPENSATIONS[c.fp16]
+
+
+def check_compensation(compensation: str) -> Compensation:
+  """``adamw_bf16``'s ``compensation=`` choice, or a ValueError naming the choices."""
+  if compensation not in OPTIMIZER_COMPENSATIONS:
+    raise ValueError(
+        f"compensation must be one of {OPTIMIZER_COMPENSATIONS}; got {compensation!r}.")
+  return COMPENSATIONS[compensation]
 
 # The C struct `oh::Scalars` of adamw.h, field for field (fp32 each): the
 # AdamW step's scalars, then how the gradients are read (grad_scale: the

@@ -148,8 +148,21 @@ def test_the_compensation_table_is_what_both_frameworks_keep(name, dtype):
   """optax_half_native.COMPENSATIONS: the buffer's field (JAX) and key
   (torch) and its dtype, the fp16 rule, and the compensation= choices."""
   import optax_half_native as native_lib  # noqa: PLC0415
-  assert (optax_half.adam._COMPENSATIONS == torch_bridge.adam._COMPENSATIONS
-          == native_lib.OPTIMIZER_COMPENSATIONS)
+  from optax_half.compensation import COMPENSATIONS as jax_rules  # noqa: PLC0415
+  from torch_bridge.compensation import COMPENSATIONS as torch_rules  # noqa: PLC0415
+  # One registry per framework, keyed by the table, each entry holding its row.
+  for rules, framework_dtype in ((jax_rules, jnp.dtype(dtype)),
+                                 (torch_rules, getattr(torch, dtype))):
+    assert list(rules) == list(native_lib.COMPENSATIONS)
+    assert all(rules[k].spec is native_lib.COMPENSATIONS[k] for k in rules)
+    assert rules[name].for_dtype(framework_dtype).spec is native_lib.compensation_of(
+        name, dtype == "bfloat16")
+  for choice in native_lib.OPTIMIZER_COMPENSATIONS:
+    optax_half.adamw_bf16(1e-3, compensation=choice)
+  with pytest.raises(ValueError, match="compensation must be one of"):
+    optax_half.adamw_bf16(1e-3, compensation="master")
+  with pytest.raises(ValueError, match="compensation must be one of"):
+    torch_bridge.adamw_bf16([torch.zeros(1)], lr=1e-3, compensation="master")
   want = native_lib.compensation_of(name, dtype == "bfloat16")
   want_dtype = {"param": dtype, "int16": "int16", "float32": "float32", None: None}[
       want.buffer_dtype]

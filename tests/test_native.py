@@ -618,11 +618,14 @@ def test_jax_kernel_takes_fp16_params_but_not_with_bf16_moments():
   for tx in (oh.adamw_bf16(1e-3), oh.adamw_bf16(1e-3, compensation="split"),
              oh.adamw_bf16(1e-3, compensation="stochastic", mu_dtype=jnp.float32)):
     assert _custom_calls(tx, tree) == (1 if jax_native.has_f16() else 0)
-  # torch_bridge picks the same mode for the same param (its _mode).
+  # torch_bridge picks the same mode for the same param (its _kernel_mode).
+  from optax_half.compensation import COMPENSATIONS as jax_rules  # noqa: PLC0415
   from torch_bridge import adam as torch_adam  # noqa: PLC0415
+  from torch_bridge.compensation import COMPENSATIONS as torch_rules  # noqa: PLC0415
   for kind in ("kahan", "split", "stochastic", "none"):
     for jdt, tdt in ((jnp.bfloat16, torch.bfloat16), (jnp.float16, torch.float16)):
-      assert jax_native._mode(kind, jdt) == torch_adam._mode(kind, tdt)
+      assert jax_native._mode(jax_rules[kind], jdt) == torch_adam._kernel_mode(
+          torch_adam._param_compensation(torch_rules[kind], tdt))
 
 
 @jax_kernel

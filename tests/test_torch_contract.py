@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import torch_bridge as tb  # noqa: E402
 from test_torch_optim import OPTIMIZERS, _grads, _params, _run, _same, _snapshot  # noqa: E402
-from torch_bridge._optim import kahan_remainder_fits  # noqa: E402
+from torch_bridge.compensation import kahan_remainder_fits  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 CASES = [(name, dtype) for name in OPTIMIZERS for dtype in DTYPES]

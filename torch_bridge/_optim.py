@@ -30,7 +30,6 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-import optax_half_native as native_lib
 from torch_bridge import _dist, rounding
 
 __all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key",
@@ -364,66 +363,6 @@ def _mark(p: torch.Tensor) -> tuple:
   return (local._version, local.data_ptr())
 
 
-_SIGNED = {1: torch.int8, 2: torch.int16}
-
-
-def new_buffer(p: torch.Tensor, mode: str, master_dtype=torch.float32):
-  """The per-param buffer of ``p`` in ``mode`` (an ``optax_half_native.COMPENSATIONS``
-  name) as a fresh optimizer holds it, or None: the master is ``p`` widened to
-  ``master_dtype``; a Kahan buffer and the split low half are zeros (bf16 ->
-  fp32 is exact: lo = 0)."""
-  buffer_dtype = native_lib.COMPENSATIONS[mode].buffer_dtype
-  if buffer_dtype is None:
-    return None
-  if buffer_dtype == "float32":
-    return p.detach().to(master_dtype, copy=True)
-  return torch.zeros_like(p, dtype=torch.int16 if buffer_dtype == "int16" else p.dtype)
-
-
-def kahan_remainder_fits(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-  """Where ``c`` is a Kahan remainder of ``p``: ``|c|`` at most half the gap
-  from ``p`` to its neighbour in ``c``'s direction (the bound every Kahan
-  write leaves, ties included). False where ``p`` is NaN or infinite."""
-  signed = _SIGNED[p.element_size()]
-  bits = p.view(signed).to(torch.int32)
-  magnitude = bits & ((1 << (8 * p.element_size() - 1)) - 1)
-  # Sign-magnitude: +1 moves away from zero, -1 towards it (from +-0: away).
-  towards_zero = (torch.signbit(p) != torch.signbit(c)) & (magnitude > 0)
-  neighbour = torch.where(towards_zero, bits - 1, bits + 1).to(signed).view(p.dtype)
-  gap = (rounding.widen(neighbour) - rounding.widen(p)).abs()
-  return 2 * rounding.widen(c).abs() <= gap
-
-
-@torch.no_grad()
-def follow_param(p: torch.Tensor, mode: str, buffer: Optional[torch.Tensor]) -> None:
-  """Re-seeds ``p``'s buffer from ``p`` wherever ``p`` was written from outside.
-
-  Element by element, a buffer is kept where it still belongs to the param
-  and re-seeded where it does not (the param was loaded, copied into or
-  replaced since the optimizer wrote it):
-
-  * an fp32 master (``master``) belongs where it rounds to the param, else it
-    becomes ``widen(p)``;
-  * a Kahan buffer (``kahan``) belongs where it is a remainder below half a
-    ULP of the param (``kahan_remainder_fits``), else it becomes 0;
-  * the split low half is a valid remainder of every high half (the master
-    stays within half a ULP of the param), so it is kept.
-
-  Elements that belong keep their buffer bit for bit, so loading the model
-  after the optimizer when resuming is as exact as loading it before.
-  """
-  if buffer is None or mode not in ("master", "kahan"):
-    return
-  local, buf = _dist.local(p), _dist.local(buffer)
-  if buf.numel() != local.numel():  # a wrapper's stand-in between steps holds no elements
-    return
-  if mode == "master":
-    keep = buf.to(local.dtype) == local
-    buf.copy_(torch.where(keep, buf, local.to(buf.dtype)))
-  else:
-    buf.copy_(torch.where(kahan_remainder_fits(local, buf), buf, torch.zeros_like(buf)))
-
-
 # Keys torch's LR and momentum schedulers write into param groups themselves.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",
                              "swa_lr"})
@@ -454,7 +393,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     torch);
   * params written from outside the optimizer (``model.load_state_dict``
     after the optimizer was built) re-seed their buffers at the next step
-    (``follow_param``); a step with no such write reads two integers per param.
+    (``_follow``); a step with no such write reads two integers per param.
   """
 
   def __init__(self, params, defaults: dict):
@@ -543,10 +482,15 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
 
   # -- params written from outside ---------------------------------------------------
 
-  def _follow(self, p: torch.Tensor, mode: str, buffer) -> None:
-    """``follow_param`` where ``p`` was written since the optimizer last wrote it."""
-    if self._marks.get(p) != _mark(p):
-      follow_param(p, mode, buffer)
+  @torch.no_grad()
+  def _follow(self, p: torch.Tensor, compensation, buffer) -> None:
+    """``compensation.follow`` of ``p``'s buffer where ``p`` was written since
+    the optimizer last wrote it (docs/algorithms.md#pytorch-mirror)."""
+    if buffer is None or self._marks.get(p) == _mark(p):
+      return
+    local, buf = _dist.local(p), _dist.local(buffer)
+    if buf.numel() == local.numel():  # a wrapper's stand-in between steps holds no elements
+      compensation.follow(local, buf)
 
   def _remember(self, params) -> None:
     """``params`` hold what the optimizer wrote (or loaded): no outside write yet."""

@@ -27,39 +27,32 @@ import torch
 
 import optax_half_native as native_lib
 from torch_bridge import _dist, _native, rounding
+from torch_bridge.compensation import COMPENSATIONS, Compensation
 from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams,
                                  check_no_float64, check_param, grad_of, init_skip_nonfinite,
-                                 new_buffer, prepare_load, seed_from_key, step_grad,
+                                 prepare_load, seed_from_key, step_grad,
                                  torch_spellings)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
 
-_COMPENSATIONS = native_lib.OPTIMIZER_COMPENSATIONS
 _CORE_NAME = "scale_by_adamw (the fp32 AdamW core of adamw_bf16 and adam_fp32_master)"
 _STATE_ROUNDINGS = ("stochastic", "nearest")
 
-# Per-tensor modes: how a param is read into fp32 and written back.
-_DIRECT = "direct"   # >= 32-bit param: p += u in its own dtype
-_MASTER = "master"   # fp32 master copy; p = round_nearest(master)
-_SPLIT = "split"     # bf16 param + int16 low half = the exact fp32 master
-_KAHAN = "kahan"     # x = p + c; c = round(x' - round(x'))
-_STOCHASTIC = "stochastic"
-_NEAREST = "none"
-# Modes whose buffer follow_param re-seeds when the param was written from
-# outside; the master needs none: adamw_step compares it with the param itself.
-_FOLLOWED = (_KAHAN,)
+def _param_compensation(compensation: Compensation,
+                        dtype: torch.dtype) -> Optional[Compensation]:
+  """What a param of ``dtype`` takes: its 16-bit compensation, or None for a
+  param of 32 bits or more (``p += u`` in its own dtype)."""
+  return None if dtype.itemsize >= 4 else compensation.for_dtype(dtype)
 
 
-def _mode(compensation: str, dtype: torch.dtype) -> str:
-  if dtype.itemsize >= 4:
-    return _DIRECT
-  # split needs a bf16 high half: fp16 keeps a full fp32 master (the table's fp16)
-  return native_lib.compensation_of(compensation, dtype == torch.bfloat16).name
+def _kernel_mode(compensation: Optional[Compensation]) -> str:
+  """The kernel's mode (an ``optax_half_native.MODES`` key)."""
+  return "direct" if compensation is None else compensation.name
 
 
-def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
-               state_rounding: str, index=0) -> None:
+def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
+               compensation: Optional[Compensation], state_rounding: str, index=0) -> None:
   """One AdamW step on one tensor, in place, in fp32 (the core + compensation).
 
   ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
@@ -67,7 +60,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   ``rounding.one_minus_pow``); ``keys``: int32 0-dim tensors, the random keys
   of the param and moments streams; ``index``: the random-bit counter of the
   elements (``rounding.bits_from_key``: 0 for a whole tensor, a shard's
-  offset, or every element's). Written with tensor scalars only, so that
+  offset, or every element's); ``compensation``: the param's
+  (``_param_compensation``), None for a wide param. Written with tensor scalars only, so that
   ``torch.compile`` turns it into one loop without recompiling when the
   learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor's
   CPU backend compiles with ``-ffp-contract=off``); the JAX side matches with
@@ -77,17 +71,7 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
   key_p, key_m = keys
   g = rounding.widen(grad)
-  if mode == _MASTER:
-    # The master follows the param: where the param is not the master's
-    # rounding (written from outside the optimizer), the step starts from it.
-    p32 = rounding.widen(param)
-    x = torch.where(rounding.widen(buffer.to(param.dtype)) == p32, buffer, p32)
-  elif mode == _SPLIT:
-    x = rounding.join_f32(param, buffer)
-  elif mode == _KAHAN:
-    x = rounding.widen(param) + rounding.widen(buffer)
-  else:
-    x = rounding.widen(param)
+  x = rounding.widen(param) if compensation is None else compensation.read(param, buffer)
   m32 = b1 * rounding.widen(mu) + one_minus_b1 * g
   v32 = b2 * rounding.widen(nu) + one_minus_b2 * (g * g)
   m_hat = m32 * inv_bc1
@@ -95,26 +79,13 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
   u = m_hat / (rounding.sqrt(v_hat) + eps)
   u = u + weight_decay * x
   u = -lr * u
-  if mode == _DIRECT:
+  if compensation is None:
     param.add_(u)
   else:
     x_new = x + u
-    if mode == _MASTER:
-      buffer.copy_(x_new)
-      param.copy_(x_new)
-    elif mode == _SPLIT:
-      hi, lo = rounding.split_f32(x_new)
-      param.copy_(hi)
-      buffer.copy_(lo)
-    elif mode == _KAHAN:
-      new_p = x_new.to(param.dtype)
-      buffer.copy_(x_new - rounding.widen(new_p))
-      param.copy_(new_p)
-    elif mode == _STOCHASTIC:
-      bits = rounding.bits_from_key(key_p, x_new.shape, x_new.device, index)
-      param.copy_(rounding.stochastic_round(x_new, param.dtype, bits))
-    else:
-      param.copy_(x_new)
+    bits = (rounding.bits_from_key(key_p, x_new.shape, x_new.device, index)
+            if compensation.draws_bits else None)
+    compensation.write(x_new, param, buffer, bits)
   m_new, v_new = rounding.round_moments(m32, v32, mu.dtype, nu.dtype, state_rounding, key_m,
                                         index)
   mu.copy_(m_new)
@@ -123,7 +94,7 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys, mode: str,
 
 @functools.lru_cache(maxsize=None)
 def _compiled_step(config: tuple):
-  """``adamw_step`` compiled for one (mode, rounding, dtypes) configuration.
+  """``adamw_step`` compiled for one (compensation, rounding, dtypes) configuration.
 
   Each configuration gets its own copy of the code object, so its graphs
   count against their own recompile limit (Dynamo's limit is per code
@@ -174,7 +145,7 @@ class _Grouped:
 
   ``adamw_step`` on one tensor is about 70 ops, each a kernel launch on a
   GPU, so stepping tensors one by one is bound by the launches. Tensors of
-  one configuration (device, mode, dtypes, step, group scalars) are
+  one configuration (device, compensation, dtypes, step, group scalars) are
   concatenated, up to ``_GROUP_ELEMENTS`` elements, stepped by one
   ``adamw_step`` with every element's random-bit counter (its index in its
   own tensor) and keys (its own tensor's), and copied back: the same bits as
@@ -191,8 +162,8 @@ class _Grouped:
     self._configs: dict = {}  # config -> [scalars, [(tensors, leaf, state)], elements]
     self._taken: set = set()  # ids of the params taken since the last run
 
-  def add(self, tensors, mode: str, step: int, leaf: int, scalars, state: dict,
-          index=0) -> bool:
+  def add(self, tensors, compensation: Optional[Compensation], step: int, leaf: int, scalars,
+          state: dict, index=0) -> bool:
     """Takes ``(param, grad, mu, nu, buffer)`` for a grouped step; False if
     it does not (the CPU, a shard's counters, a non-contiguous tensor, a
     tensor of ``_GROUP_ELEMENTS`` or more: its own step costs no more)."""
@@ -202,7 +173,7 @@ class _Grouped:
         or not all(t is None or t.is_contiguous() for t in tensors)):
       return False
     self._taken.add(id(p))
-    config = (p.device, mode, step, id(scalars),
+    config = (p.device, compensation, step, id(scalars),
               *(None if t is None else t.dtype for t in tensors))
     entry = self._configs.get(config)
     if entry is not None and entry[2] + p.numel() > _GROUP_ELEMENTS:
@@ -241,19 +212,19 @@ class _Grouped:
         self._cache.popitem(last=False)
     return self._cache[key]
 
-  def _random_bits(self, mode: str, mu, nu) -> bool:
-    """Whether the step draws random bits: stochastic params, or moments
+  def _random_bits(self, compensation: Optional[Compensation], mu, nu) -> bool:
+    """Whether the step draws random bits: for the params, or for moments
     that ``rounding.round_moments`` rounds stochastically."""
-    return mode == _STOCHASTIC or rounding._stochastic_moments(mu.dtype, nu.dtype,
-                                                               self._state_rounding)
+    return (compensation is not None and compensation.draws_bits) or \
+        rounding._stochastic_moments(mu.dtype, nu.dtype, self._state_rounding)
 
   @torch.no_grad()
   def _step(self, config, entry) -> None:
-    device, mode, step = config[:3]
+    device, compensation, step = config[:3]
     scalars, rows, total = entry
     if len(rows) == 1:  # nothing to concatenate
       tensors, leaf, _ = rows[0]
-      adamw_step(*tensors, scalars, _leaf_keys(self._seed, step, leaf, device), mode,
+      adamw_step(*tensors, scalars, _leaf_keys(self._seed, step, leaf, device), compensation,
                  self._state_rounding)
     else:
       columns = list(zip(*(tensors for tensors, _, _ in rows)))
@@ -261,7 +232,7 @@ class _Grouped:
       flat = [None if col[0] is None else torch.cat([t.reshape(-1) for t in col])
               for col in columns]
       index, keys = 0, (0, 0)
-      if self._random_bits(mode, columns[2][0], columns[3][0]):
+      if self._random_bits(compensation, columns[2][0], columns[3][0]):
         leaves, counts, starts = self._index(device, sizes, tuple(leaf for _, leaf, _ in rows))
         # every element's random-bit counter: its index in its own tensor
         index = (torch.arange(total, dtype=torch.int32, device=device)
@@ -270,7 +241,7 @@ class _Grouped:
         keys = tuple(torch.repeat_interleave(rounding.mix32(
             rounding._key_tensor_of(rounding._stream_key(self._seed, step, s), device)
             ^ leaves), counts, output_size=total) for s in _STREAMS)
-      adamw_step(*flat, scalars, keys, mode, self._state_rounding, index)
+      adamw_step(*flat, scalars, keys, compensation, self._state_rounding, index)
       for k, (col, values) in enumerate(zip(columns, flat)):
         if k != 1 and values is not None:  # the gradient is only read
           torch._foreach_copy_([t.view(-1) for t in col], list(values.split(list(sizes))))
@@ -330,9 +301,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
       lr = 1e-3  # torch.optim.AdamW's default; the factories ask for it
     learning_rate, b1, b2 = torch_spellings(_factory, learning_rate, lr, b1, b2, betas,
                                             (0.9, 0.999))
-    if compensation not in _COMPENSATIONS + (_MASTER,):
-      raise ValueError(
-          f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
+    if compensation != "master":  # adam_fp32_master's, not an adamw_bf16 choice
+      native_lib.check_compensation(compensation)
     if state_rounding not in _STATE_ROUNDINGS:
       raise ValueError(
           f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
@@ -342,7 +312,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
     schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
     lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
-    self._compensation = compensation
+    self._compensation = COMPENSATIONS[compensation]
     self._mu_dtype, self._nu_dtype = mu_dtype, nu_dtype
     self._state_rounding = state_rounding
     self._seed = seed_from_key(key)
@@ -375,10 +345,10 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     state["step"] = torch.tensor(0, dtype=torch.int64)
     state["mu"] = torch.zeros_like(p, dtype=self._mu_dtype or p.dtype)
     state["nu"] = torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)
-    mode = _mode(self._compensation, p.dtype)
-    buffer = None if mode == _DIRECT else new_buffer(p, mode)
+    compensation = _param_compensation(self._compensation, p.dtype)
+    buffer = None if compensation is None else compensation.init_buffer(p)
     if buffer is not None:
-      state[native_lib.COMPENSATIONS[mode].buffer] = buffer
+      state[compensation.buffer] = buffer
 
   # -- checkpoints -----------------------------------------------------------
   # The buffers (master, split low half, Kahan buffer or none) are checked by
@@ -443,10 +413,12 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])
-        mode = _mode(self._compensation, p.dtype)
-        buffer = None if mode == _DIRECT else state.get(native_lib.COMPENSATIONS[mode].buffer)
-        if mode in _FOLLOWED:  # written from outside since the last step: re-seed the buffer
-          self._follow(p, mode, buffer)
+        compensation = _param_compensation(self._compensation, p.dtype)
+        buffer = None if compensation is None else state.get(compensation.buffer)
+        # Written from outside since the last step: re-seed the buffer (a
+        # master's read does that for every element itself).
+        if compensation is not None and compensation.follows and not compensation.read_follows:
+          self._follow(p, compensation, buffer)
           stepped.append(p)
         tensors = (p, grad, state["mu"], state["nu"], buffer)
         index = 0
@@ -456,12 +428,13 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           tensors = tuple(_dist.local(t) for t in tensors)
           index = _dist.index(p)
         if native is not None and native.add(
-            tensors, mode, state["step"], leaf,
+            tensors, _kernel_mode(compensation), state["step"], leaf,
             lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index):
           continue
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache)
-        if grouped is not None and grouped.add(tensors, mode, step, leaf, scalars, state, index):
+        if grouped is not None and grouped.add(tensors, compensation, step, leaf, scalars, state,
+                                               index):
           continue
         keys = _leaf_keys(self._seed, step, leaf, device)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
@@ -471,9 +444,9 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           index = index.reshape(-1) if torch.is_tensor(index) else index
         kernel = adamw_step
         if self._fused:
-          kernel = _compiled_step((mode, self._state_rounding, p.dtype, grad.dtype,
-                                   state["mu"].dtype, state["nu"].dtype))
-        kernel(*tensors, scalars, keys, mode, self._state_rounding, index)
+          kernel = _compiled_step((_kernel_mode(compensation), self._state_rounding, p.dtype,
+                                   grad.dtype, state["mu"].dtype, state["nu"].dtype))
+        kernel(*tensors, scalars, keys, compensation, self._state_rounding, index)
         state["step"] += 1
       group["count"] = count + 1
 
@@ -582,7 +555,7 @@ def adam_fp32_master(
     ICLR 2018; NVIDIA NeMo's ``MainParamsOptimizerWrapper``.
   """
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
-                           compensation=_MASTER, mu_dtype=torch.float32,
+                           compensation="master", mu_dtype=torch.float32,
                            nu_dtype=torch.float32, state_rounding="nearest",
                            skip_nonfinite=skip_nonfinite, fused=fused, lr=lr, betas=betas,
                            _factory="adam_fp32_master")
@@ -650,9 +623,7 @@ def adamw_bf16(
     Limited Numerical Precision <https://arxiv.org/abs/1502.02551>`_, ICML 2015;
     arogozhnikov/adamw_bfloat16.
   """
-  if compensation not in _COMPENSATIONS:
-    raise ValueError(
-        f"compensation must be one of {_COMPENSATIONS}; got {compensation!r}.")
+  native_lib.check_compensation(compensation)
   return LowPrecisionAdamW(params, learning_rate, b1, b2, eps, weight_decay,
                            compensation=compensation, mu_dtype=mu_dtype,
                            nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,

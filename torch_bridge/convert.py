@@ -58,8 +58,8 @@ import optax
 import torch
 
 import optax_half as oh
-import optax_half_native as native_lib
 from optax_half import _flat
+from optax_half.compensation import COMPENSATIONS
 from torch_bridge import _dist, dlpack
 from torch_bridge.adam import LowPrecisionAdamW
 from torch_bridge.loss_scale import DynamicLossScaler
@@ -68,19 +68,9 @@ from torch_bridge.wrappers import LowPrecisionWrapper
 
 __all__ = ["optax_state_to_torch", "torch_state_to_optax"]
 
-# torch compensation (LowPrecisionAdamW._compensation, LowPrecisionWrapper._mode)
-# -> the JAX wrapper state that holds the same buffers.
-_WRAPPER_STATES = {
-    "kahan": oh.KahanSummationState,
-    "split": oh.MasterWeightsState,
-    "master": oh.MasterWeightsState,
-    "stochastic": oh.StochasticRoundingState,
-    "none": oh.RoundToNearestState,
-}
 # The JAX wrapper state -> its per-param buffer's field, which is also the
-# torch state key (optax_half_native.COMPENSATIONS).
-_BUFFER_FIELDS = {_WRAPPER_STATES[c.name]: c.buffer
-                  for c in native_lib.COMPENSATIONS.values() if c.buffer}
+# torch state key (one compensation table: optax_half_native.COMPENSATIONS).
+_BUFFER_FIELDS = {c.state_type: c.buffer for c in COMPENSATIONS.values() if c.buffer}
 _CLIPPING = oh.ScaledAdamClippingState._fields
 _NONFINITE = ("notfinite_count", "last_finite", "total_notfinite")
 
@@ -312,7 +302,7 @@ def _core_of(state, compensation: str, what: str):
   """(wrapper state or None, ScaleByAdamWState) of a LowPrecisionAdamW's JAX twin."""
   if compensation == "none" and isinstance(state, oh.ScaleByAdamWState):
     return None, state  # scale_by_adamw alone
-  wrapper = _expect(state, _WRAPPER_STATES[compensation], what)
+  wrapper = _expect(state, COMPENSATIONS[compensation].state_type, what)
   return wrapper, _expect(wrapper.inner_state, oh.ScaleByAdamWState, what)
 
 
@@ -331,9 +321,9 @@ def _groups_with(state_dict: dict, **values) -> dict:
 
 
 def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
-  what = f"a LowPrecisionAdamW (compensation={optimizer._compensation!r})"
+  what = f"a LowPrecisionAdamW (compensation={optimizer._compensation.name!r})"
   counters, state = _skip_counters(state, optimizer)
-  wrapper, core = _core_of(state, optimizer._compensation, what)
+  wrapper, core = _core_of(state, optimizer._compensation.name, what)
   count, seed = int(core.count), int(core.seed)
   if isinstance(wrapper, oh.StochasticRoundingState) and (
       int(wrapper.seed) != seed or int(wrapper.count) != count):
@@ -383,9 +373,9 @@ def _scaled_adam_dict(state, optimizer: ScaledAdam, leaves: _Leaves) -> dict:
 
 
 def _wrapper_dict(state, optimizer: LowPrecisionWrapper, leaves: _Leaves) -> dict:
-  mode = optimizer._mode
-  what = f"a {mode} wrapper"
-  state = _expect(state, _WRAPPER_STATES[mode], what)
+  compensation = optimizer._compensation
+  state = _expect(state, COMPENSATIONS[compensation.name].state_type,
+                  f"a {compensation.name} wrapper")
   out = copy.copy(optimizer.state_dict())
   key, buffers = _buffers(state, leaves)
   out["state"] = {}
@@ -523,10 +513,10 @@ def _from_torch(leaves: _Leaves, states: list, key: str, tree):
 
 
 def _adamw_state(state, optimizer: LowPrecisionAdamW, leaves: _Leaves):
-  what = f"a LowPrecisionAdamW (compensation={optimizer._compensation!r})"
+  what = f"a LowPrecisionAdamW (compensation={optimizer._compensation.name!r})"
 
   def fill(state):
-    wrapper, core = _core_of(state, optimizer._compensation, what)
+    wrapper, core = _core_of(state, optimizer._compensation.name, what)
     states = _states(optimizer)
     count = _one_count(states)
     count = optimizer.param_groups[0]["count"] if count is None else count
@@ -559,7 +549,8 @@ def _scaled_adam_state(state, optimizer: ScaledAdam, leaves: _Leaves):
 
 
 def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
-  state = _expect(state, _WRAPPER_STATES[optimizer._mode], f"a {optimizer._mode} wrapper")
+  name = optimizer._compensation.name
+  state = _expect(state, COMPENSATIONS[name].state_type, f"a {name} wrapper")
   states = _states(optimizer)
   inner, index = _optimizer_part(state.inner_state)
   with optimizer.stand_ins() as wrapped:  # the inner optimizer's state is keyed by them

@@ -45,19 +45,16 @@ import math
 
 import torch
 
-import optax_half_native as native_lib
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (LowPrecisionOptimizer, check_param, new_buffer, optimizer_kind,
+from torch_bridge._optim import (LowPrecisionOptimizer, check_param, optimizer_kind,
                                  prepare_load, seed_from_key, step_grad, stepping_params)
+from torch_bridge.compensation import COMPENSATIONS, Compensation
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
 
 CHUNK_NUMEL = 1 << 24  # fp32 elements materialised per chunk (64 MiB of x + 64 MiB of grads)
 
-_MASTER, _SPLIT, _KAHAN, _STOCHASTIC, _NEAREST = "master", "split", "kahan", "stochastic", "none"
-_NAMES = {_MASTER: "master_weights", _SPLIT: "master_weights", _KAHAN: "kahan_summation",
-          _STOCHASTIC: "stochastic_rounding", _NEAREST: "round_to_nearest"}
 
 
 class LowPrecisionWrapper(LowPrecisionOptimizer):
@@ -82,7 +79,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     errors <https://doi.org/10.1145/363707.363723>`_, CACM 1965 (compensated sums).
   """
 
-  def __init__(self, inner: torch.optim.Optimizer, mode: str,
+  def __init__(self, inner: torch.optim.Optimizer, compensation: Compensation,
                master_dtype: torch.dtype = torch.float32, seed: int = 0):
     if not isinstance(inner, torch.optim.Optimizer):
       raise TypeError(
@@ -94,12 +91,12 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     nested = _keeps_low_precision(inner) if master_dtype.itemsize >= 4 else ""
     if nested:
       raise ValueError(
-          f"{_NAMES[mode]}: the inner optimizer already keeps low-precision params "
+          f"{compensation.wrapper}: the inner optimizer already keeps low-precision params "
           f"(it is {nested}: adamw_bf16, adam_fp32_master and the wrappers do). "
-          f"Wrap a plain optimizer once, e.g. {_NAMES[mode]}(torch.optim.Adam(...)), "
+          f"Wrap a plain optimizer once, e.g. {compensation.wrapper}(torch.optim.Adam(...)), "
           "or use the named optimizer alone.")
     self.inner = inner
-    self._mode = mode
+    self._compensation = compensation
     self._master_dtype = master_dtype
     self._seed = seed
     self._work: dict = {}  # model param -> the tensor the inner optimizer steps
@@ -143,23 +140,24 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
   def _is_low(self, p: torch.Tensor) -> bool:
     return p.dtype.itemsize < self._master_dtype.itemsize
 
-  def _param_mode(self, p: torch.Tensor) -> str:
-    return native_lib.compensation_of(self._mode, p.dtype == torch.bfloat16).name
+  def _param_compensation(self, p: torch.Tensor) -> Compensation:
+    return self._compensation.for_dtype(p.dtype)
 
   @torch.no_grad()
   def _adopt(self, p: torch.Tensor) -> None:
     """The buffers of ``p``, its stand-in, and the inner state moved to the stand-in."""
-    if self._mode == _STOCHASTIC:
+    if self._compensation.draws_bits:  # the random bits' step count
       self.state[p]["step"] = torch.tensor(0, dtype=torch.int64)
     if not self._is_low(p):
       self._work[p] = p
       return
-    mode = self._param_mode(p)
-    buffer = new_buffer(p, mode, self._master_dtype)
+    compensation = self._param_compensation(p)
+    buffer = compensation.init_buffer(p, self._master_dtype)
     if buffer is not None:
-      self.state[p][native_lib.COMPENSATIONS[mode].buffer] = buffer
-    # The master is what the inner optimizer steps; the other modes fill a stand-in.
-    work = buffer if mode == _MASTER else self._empty(p)
+      self.state[p][compensation.buffer] = buffer
+    # A buffer that holds the value (the master) is what the inner optimizer
+    # steps; the others fill a stand-in.
+    work = buffer if compensation.holds_value else self._empty(p)
     # State the inner optimizer already holds for p moves to the stand-in.
     moved = self.inner.state.pop(p, None)
     if moved:
@@ -231,37 +229,6 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
 
   # -- the step --------------------------------------------------------------
 
-  # Both on local tensors: a sharded param (DTensor) reads and writes its shard.
-  def _read(self, p: torch.Tensor, mode: str) -> torch.Tensor:
-    state = self.state.get(p, {})
-    local = _dist.local(p)
-    if mode == _SPLIT:
-      return rounding.join_f32(local, _dist.local(state["master"]))
-    if mode == _KAHAN:
-      return rounding.widen(local) + rounding.widen(_dist.local(state["compensation"]))
-    return rounding.widen(local)
-
-  def _write(self, p: torch.Tensor, x_new: torch.Tensor, mode: str, leaf: int) -> None:
-    state = self.state.get(p, {})
-    local = _dist.local(p)
-    x_new = _dist.local(x_new)
-    if mode == _MASTER:
-      local.copy_(x_new)
-    elif mode == _SPLIT:
-      hi, lo = rounding.split_f32(x_new)
-      local.copy_(hi)
-      _dist.local(state["master"]).copy_(lo)
-    elif mode == _KAHAN:
-      new_p = x_new.to(p.dtype)
-      _dist.local(state["compensation"]).copy_(x_new - rounding.widen(new_p))
-      local.copy_(new_p)
-    elif mode == _STOCHASTIC:
-      bits = rounding.random_bits(self._seed, int(state["step"]), rounding.STREAM_PARAMS,
-                                  leaf, x_new.shape, device=x_new.device, index=_dist.index(p))
-      local.copy_(rounding.stochastic_round(x_new, p.dtype, bits))
-    else:
-      local.copy_(x_new)
-
   def _step_all(self) -> None:
     self._adopt_all()  # groups added to the inner optimizer directly
     todo = stepping_params(self)  # (leaf position, param)
@@ -295,12 +262,12 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
       if work is p:
         p.grad = hidden[p]
         continue
-      mode = self._param_mode(p)
-      state = self.state.get(p, {})
-      if mode in (_MASTER, _KAHAN):  # written from outside since the last step: re-seed
-        self._follow(p, mode, state.get(native_lib.COMPENSATIONS[mode].buffer))
-      if mode != _MASTER:
-        self._fill(work, self._read(p, mode))
+      compensation = self._param_compensation(p)
+      buffer = self.state.get(p, {}).get(compensation.buffer)
+      if compensation.follows:  # written from outside since the last step: re-seed
+        self._follow(p, compensation, buffer)
+      if not compensation.holds_value:  # a sharded param reads its shard
+        self._fill(work, compensation.read(_dist.local(p), _dist.local(buffer)))
       work.grad = _dist.like(rounding.widen(_dist.local(step_grad(self, p))).to(work.dtype), p)
     with self.stand_ins() as inner:
       inner.step()
@@ -310,9 +277,18 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
         p.grad = None
       else:
         work.grad = None
-        mode = self._param_mode(p)
-        self._write(p, work.detach(), mode, leaf)
-        if mode != _MASTER:
+        compensation = self._param_compensation(p)
+        state = self.state.get(p, {})
+        bits = None
+        if compensation.draws_bits:
+          bits = rounding.random_bits(self._seed, int(state["step"]), rounding.STREAM_PARAMS,
+                                      leaf, _dist.local(work).shape,
+                                      device=_dist.local(work).device, index=_dist.index(p))
+        # On local tensors: a sharded param writes its shard. A master was
+        # stepped in place by the inner optimizer.
+        buffer = None if compensation.holds_value else _dist.local(state.get(compensation.buffer))
+        compensation.write(_dist.local(work.detach()), _dist.local(p), buffer, bits)
+        if not compensation.holds_value:
           self._fill(work, None)
         self._remember([p])
       if "step" in self.state.get(p, ()):
@@ -324,14 +300,14 @@ def _keeps_low_precision(inner) -> str:
   a wrapper or a compensating named optimizer, named; or ''."""
   from torch_bridge import adam  # noqa: PLC0415 (adam imports nothing from here)
   if isinstance(inner, LowPrecisionWrapper):
-    return f"a {_NAMES[inner._mode]} wrapper"
-  if isinstance(inner, adam.LowPrecisionAdamW) and inner._compensation == _MASTER:
+    return f"a {inner._compensation.wrapper} wrapper"
+  if isinstance(inner, adam.LowPrecisionAdamW) and inner._compensation.name == "master":
     return "adam_fp32_master"
   if isinstance(inner, adam.LowPrecisionAdamW) and (
-      inner._compensation != _NEAREST or inner._factory == "adamw_bf16"):
+      inner._compensation.name != "none" or inner._factory == "adamw_bf16"):
     # adamw_bf16(compensation="none") is round_to_nearest of the core in JAX;
     # only the bare core, scale_by_adamw, is meant to be wrapped.
-    return f"adamw_bf16(compensation={inner._compensation!r})"
+    return f"adamw_bf16(compensation={inner._compensation.name!r})"
   return ""
 
 
@@ -367,7 +343,8 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
     raise ValueError(
         "master_weights(split=True) stores an fp32 master as a bf16 high half plus "
         f"int16 low half; it needs master_dtype=torch.float32, got {master_dtype}.")
-  return LowPrecisionWrapper(optimizer, _SPLIT if split else _MASTER, master_dtype)
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["split" if split else "master"],
+                             master_dtype)
 
 
 def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
@@ -389,7 +366,7 @@ def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
     <https://doi.org/10.1145/363707.363723>`_, CACM 1965; Zamirai et al.,
     `Revisiting BFloat16 Training <https://arxiv.org/abs/2010.06192>`_, 2020.
   """
-  return LowPrecisionWrapper(optimizer, _KAHAN)
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["kahan"])
 
 
 def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWrapper:
@@ -415,7 +392,7 @@ def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWr
     raise ValueError(
         "stochastic_rounding needs a key: pass key=<int seed> (an int gives the same "
         "random bits in optax_half and torch_bridge; optax_half also takes a jax.random.key).")
-  return LowPrecisionWrapper(optimizer, _STOCHASTIC, seed=seed_from_key(key))
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["stochastic"], seed=seed_from_key(key))
 
 
 def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
@@ -435,4 +412,4 @@ def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
     Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
     ICLR 2018, on updates lost to rounding when weights are kept in 16 bits.
   """
-  return LowPrecisionWrapper(optimizer, _NEAREST)
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["none"])

@@ -1,0 +1,232 @@
+"""Compensations in JAX: how a 16-bit param keeps what its rounding loses.
+
+One object per entry of ``optax_half_native.COMPENSATIONS`` (the facts both
+frameworks share), holding its JAX rules: the wrapper state, the buffer's
+``init``, the working value's ``read`` and the new param's and buffer's
+``write``. ``wrappers`` applies them to any optimizer, ``adam`` picks one by
+name, ``_native`` gives the kernel its mode; ``torch_bridge.compensation``
+holds the same rules in torch. Spec: ``docs/algorithms.md#wrappers``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from optax import MaskedNode
+
+import optax_half_native as native_lib
+from optax_half import rounding
+from optax_half._util import zeros_like_param
+
+__all__ = ["COMPENSATIONS", "Compensation", "MasterWeightsState", "KahanSummationState",
+           "StochasticRoundingState", "RoundToNearestState"]
+
+
+class MasterWeightsState(NamedTuple):
+  """State of ``master_weights``.
+
+  Attributes:
+    master: per leaf, the ``master_dtype`` copy; with ``split=True`` the int16
+      low half for bf16 leaves; ``MaskedNode()`` for leaves without a buffer.
+    inner_state: the inner transformation's state, built on the master params.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(3, jnp.float32)}
+    >>> state = oh.master_weights(optax.sgd(0.1)).init(params)
+    >>> print(state.master["w"].dtype, state.master["b"])  # fp32 leaves: no copy
+    float32 MaskedNode()
+    >>> split = oh.master_weights(optax.sgd(0.1), split=True).init(params)
+    >>> print(split.master["w"].dtype)  # the low half of the fp32 master
+    int16
+  """
+  master: Any
+  inner_state: Any
+
+
+class KahanSummationState(NamedTuple):
+  """State of ``kahan_summation``: compensation ``c`` in the param dtype.
+
+  Attributes:
+    compensation: per 16-bit leaf, what rounding the param lost (``x' - p'``),
+      in the param dtype; ``MaskedNode()`` for leaves without a buffer.
+    inner_state: the inner transformation's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.kahan_summation(optax.sgd(0.1)).init(params)
+    >>> print(state.compensation["w"].dtype, state.compensation["w"].tolist())
+    bfloat16 [0.0, 0.0, 0.0]
+  """
+  compensation: Any
+  inner_state: Any
+
+
+class RoundToNearestState(NamedTuple):
+  """State of ``round_to_nearest``: only the inner state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.round_to_nearest(optax.adam(1e-3)).init(params)
+    >>> print(state.inner_state[0].mu["w"].dtype)  # the inner state, on fp32
+    float32
+  """
+  inner_state: Any
+
+
+class StochasticRoundingState(NamedTuple):
+  """State of ``stochastic_rounding``.
+
+  Attributes:
+    seed: uint32 scalar; with ``count`` it determines every random bit.
+    count: int32 number of updates taken (the per-step key is derived from
+      ``(seed, count)`` by hashing: a counter-based split of the key).
+    inner_state: the inner transformation's state.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import optax_half as oh
+    >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
+    >>> state = oh.stochastic_rounding(optax.sgd(0.1), key=7).init(params)
+    >>> print(state.seed.dtype, int(state.count))
+    uint32 0
+  """
+  seed: jax.Array
+  count: jax.Array
+  inner_state: Any
+
+
+class Compensation:
+  """A compensation's JAX rules; the shared facts are ``spec``'s
+  (``optax_half_native.Compensation``), readable as attributes."""
+
+  state_type: type = None  # the wrapper state holding the buffers
+
+  def __init__(self, spec: native_lib.Compensation):
+    self.spec = spec
+
+  def __getattr__(self, name):
+    if name == "spec":  # not set yet (copy, pickle)
+      raise AttributeError(name)
+    return getattr(self.spec, name)
+
+  def __repr__(self) -> str:
+    return f"Compensation({self.spec.name!r})"
+
+  def for_dtype(self, dtype) -> Compensation:
+    """The compensation a 16-bit param of ``dtype`` takes (``spec.fp16``
+    where it is not bf16)."""
+    return self if jnp.dtype(dtype) == jnp.bfloat16 else COMPENSATIONS[self.spec.fp16]
+
+  # -- per leaf ---------------------------------------------------------------
+
+  def init_buffer(self, p, master_dtype):
+    """The buffer of a fresh state for 16-bit ``p``, or ``MaskedNode()``."""
+    return MaskedNode()
+
+  def read(self, p, buf):
+    """The working value ``x`` the optimizer steps (fp32, or ``master_dtype``)."""
+    return rounding.widen(p)
+
+  def write(self, x_new, p, buf, bits):
+    """``(p', buf')`` holding ``x_new``; ``bits``: the random bits where
+    ``draws_bits``, else None."""
+    return x_new.astype(p.dtype), buf
+
+  # -- the wrapper state ------------------------------------------------------
+
+  def init_state(self, buffers, inner_state, seed: Optional[jax.Array]):
+    fields = {"inner_state": inner_state}
+    if self.spec.buffer:
+      fields[self.spec.buffer] = buffers
+    if self.spec.draws_bits:
+      fields.update(seed=seed, count=jnp.zeros([], jnp.int32))
+    return self.state_type(**fields)
+
+  def buffers(self, state):
+    """The per-leaf buffers of ``state`` (None: this compensation keeps none)."""
+    return getattr(state, self.spec.buffer) if self.spec.buffer else None
+
+  def param_stream(self, state):
+    """``(seed, count)`` of the param writes' random bits, or None."""
+    return (state.seed, state.count) if self.spec.draws_bits else None
+
+  def next_state(self, state, buffers, inner_state):
+    """``state`` after a step: the new buffers and inner state, the count advanced."""
+    fields = {"inner_state": inner_state}
+    if self.spec.buffer:
+      fields[self.spec.buffer] = buffers
+    if self.spec.draws_bits:
+      fields["count"] = optax.safe_increment(state.count)
+    return state._replace(**fields)
+
+
+class _Master(Compensation):
+  state_type = MasterWeightsState
+
+  def init_buffer(self, p, master_dtype):
+    return p.astype(master_dtype)
+
+  def read(self, p, buf):
+    # The master follows the param: where the param is not the master's rounding
+    # (written from outside after init), the step starts from the param.
+    # `widen`: XLA must not fold the round trip through p.dtype away.
+    p_wide = rounding.widen(p).astype(buf.dtype)
+    return jnp.where(rounding.widen(buf.astype(p.dtype)).astype(buf.dtype) == p_wide,
+                     buf, p_wide)
+
+  def write(self, x_new, p, buf, bits):
+    return x_new.astype(p.dtype), x_new
+
+
+class _Split(Compensation):
+  state_type = MasterWeightsState
+
+  def init_buffer(self, p, master_dtype):
+    return zeros_like_param(p, jnp.int16)  # bf16 -> fp32 is exact: lo = 0
+
+  def read(self, p, buf):
+    return rounding.join_f32(p, buf)
+
+  def write(self, x_new, p, buf, bits):
+    return rounding.split_f32(x_new)
+
+
+class _Kahan(Compensation):
+  state_type = KahanSummationState
+
+  def init_buffer(self, p, master_dtype):
+    return zeros_like_param(p)
+
+  def read(self, p, buf):
+    return rounding.widen(p) + rounding.widen(buf)
+
+  def write(self, x_new, p, buf, bits):
+    new_p = x_new.astype(p.dtype)
+    # `widen`, not astype: an excess-precision rewrite would make this 0.
+    return new_p, (x_new - rounding.widen(new_p)).astype(p.dtype)
+
+
+class _Stochastic(Compensation):
+  state_type = StochasticRoundingState
+
+  def write(self, x_new, p, buf, bits):
+    return rounding.stochastic_round(x_new, p.dtype, bits), buf
+
+
+class _Nearest(Compensation):
+  state_type = RoundToNearestState
+
+
+COMPENSATIONS = {name: rules(native_lib.COMPENSATIONS[name]) for name, rules in (
+    ("kahan", _Kahan), ("split", _Split), ("stochastic", _Stochastic), ("none", _Nearest),
+    ("master", _Master))}
+assert set(COMPENSATIONS) == set(native_lib.COMPENSATIONS)
