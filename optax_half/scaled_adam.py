@@ -1,33 +1,16 @@
 """ScaledAdam (icefall, Daniel Povey 2022), as an optax transformation.
 
-Adam whose step for each tensor is proportional to the tensor's own RMS
-(``param_rms``), which also learns each tensor's overall scale (a "size
-update" every ``size_update_period`` steps, within ``[param_min_rms,
-param_max_rms]``), with momentum kept as a parameter change ``delta`` and an
-optional gradient clipping against ``clipping_scale`` times the median of the
-recent gradient norms. Ported from the older icefall version (seed 002); the
-spec with every formula, the order of operations and the dtypes is
-``docs/algorithms.md#scaledadam-and-eden``, and
-``torch_bridge/scaled_adam.py`` is the same algorithm line for line.
-
-Differences from the seed, all documented in the spec:
-
-* clipping scales the gradient used by every part of the update, as the
-  seed's docstring says (the seed's code clipped only the copy used by the
-  size update);
-* the math is fp32 whatever the param dtype (the state keeps the param
-  dtype, as in the seed, except fp32 second moments for fp16 params, whose
-  ``(1 - b2) g^2`` would underflow);
-* ``1 - b ** n`` comes from ``rounding.one_minus_pow`` (the same bits in
-  torch), and ``array / scalar`` is a product with the fp32 reciprocal.
-
-The seed stacks same-shaped params to launch fewer kernels; under ``jax.jit``
-all leaves are already one XLA program, so the leaves are processed one by
-one, which is the same per-tensor math.
+Adam whose step for each tensor is proportional to the tensor's RMS, which
+learns each tensor's scale every ``size_update_period`` steps, keeps momentum
+as a parameter change ``delta`` and may clip gradients against the median of
+recent norms. The spec (formulas, order of operations, dtypes, and where this
+port of seed 002 differs from the seed): ``docs/algorithms.md#scaledadam-and-eden``.
+``torch_bridge/scaled_adam.py`` is the same algorithm, its steps named as here.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any, NamedTuple, Optional
 
@@ -122,12 +105,9 @@ class ScaledAdamState(NamedTuple):
 
 
 class ScaledAdamTransformation(_in_place.InPlaceTransformation):
-  """``scaled_adam``'s transformation: an ``optax.GradientTransformationExtraArgs``
-  with an in-place step (``update_and_apply``: on CPU the kernel writes the
-  new params into their buffers) that also carries ``kahan_update``, the
-  step ``kahan_summation`` takes when it wraps it (the kernel steps a 16-bit
-  param, its compensation and ScaledAdam's fp32 state in one pass on CPU).
-  The same bits as ``update`` (and ``optax.apply_updates``) either way."""
+  """``scaled_adam``'s transformation, with an in-place step (``update_and_apply``)
+  and ``kahan_update``, the step ``kahan_summation`` takes when it wraps it: the
+  same bits as ``update`` either way (docs/algorithms.md#the-scaledadam-kernel)."""
   kahan_update = None  # set on each instance by scaled_adam
 
 
@@ -195,6 +175,41 @@ def leaf_names(params) -> list[str]:
         path = path[:-1]
       out.append(jax.tree_util.keystr(path, simple=True, separator="."))
   return out
+
+
+class _Hyper(NamedTuple):
+  """``scaled_adam``'s arguments (checked): what ``init`` and ``update`` close over."""
+  learning_rate: Any
+  clipping_scale: Optional[float]
+  b1: float
+  b2: float
+  scalar_lr_scale: float
+  eps: float
+  param_min_rms: float
+  param_max_rms: float
+  scalar_max: float
+  size_update_period: int
+  clipping_update_period: int
+  show_dominant_parameters: bool
+
+
+class _Coefficients(NamedTuple):
+  """The fp32 scalars of the step at count ``t`` (torch: ``ScaledAdam._coefficients``)."""
+  t: jax.Array
+  is_size_step: jax.Array  # t mod S == S - 1: param_rms is refreshed
+  do_size_update: jax.Array  # ... and t > 0: the size update
+  lr: jax.Array
+  b1: jax.Array
+  b2: jax.Array
+  eps: jax.Array
+  one_minus_b1: jax.Array
+  one_minus_b2: jax.Array
+  b2_corr: jax.Array  # b2 ** S
+  one_minus_b2_corr: jax.Array
+  size_lr: jax.Array
+  bc2: jax.Array
+  inv_bc2: jax.Array
+  size_bc2: jax.Array
 
 
 def scaled_adam(
@@ -298,344 +313,368 @@ def scaled_adam(
   check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                          param_min_rms, param_max_rms, scalar_max, size_update_period,
                          clipping_update_period)
-  S = size_update_period
-  P = clipping_update_period
+  h = _Hyper(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps, param_min_rms,
+             param_max_rms, scalar_max, size_update_period, clipping_update_period,
+             show_dominant_parameters)
 
   def init(params):
-    leaves = jax.tree.leaves(params)
-    for i, p in enumerate(leaves):
-      if not is_float(p):
-        raise ValueError(
-            f"scaled_adam: leaf {i} of the params has dtype {jnp.asarray(p).dtype}; only "
-            "float params can be optimized (mask integer leaves with optax.masked, or "
-            "wrap scaled_adam in optax_half.master_weights / kahan_summation, which do).")
-    check_no_float64("scaled_adam", params)
-
-    def rms(p):
-      p32 = rounding.widen(p)
-      return jnp.sqrt(jnp.mean(p32 * p32)).astype(p.dtype)
-
-    # Second moments of fp16 params are fp32: (1 - b2) g^2 underflows fp16
-    # for |g| < ~2e-3 and the step would become g / eps (bf16 has fp32's range).
-    sq_zeros = lambda p: zeros_like_param(p, _second_moment_dtype(p.dtype))
-    nonscalar = lambda f: (lambda p: MaskedNode() if _is_scalar(p) else f(p))
-    params = jax.tree.map(jnp.asarray, params)
-    clipping = ScaledAdamClippingState(
-        model_norms=jnp.zeros([P], jnp.float32),
-        model_norm_threshold=jnp.zeros([], jnp.float32),
-        num_clipped=jnp.zeros([], jnp.int32),
-        quartiles=jnp.zeros([QUARTILES], jnp.float32),
-        percent_clipped=jnp.zeros([], jnp.float32),
-        clipping_factor=jnp.ones([], jnp.float32),
-        grad_norm=jnp.zeros([], jnp.float32),
-        dominant_index=jnp.zeros([], jnp.int32),
-        dominant_share=jnp.zeros([], jnp.float32))
-    return ScaledAdamState(
-        count=jnp.zeros([], jnp.int32),
-        delta=jax.tree.map(zeros_like_param, params),
-        exp_avg_sq=jax.tree.map(sq_zeros, params),
-        param_rms=jax.tree.map(nonscalar(rms), params),
-        scale_exp_avg_sq=jax.tree.map(
-            nonscalar(lambda p: jnp.zeros([], _second_moment_dtype(p.dtype))), params),
-        scale_grads=jax.tree.map(nonscalar(lambda p: jnp.zeros([S], p.dtype)), params),
-        clipping=clipping)
+    return _init(h, params)
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
-    return _step(updates, state, params, in_place=False)
+    return _step(h, updates, state, params, in_place=False)
 
   def update_and_apply(updates, state, params, **extra_args):
-    """``update`` and ``optax.apply_updates`` in one step (the same bits): on
-    CPU the kernel writes its leaves' new params into their buffers."""
+    """``update`` and ``optax.apply_updates`` in one step (the same bits)."""
     del extra_args
-    return _step(updates, state, params, in_place=True)
-
-  def _step(updates, state, params, in_place: bool):
-    """``(updates, state)``, or with ``in_place`` ``(new params, state)``."""
-    check_trees("scaled_adam", updates, params)
-    grads, treedef = jax.tree.flatten(updates)
-    ps = treedef.flatten_up_to(params)
-    ps = [jnp.asarray(p) for p in ps]  # Python scalars are leaves too
-    grads = [jnp.asarray(g) for g in grads]
-    vs = treedef.flatten_up_to(state.exp_avg_sq)
-    # The leaves the native kernel steps on CPU (scaled_adam.h: the sums in
-    # one pass, the step in another), decided at trace time from dtypes and
-    # shapes; XLA's per-leaf ops elsewhere and for the other leaves.
-    native = tuple(k for k, (p, g, v) in enumerate(zip(ps, grads, vs))
-                   if _native.scaled_adam_takes(p, g, v))
-    if native and not _native.on_cpu(params):
-      native = ()
-
-    def run(kernel_leaves):
-      u, new_state, done = _update(treedef, ps, grads, state, kernel_leaves, in_place=in_place)
-      if not in_place:
-        return u, new_state
-      us = treedef.flatten_up_to(u)
-      return jax.tree.unflatten(treedef, [
-          done[k] if k in done else optax.apply_updates(p, uk)
-          for k, (p, uk) in enumerate(zip(ps, us))]), new_state
-
-    if not native:
-      return run(())
-    return jax.lax.platform_dependent(cpu=lambda: run(native), default=lambda: run(()))
+    return _step(h, updates, state, params, in_place=True)
 
   def kahan_update(grads, state, x, leaves, finish, in_place, **extra_args):
-    """``kahan_summation(scaled_adam)``'s step with the kernel taking the
-    16-bit leaves and their compensations whole (``_lowp_wrapper``'s
-    ``fused``): the same bits as the wrapper around ``update``, each such
-    leaf's ``(new param, new compensation)``; with ``in_place`` the kernel
-    writes the new param into the param's buffer, else into the gradient's.
-    None where the kernel takes no leaf (trace time)."""
     del extra_args
-    gs, treedef = jax.tree.flatten(grads)
-    xs = treedef.flatten_up_to(x)
-    ds = treedef.flatten_up_to(state.delta)
-    vs = treedef.flatten_up_to(state.exp_avg_sq)
-    whole = tuple(k for k, (p, g, c, _, _) in enumerate(leaves)
-                  if c is not None and _native.scaled_adam_takes_kahan(p, g, c, ds[k], vs[k]))
-    if not whole or not _native.on_cpu(x):
-      return None
-    # The other leaves the kernel takes as update would (fp32 params, with no
-    # compensation): the same calls as in the wrapper's plain step.
-    native = tuple(k for k in range(len(xs)) if k in whole
-                   or _native.scaled_adam_takes(xs[k], gs[k], vs[k]))
-
-    def body(kernel: bool):
-      kahan = {k: leaves[k][:3] for k in whole} if kernel else None
-      u, new_state, kernel_done = _update(treedef, xs, gs, state, native if kernel else (),
-                                          kahan=kahan, in_place=in_place)
-      us = treedef.flatten_up_to(u)
-      done = {leaves[k][4]: kernel_done[k] if kernel else
-              finish(leaves[k][0], leaves[k][2], xs[k], us[k], leaves[k][4]) for k in whole}
-      return u, new_state, done
-
-    return jax.lax.platform_dependent(cpu=lambda: body(True), default=lambda: body(False))
-
-  def _update(treedef, ps, grads, state, native: tuple, kahan=None, in_place=False):
-    """The step of the leaves ``ps`` (those in ``native`` in the kernel). With
-    ``kahan`` (position -> (16-bit param, its gradient, its compensation),
-    for the positions in ``native``), ``ps`` are the fp32 ``p + c`` and the
-    kernel takes each such leaf's whole ``kahan_summation`` step; returns
-    ``(updates, state, done)`` with ``done`` mapping each kernel leaf's
-    position to its ``(new 16-bit param, new compensation)`` with ``kahan``,
-    else with ``in_place`` to its new param (else empty); ``in_place``: the
-    kernel writes the new params into the params' buffers."""
-    names = leaf_names(jax.tree.unflatten(treedef, ps))
-    deltas = treedef.flatten_up_to(state.delta)
-    vs = treedef.flatten_up_to(state.exp_avg_sq)
-    rmss = treedef.flatten_up_to(state.param_rms)
-    ws = treedef.flatten_up_to(state.scale_exp_avg_sq)
-    sgs = treedef.flatten_up_to(state.scale_grads)
-
-    t = state.count
-    lr = _f32(learning_rate(t) if callable(learning_rate) else learning_rate)
-    # Coefficients as the seed forms them: in float64 from the Python floats,
-    # then rounded once to fp32 (1 - f32(0.98) would be 1e-6 off 0.02).
-    b1_, b2_, eps_ = _f32(b1), _f32(b2), _f32(eps)
-    one_minus_b1, one_minus_b2 = _f32(1 - b1), _f32(1 - b2)
-    b2_corr, one_minus_b2_corr = _f32(b2 ** S), _f32(1 - b2 ** S)  # b2 ** S: per size update
-    zero = rounding.opaque_zero(t)
-    is_size_step = (t % S) == (S - 1)
-    do_size_update = is_size_step & (t > 0)
-    rms_old = [None if isinstance(r, MaskedNode) else rounding.widen(r) for r in rmss]
-    # The kernel's leaves: sum((g r)^2), sum(p g) and mean(p p) in one pass
-    # (float64 sums, each rounded once; the scale gradient is then the
-    # unclipped sum times the clipping factor).
-    sums = {}
-    # Kernel calls: (positions, params, gradients, compensations or None),
-    # the leaves it takes as they are, then those it takes with kahan_summation's.
-    kahan = kahan or {}
-    calls = []
-    for ks in ([k for k in native if k not in kahan], [k for k in native if k in kahan]):
-      if ks:
-        with_comps = ks[0] in kahan
-        calls.append((ks, [kahan[k][0] if with_comps else ps[k] for k in ks],
-                       [kahan[k][1] if with_comps else grads[k] for k in ks],
-                       [kahan[k][2] for k in ks] if with_comps else None))
-    want = jnp.int32(0 if clipping_scale is None else 1) + 2 * is_size_step.astype(jnp.int32)
-    for ks, kernel_ps, kernel_gs, comps in calls:
-      out = _native.scaled_adam_sums(kernel_ps, kernel_gs, [rms_old[k] for k in ks],
-                                     [want] * len(ks), comps=comps)
-      sums.update({k: out[j] for j, k in enumerate(ks)})
-    g32 = [None if k in sums else rounding.widen(g) for k, g in enumerate(grads)]
-    p32 = [rounding.widen(p) for p in ps]
-
-    # -- gradient clipping (the seed's _get_clipping_scale) ------------------
-    clipping = state.clipping
-    factor = None
-    if clipping_scale is not None:
-      sumsq = [sums[k][0] if k in sums else jnp.sum(g * g) if r is None
-               else jnp.sum((g * r) * (g * r)) for k, (g, r) in enumerate(zip(g32, rms_old))]
-      factor, clipping = _clip(sumsq, t, clipping)
-      g32 = [None if g is None else g * factor for g in g32]
-      if show_dominant_parameters or logger.isEnabledFor(logging.INFO):
-        _log(t, clipping, names)
-
-    # -- per-tensor steps (the seed's _step_one_batch) -----------------------
-    # 1 - b2 ** (t + 1): bias correction of the second moments, fp32, no pow.
-    bc2 = rounding.one_minus_pow(b2, t + 1, zero, one_minus_b=one_minus_b2)
-    inv_bc2 = 1 / bc2
-    # 1 - (b2 ** S) ** k, k = (t + 1) // S: the scale gradients' bias correction.
-    size_bc2 = rounding.one_minus_pow(b2_corr, (t + 1) // S, zero,
-                                      one_minus_b=one_minus_b2_corr)
-    size_lr = lr * _f32(scalar_lr_scale)
-
-    def size_update(sg, w, r_old, scale_grad, mean_sq):
-      """Records the scale gradient; every S steps the new RMS and the
-      log-scale step (0 on other steps); and the step's RMS factor alpha.
-      For one leaf (``sg`` of shape (S,)) or a batch of them ((n, S), the
-      other arguments (n,))."""
-      sg_new = sg.at[..., t % S].set(scale_grad.astype(sg.dtype))
-      sg32 = rounding.widen(sg_new)
-      rms_new = jnp.where(is_size_step, jnp.sqrt(mean_sq).astype(r_old.dtype), r_old)
-      w_new = (b2_corr * rounding.widen(w) + one_minus_b2_corr * jnp.mean(sg32 * sg32, axis=-1)
-               ).astype(w.dtype)
-      w_new = jnp.where(do_size_update, w_new, w)
-      scale_step = ((-size_lr * jnp.sqrt(size_bc2)) * jnp.sum(sg32, axis=-1)
-                    / (jnp.sqrt(rounding.widen(w_new)) + eps_))
-      rms32 = rounding.widen(rms_new)
-      scale_step = jnp.where(rms32 < _f32(param_min_rms), 0.0, scale_step)
-      scale_step = jnp.where(rms32 > _f32(param_max_rms), -size_lr * S, scale_step)
-      scale_step = jnp.where(do_size_update, scale_step, 0.0)  # delta + 0 = delta
-      alpha = (-lr * one_minus_b1) * jnp.maximum(rms32, _f32(param_min_rms))
-      return sg_new, rms_new, w_new, scale_step, alpha, rms32
-
-    n = len(ps)
-    new = {key: [None] * n for key in ("u", "delta", "v", "rms", "w", "sg")}
-    rows = {}
-    # The kernel's leaves: their size updates batched, one (leaves, S) array
-    # per buffer dtypes (a few XLA ops for all of them instead of a few per
-    # leaf), then their scalars (ScaledAdamScalars) as rows.
-    batches: dict = {}
-    for k in sums:
-      batches.setdefault((sgs[k].dtype, ws[k].dtype, rmss[k].dtype), []).append(k)
-    for ks in batches.values():
-      out = jnp.stack([sums[k] for k in ks])
-      scale_grad = out[:, 1] if factor is None else out[:, 1] * factor
-      sg_new, rms_new, w_new, scale_step, alpha, rms32 = size_update(
-          jnp.stack([sgs[k] for k in ks]), jnp.stack([ws[k] for k in ks]),
-          jnp.stack([rmss[k] for k in ks]), scale_grad, out[:, 2])
-      ones = jnp.ones([len(ks)], jnp.float32)
-      columns = [ones if factor is None else factor * ones, b1_ * ones, b2_ * ones,
-                 one_minus_b1 * ones, one_minus_b2 * ones,
-                 jnp.where(bc2 < _f32(0.99), inv_bc2, _f32(1.0)) * ones, eps_ * ones, alpha,
-                 scale_step, rms32]
-      for j, (k, row) in enumerate(zip(ks, jnp.stack(columns, axis=1))):
-        rows[k] = row
-        new["rms"][k], new["w"][k], new["sg"][k] = rms_new[j], w_new[j], sg_new[j]
-    for k, (p, p_, g, d, v, r_old, w, sg) in enumerate(
-        zip(ps, p32, g32, deltas, vs, rmss, ws, sgs)):
-      if k in sums:  # the kernel's step, below
-        continue
-      # Stored buffers are read back as stored (rounded to their dtype), as the
-      # seed's in-place updates are; for fp32 params every round is exact.
-      delta = b1_ * rounding.widen(d)
-      v_new = (b2_ * rounding.widen(v) + one_minus_b2 * (g * g)).astype(v.dtype)
-      v32 = rounding.widen(v_new)
-      if _is_scalar(p):
-        lr_s = -size_lr * one_minus_b1
-        denom = jnp.sqrt(v32 * inv_bc2) + eps_
-        delta = delta + lr_s * (g / denom)
-        delta = delta.astype(d.dtype)
-        clamped = jnp.abs(p_) > _f32(scalar_max)
-        p_clamped = jnp.clip(p_, -_f32(scalar_max), _f32(scalar_max))
-        # fp32 update (whatever the param dtype): apply_updates then lands on
-        # round(clip(p) + delta) even for a 16-bit p far beyond scalar_max.
-        u = jnp.where(clamped, (p_clamped + rounding.widen(delta)) - p_, rounding.widen(delta))
-        new["u"][k] = u
-        new["rms"][k] = new["w"][k] = new["sg"][k] = MaskedNode()
-      else:
-        # Size update: learn the tensor's scale, in log space, every S steps.
-        sg_new, rms_new, w_new, scale_step, alpha, _ = size_update(
-            sg, w, r_old, jnp.sum(p_ * g), jnp.mean(p_ * p_))
-        delta = delta + one_minus_b1 * (p_ * scale_step)
-        # The Adam-like step, scaled by the tensor's RMS.
-        v_hat = jnp.where(bc2 < _f32(0.99), v32 * inv_bc2, v32)
-        denom = jnp.sqrt(v_hat) + eps_
-        delta = (delta + (g / denom) * alpha).astype(d.dtype)
-        new["u"][k] = delta.astype(p.dtype)
-        new["rms"][k], new["w"][k], new["sg"][k] = rms_new, w_new, sg_new
-      new["delta"][k] = delta.astype(d.dtype)
-      new["v"][k] = v_new
-    kernel_done = {}
-    for ks, kernel_ps, kernel_gs, comps in calls:
-      size = jnp.broadcast_to(do_size_update.astype(jnp.int32), (len(ks),))
-      out = _native.scaled_adam_step(
-          jnp.stack([rows[k] for k in ks]), size, kernel_ps, kernel_gs,
-          [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps, in_place=in_place)
-      for j, k in enumerate(ks):
-        # The update is the new delta (the param's dtype), as XLA's leaves
-        # return it; with comps the wrapper's new param and compensation too.
-        new["delta"][k], new["v"][k] = out.deltas[j], out.vs[j]
-        new["u"][k] = out.deltas[j]
-        if comps is not None:
-          kernel_done[k] = (out.params[j], out.comps[j])
-        elif in_place:
-          kernel_done[k] = out.params[j]
-
-    tree = lambda xs: jax.tree.unflatten(treedef, xs)
-    new_state = ScaledAdamState(
-        count=optax.safe_increment(t),
-        delta=tree(new["delta"]),
-        exp_avg_sq=tree(new["v"]),
-        param_rms=tree(new["rms"]),
-        scale_exp_avg_sq=tree(new["w"]),
-        scale_grads=tree(new["sg"]),
-        clipping=clipping)
-    return tree(new["u"]), new_state, kernel_done
-
-  def _clip(sumsq, t, c: ScaledAdamClippingState):
-    """The clipping factor of step ``t`` and the new statistics (all arrays),
-    from each leaf's ``sum((g * rms)^2)`` (``sum(g^2)`` for a scalar)."""
-    tot_sumsq = jnp.zeros([], jnp.float32)
-    for s in sumsq:  # in leaf order, the same sequence of fp32 adds as torch_bridge
-      tot_sumsq = tot_sumsq + s
-    tot_norm = jnp.sqrt(tot_sumsq)
-    slot = t % P
-    model_norms = jnp.where(t > 0, c.model_norms.at[slot].set(tot_norm), c.model_norms)
-    take_stats = (t > 0) & (slot == 0)
-    quartiles = jnp.sort(model_norms)[jnp.array(quartile_indices(P))]
-    threshold = jnp.where(take_stats, _f32(clipping_scale) * quartiles[2],
-                          c.model_norm_threshold)
-    percent = (c.num_clipped.astype(jnp.float32) * 100) * (1 / _f32(P))
-    num_clipped = jnp.where(take_stats, 0, c.num_clipped)
-    factor = jnp.where(t >= P, jnp.minimum(1.0, threshold / (tot_norm + _f32(1e-20))),
-                       _f32(1.0))
-    num_clipped = num_clipped + (factor < 1).astype(jnp.int32)
-    if sumsq:
-      shares = jnp.stack(sumsq)
-      dominant = jnp.argmax(shares).astype(jnp.int32)
-      share = shares[dominant] / tot_sumsq
-    else:
-      dominant, share = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32)
-    return factor, ScaledAdamClippingState(
-        model_norms=model_norms,
-        model_norm_threshold=threshold,
-        num_clipped=num_clipped,
-        quartiles=jnp.where(take_stats, quartiles, c.quartiles),
-        percent_clipped=jnp.where(take_stats, percent, c.percent_clipped),
-        clipping_factor=factor,
-        grad_norm=tot_norm,
-        dominant_index=dominant,
-        dominant_share=share)
-
-  def _log(t, c: ScaledAdamClippingState, names):
-    """Logs at the seed's cadence from inside jit (``jax.debug.callback`` in a cond)."""
-    def host_log(t, c):
-      t = int(t)
-      _log_stats(t, _stats_dict(c, names), clipping_scale, show_dominant_parameters,
-                 take_stats=t > 0 and t % P == 0)
-
-    due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
-    jax.lax.cond(due, lambda: jax.debug.callback(host_log, t, c), lambda: None)
+    return _kahan_update(h, grads, state, x, leaves, finish, in_place)
 
   tx = transformation(init, update, "scaled_adam")
-  if skip_nonfinite:  # a skipped step must skip the wrapper's part too: no fused step
+  if skip_nonfinite:  # docs/algorithms.md#the-scaledadam-kernel: no fused step then
     return maybe_skip_nonfinite(tx, skip_nonfinite)
   out = ScaledAdamTransformation(tx.init, tx.update)
   out.update_and_apply = update_and_apply
   out.kahan_update = kahan_update
   return out
+
+
+def _init_clipping(period: int) -> ScaledAdamClippingState:
+  """The clipping statistics before the first step."""
+  return ScaledAdamClippingState(
+      model_norms=jnp.zeros([period], jnp.float32),
+      model_norm_threshold=jnp.zeros([], jnp.float32),
+      num_clipped=jnp.zeros([], jnp.int32),
+      quartiles=jnp.zeros([QUARTILES], jnp.float32),
+      percent_clipped=jnp.zeros([], jnp.float32),
+      clipping_factor=jnp.ones([], jnp.float32),
+      grad_norm=jnp.zeros([], jnp.float32),
+      dominant_index=jnp.zeros([], jnp.int32),
+      dominant_share=jnp.zeros([], jnp.float32))
+
+
+def _rms(p) -> jax.Array:
+  p32 = rounding.widen(p)
+  return jnp.sqrt(jnp.mean(p32 * p32)).astype(p.dtype)
+
+
+def _init(h: _Hyper, params) -> ScaledAdamState:
+  """``init``: zero moments, each non-scalar leaf's RMS (docs/algorithms.md#the-scaledadam-step)."""
+  for i, p in enumerate(jax.tree.leaves(params)):
+    if not is_float(p):
+      raise ValueError(
+          f"scaled_adam: leaf {i} of the params has dtype {jnp.asarray(p).dtype}; only "
+          "float params can be optimized (mask integer leaves with optax.masked, or "
+          "wrap scaled_adam in optax_half.master_weights / kahan_summation, which do).")
+  check_no_float64("scaled_adam", params)
+  S = h.size_update_period
+  sq_zeros = lambda p: zeros_like_param(p, _second_moment_dtype(p.dtype))
+  nonscalar = lambda f: (lambda p: MaskedNode() if _is_scalar(p) else f(p))
+  params = jax.tree.map(jnp.asarray, params)
+  clipping = _init_clipping(h.clipping_update_period)
+  return ScaledAdamState(
+      count=jnp.zeros([], jnp.int32),
+      delta=jax.tree.map(zeros_like_param, params),
+      exp_avg_sq=jax.tree.map(sq_zeros, params),
+      param_rms=jax.tree.map(nonscalar(_rms), params),
+      scale_exp_avg_sq=jax.tree.map(
+          nonscalar(lambda p: jnp.zeros([], _second_moment_dtype(p.dtype))), params),
+      scale_grads=jax.tree.map(nonscalar(lambda p: jnp.zeros([S], p.dtype)), params),
+      clipping=clipping)
+
+
+def _step(h: _Hyper, updates, state, params, in_place: bool):
+  """``update`` (``(updates, state)``) or, with ``in_place``, ``update_and_apply``
+  (``(new params, state)``: on CPU the kernel writes its leaves' new params)."""
+  check_trees("scaled_adam", updates, params)
+  grads, treedef = jax.tree.flatten(updates)
+  ps = treedef.flatten_up_to(params)
+  ps = [jnp.asarray(p) for p in ps]  # Python scalars are leaves too
+  grads = [jnp.asarray(g) for g in grads]
+  vs = treedef.flatten_up_to(state.exp_avg_sq)
+  # The kernel's leaves, chosen at trace time from dtypes and shapes.
+  native = tuple(k for k, (p, g, v) in enumerate(zip(ps, grads, vs))
+                 if _native.scaled_adam_takes(p, g, v))
+  if native and not _native.on_cpu(params):
+    native = ()
+  run = functools.partial(_step_leaves, h, treedef, ps, grads, state, in_place=in_place)
+  if not native:
+    return run(())
+  return jax.lax.platform_dependent(cpu=lambda: run(native), default=lambda: run(()))
+
+
+def _step_leaves(h: _Hyper, treedef, ps, grads, state, native: tuple, in_place: bool):
+  """``_step`` with the leaves ``native`` in the kernel (the platform's branch)."""
+  u, new_state, done = _update(h, treedef, ps, grads, state, native, in_place=in_place)
+  if not in_place:
+    return u, new_state
+  us = treedef.flatten_up_to(u)
+  return jax.tree.unflatten(treedef, [
+      done[k] if k in done else optax.apply_updates(p, uk)
+      for k, (p, uk) in enumerate(zip(ps, us))]), new_state
+
+
+def _kahan_update(h: _Hyper, grads, state, x, leaves, finish, in_place: bool):
+  """``kahan_update``: ``kahan_summation(scaled_adam)``'s step with the kernel
+  taking the 16-bit leaves and their compensations whole
+  (docs/algorithms.md#the-scaledadam-kernel). None where it takes none (trace time)."""
+  gs, treedef = jax.tree.flatten(grads)
+  xs = treedef.flatten_up_to(x)
+  ds = treedef.flatten_up_to(state.delta)
+  vs = treedef.flatten_up_to(state.exp_avg_sq)
+  whole = tuple(k for k, (p, g, c, _, _) in enumerate(leaves)
+                if c is not None and _native.scaled_adam_takes_kahan(p, g, c, ds[k], vs[k]))
+  if not whole or not _native.on_cpu(x):
+    return None
+  # The kernel also takes the leaves update would give it (fp32, no compensation).
+  native = tuple(k for k in range(len(xs)) if k in whole
+                 or _native.scaled_adam_takes(xs[k], gs[k], vs[k]))
+  body = functools.partial(_kahan_step, h, treedef, xs, gs, state, leaves, whole, native,
+                           finish, in_place)
+  return jax.lax.platform_dependent(cpu=lambda: body(True), default=lambda: body(False))
+
+
+def _kahan_step(h: _Hyper, treedef, xs, gs, state, leaves, whole, native, finish,
+                in_place: bool, kernel: bool):
+  """``_kahan_update``'s platform branch: ``(updates, state, done)``, ``done`` each
+  whole leaf's (new param, new compensation), from the kernel or ``finish``."""
+  kahan = {k: leaves[k][:3] for k in whole} if kernel else None
+  u, new_state, kernel_done = _update(h, treedef, xs, gs, state, native if kernel else (),
+                                      kahan=kahan, in_place=in_place)
+  us = treedef.flatten_up_to(u)
+  done = {leaves[k][4]: kernel_done[k] if kernel else
+          finish(leaves[k][0], leaves[k][2], xs[k], us[k], leaves[k][4]) for k in whole}
+  return u, new_state, done
+
+
+def _update(h: _Hyper, treedef, ps, grads, state, native: tuple, kahan=None, in_place=False):
+  """The step of the flat leaves ``ps`` (``native``'s in the kernel; ``kahan``: their 16-bit
+  param, gradient and compensation, ``ps`` being ``p + c``) in torch's ``_step_group`` order:
+  ``(updates, state, done)``, ``done`` the kernel's new params (and compensations)."""
+  names = leaf_names(jax.tree.unflatten(treedef, ps))
+  deltas = treedef.flatten_up_to(state.delta)
+  vs = treedef.flatten_up_to(state.exp_avg_sq)
+  rmss = treedef.flatten_up_to(state.param_rms)
+  ws = treedef.flatten_up_to(state.scale_exp_avg_sq)
+  sgs = treedef.flatten_up_to(state.scale_grads)
+  c = _coefficients(h, state.count)
+  rms_old = [None if isinstance(r, MaskedNode) else rounding.widen(r) for r in rmss]
+  calls = _native_rows(ps, grads, native, kahan or {})
+  sums = _native_sums(h, c, calls, rms_old)
+  g32 = [None if k in sums else rounding.widen(g) for k, g in enumerate(grads)]
+  clipping, factor = state.clipping, None
+  if h.clipping_scale is not None:
+    factor, clipping = _clip(h, c.t, clipping, _clip_sums(sums, g32, rms_old), names)
+    g32 = [None if g is None else g * factor for g in g32]
+  rows, sized = _native_scalars(h, c, sums, factor, sgs, ws, rmss)
+  new = [None] * len(ps)  # per leaf: (update, delta, v, param_rms, w, scale_grads)
+  for k, (p, g, d, v, r, w, sg) in enumerate(zip(ps, g32, deltas, vs, rmss, ws, sgs)):
+    if k not in sums:
+      new[k] = _step_one(h, c, p, g, d, v, r, w, sg)
+  stepped, done = _native_step(c, calls, rows, deltas, vs, in_place)
+  for k, (u, d, v) in stepped.items():
+    new[k] = (u, d, v, *sized[k])
+  u, delta, v, rms, w, sg = [jax.tree.unflatten(treedef, [x[i] for x in new])
+                             for i in range(6)]
+  return u, ScaledAdamState(
+      count=optax.safe_increment(c.t), delta=delta, exp_avg_sq=v, param_rms=rms,
+      scale_exp_avg_sq=w, scale_grads=sg, clipping=clipping), done
+
+
+def _coefficients(h: _Hyper, t) -> _Coefficients:
+  """The fp32 scalars of step ``t``, formed from the Python hyperparameters in
+  float64 and rounded once (docs/algorithms.md#dtypes-and-coefficients)."""
+  S = h.size_update_period
+  lr = _f32(h.learning_rate(t) if callable(h.learning_rate) else h.learning_rate)
+  one_minus_b2 = _f32(1 - h.b2)
+  b2_corr, one_minus_b2_corr = _f32(h.b2 ** S), _f32(1 - h.b2 ** S)
+  zero = rounding.opaque_zero(t)
+  is_size_step = (t % S) == (S - 1)
+  bc2 = rounding.one_minus_pow(h.b2, t + 1, zero, one_minus_b=one_minus_b2)
+  size_bc2 = rounding.one_minus_pow(b2_corr, (t + 1) // S, zero, one_minus_b=one_minus_b2_corr)
+  return _Coefficients(
+      t=t, is_size_step=is_size_step, do_size_update=is_size_step & (t > 0), lr=lr,
+      b1=_f32(h.b1), b2=_f32(h.b2), eps=_f32(h.eps), one_minus_b1=_f32(1 - h.b1),
+      one_minus_b2=one_minus_b2, b2_corr=b2_corr, one_minus_b2_corr=one_minus_b2_corr,
+      size_lr=lr * _f32(h.scalar_lr_scale), bc2=bc2, inv_bc2=1 / bc2, size_bc2=size_bc2)
+
+
+def _native_rows(ps, grads, native: tuple, kahan: dict) -> list:
+  """The kernel's calls, ``(positions, params, gradients, compensations or None)``:
+  the leaves it takes as they are, then those it takes with ``kahan``'s."""
+  calls = []
+  for ks in ([k for k in native if k not in kahan], [k for k in native if k in kahan]):
+    if ks:
+      with_comps = ks[0] in kahan
+      calls.append((ks, [kahan[k][0] if with_comps else ps[k] for k in ks],
+                    [kahan[k][1] if with_comps else grads[k] for k in ks],
+                    [kahan[k][2] for k in ks] if with_comps else None))
+  return calls
+
+
+def _native_sums(h: _Hyper, c: _Coefficients, calls, rms_old) -> dict:
+  """Kernel leaf -> its ``sum((g r)^2)``, ``sum(p g)``, ``mean(p p)`` of the
+  unclipped gradient, in one pass (docs/algorithms.md#the-scaledadam-kernel)."""
+  want = jnp.int32(0 if h.clipping_scale is None else 1) + 2 * c.is_size_step.astype(jnp.int32)
+  sums = {}
+  for ks, kernel_ps, kernel_gs, comps in calls:
+    out = _native.scaled_adam_sums(kernel_ps, kernel_gs, [rms_old[k] for k in ks],
+                                   [want] * len(ks), comps=comps)
+    sums.update({k: out[j] for j, k in enumerate(ks)})
+  return sums
+
+
+def _clip_sums(sums: dict, g32, rms_old) -> list:
+  """Per leaf, ``sum((g * param_rms)^2)`` (``sum(g^2)`` for a scalar): the
+  kernel's, or XLA's."""
+  return [sums[k][0] if k in sums else jnp.sum(g * g) if r is None
+          else jnp.sum((g * r) * (g * r)) for k, (g, r) in enumerate(zip(g32, rms_old))]
+
+
+def _clip(h: _Hyper, t, c: ScaledAdamClippingState, sumsq: list, names):
+  """The seed's ``_get_clipping_scale``: the factor of step ``t`` and the new
+  statistics, from each leaf's ``sumsq`` (docs/algorithms.md#the-scaledadam-step)."""
+  P = h.clipping_update_period
+  tot_sumsq = jnp.zeros([], jnp.float32)
+  for s in sumsq:  # in leaf order, as torch_bridge adds them
+    tot_sumsq = tot_sumsq + s
+  tot_norm = jnp.sqrt(tot_sumsq)
+  slot = t % P
+  model_norms = jnp.where(t > 0, c.model_norms.at[slot].set(tot_norm), c.model_norms)
+  take_stats = (t > 0) & (slot == 0)
+  quartiles = jnp.sort(model_norms)[jnp.array(quartile_indices(P))]
+  threshold = jnp.where(take_stats, _f32(h.clipping_scale) * quartiles[2],
+                        c.model_norm_threshold)
+  percent = (c.num_clipped.astype(jnp.float32) * 100) * (1 / _f32(P))
+  num_clipped = jnp.where(take_stats, 0, c.num_clipped)
+  factor = jnp.where(t >= P, jnp.minimum(1.0, threshold / (tot_norm + _f32(1e-20))),
+                     _f32(1.0))
+  num_clipped = num_clipped + (factor < 1).astype(jnp.int32)
+  if sumsq:
+    shares = jnp.stack(sumsq)
+    dominant = jnp.argmax(shares).astype(jnp.int32)
+    share = shares[dominant] / tot_sumsq
+  else:
+    dominant, share = jnp.zeros([], jnp.int32), jnp.zeros([], jnp.float32)
+  c = ScaledAdamClippingState(
+      model_norms=model_norms,
+      model_norm_threshold=threshold,
+      num_clipped=num_clipped,
+      quartiles=jnp.where(take_stats, quartiles, c.quartiles),
+      percent_clipped=jnp.where(take_stats, percent, c.percent_clipped),
+      clipping_factor=factor,
+      grad_norm=tot_norm,
+      dominant_index=dominant,
+      dominant_share=share)
+  if h.show_dominant_parameters or logger.isEnabledFor(logging.INFO):
+    _log(h, t, c, names)
+  return factor, c
+
+
+def _log(h: _Hyper, t, c: ScaledAdamClippingState, names) -> None:
+  """Logs at the seed's cadence from inside jit: a ``jax.debug.callback`` in a
+  cond (docs/algorithms.md#statistics-and-logging)."""
+  P = h.clipping_update_period
+  due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
+  host_log = functools.partial(_host_log, names, h.clipping_scale, h.show_dominant_parameters, P)
+  jax.lax.cond(due, lambda: jax.debug.callback(host_log, t, c), lambda: None)
+
+
+def _host_log(names, clipping_scale, show_dominant: bool, P: int, t, c) -> None:
+  t = int(t)
+  _log_stats(t, _stats_dict(c, names), clipping_scale, show_dominant,
+             take_stats=t > 0 and t % P == 0)
+
+
+def _size_updates(h: _Hyper, c: _Coefficients, sg, w, rms, scale_grad, mean_sq) -> tuple:
+  """The size updates of a batch of leaves (``sg`` (n, S), the rest (n,)) or of
+  one (``sg`` (S,)): each records its scale gradient and, every S steps, gets its
+  new RMS and log-scale step (else 0); and the step's RMS factor ``alpha``."""
+  S = h.size_update_period
+  sg_new = sg.at[..., c.t % S].set(scale_grad.astype(sg.dtype))
+  sg32 = rounding.widen(sg_new)
+  rms_new = jnp.where(c.is_size_step, jnp.sqrt(mean_sq).astype(rms.dtype), rms)
+  w_new = (c.b2_corr * rounding.widen(w) + c.one_minus_b2_corr * jnp.mean(sg32 * sg32, axis=-1)
+           ).astype(w.dtype)
+  w_new = jnp.where(c.do_size_update, w_new, w)
+  scale_step = ((-c.size_lr * jnp.sqrt(c.size_bc2)) * jnp.sum(sg32, axis=-1)
+                / (jnp.sqrt(rounding.widen(w_new)) + c.eps))
+  rms32 = rounding.widen(rms_new)
+  scale_step = jnp.where(rms32 < _f32(h.param_min_rms), 0.0, scale_step)
+  scale_step = jnp.where(rms32 > _f32(h.param_max_rms), -c.size_lr * S, scale_step)
+  scale_step = jnp.where(c.do_size_update, scale_step, 0.0)  # delta + 0 = delta
+  alpha = (-c.lr * c.one_minus_b1) * jnp.maximum(rms32, _f32(h.param_min_rms))
+  return sg_new, rms_new, w_new, scale_step, alpha, rms32
+
+
+def _step_one(h: _Hyper, c: _Coefficients, p, g, d, v, rms, w, sg) -> tuple:
+  """The seed's ``_step_one_batch`` (``_step_scalar`` for one element) of a leaf in XLA:
+  ``(update, delta, v, param_rms, w, scale_grads)`` (docs/algorithms.md#the-scaledadam-step)."""
+  p32 = rounding.widen(p)
+  delta = c.b1 * rounding.widen(d)
+  v_new = (c.b2 * rounding.widen(v) + c.one_minus_b2 * (g * g)).astype(v.dtype)
+  v32 = rounding.widen(v_new)
+  if _is_scalar(p):
+    lr_s = -c.size_lr * c.one_minus_b1
+    denom = jnp.sqrt(v32 * c.inv_bc2) + c.eps
+    delta = (delta + lr_s * (g / denom)).astype(d.dtype)
+    clamped = jnp.abs(p32) > _f32(h.scalar_max)
+    p_clamped = jnp.clip(p32, -_f32(h.scalar_max), _f32(h.scalar_max))
+    # An fp32 update even for a 16-bit p: apply_updates then lands on clip(p) + delta.
+    u = jnp.where(clamped, (p_clamped + rounding.widen(delta)) - p32, rounding.widen(delta))
+    return u, delta, v_new, MaskedNode(), MaskedNode(), MaskedNode()
+  sg_new, rms_new, w_new, scale_step, alpha, _ = _size_updates(
+      h, c, sg, w, rms, jnp.sum(p32 * g), jnp.mean(p32 * p32))
+  delta = delta + c.one_minus_b1 * (p32 * scale_step)
+  # The Adam-like step, scaled by the tensor's RMS.
+  v_hat = jnp.where(c.bc2 < _f32(0.99), v32 * c.inv_bc2, v32)
+  denom = jnp.sqrt(v_hat) + c.eps
+  delta = (delta + (g / denom) * alpha).astype(d.dtype)
+  return delta.astype(p.dtype), delta, v_new, rms_new, w_new, sg_new
+
+
+def _native_scalars(h: _Hyper, c: _Coefficients, sums: dict, factor, sgs, ws, rmss) -> tuple:
+  """The kernel leaves' size updates, batched per buffer dtypes, and their rows of
+  ``ScaledAdamScalars``: ``(rows, sized)`` by position, ``sized`` (param_rms, w, scale_grads)."""
+  rows, sized, batches = {}, {}, {}
+  for k in sums:
+    batches.setdefault((sgs[k].dtype, ws[k].dtype, rmss[k].dtype), []).append(k)
+  for ks in batches.values():
+    out = jnp.stack([sums[k] for k in ks])
+    scale_grad = out[:, 1] if factor is None else out[:, 1] * factor
+    sg_new, rms_new, w_new, scale_step, alpha, rms32 = _size_updates(
+        h, c, jnp.stack([sgs[k] for k in ks]), jnp.stack([ws[k] for k in ks]),
+        jnp.stack([rmss[k] for k in ks]), scale_grad, out[:, 2])
+    ones = jnp.ones([len(ks)], jnp.float32)
+    columns = [ones if factor is None else factor * ones, c.b1 * ones, c.b2 * ones,
+               c.one_minus_b1 * ones, c.one_minus_b2 * ones,
+               jnp.where(c.bc2 < _f32(0.99), c.inv_bc2, _f32(1.0)) * ones, c.eps * ones, alpha,
+               scale_step, rms32]
+    for j, (k, row) in enumerate(zip(ks, jnp.stack(columns, axis=1))):
+      rows[k] = row
+      sized[k] = (rms_new[j], w_new[j], sg_new[j])
+  return rows, sized
+
+
+def _native_step(c: _Coefficients, calls, rows: dict, deltas, vs, in_place: bool) -> tuple:
+  """The kernel's step of its leaves: ``(stepped, done)``, ``stepped`` each one's
+  ``(update, delta, v)`` (the update is the new delta), ``done`` as ``_update``'s."""
+  stepped, done = {}, {}
+  for ks, kernel_ps, kernel_gs, comps in calls:
+    size = jnp.broadcast_to(c.do_size_update.astype(jnp.int32), (len(ks),))
+    out = _native.scaled_adam_step(
+        jnp.stack([rows[k] for k in ks]), size, kernel_ps, kernel_gs,
+        [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps, in_place=in_place)
+    for j, k in enumerate(ks):
+      stepped[k] = (out.deltas[j], out.deltas[j], out.vs[j])
+      if comps is not None:
+        done[k] = (out.params[j], out.comps[j])
+      elif in_place:
+        done[k] = out.params[j]
+  return stepped, done
 
 
 def _stats_dict(c: ScaledAdamClippingState, names) -> dict:
