@@ -39,7 +39,7 @@ import json
 import sys
 import time
 import warnings
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -661,6 +661,266 @@ def _random_grads(seed: int, nonfinite_every: Optional[int], spike_every: Option
   return grads
 
 
+class _Setup(NamedTuple):
+  """compare's arguments resolved: the optimizer, its keywords and loss scaling, and
+  what they decide about the buffers (their tolerance kinds)."""
+  name: str
+  hyperparams: dict
+  loss_scale: Optional[dict]
+  inner_name: str
+  per_tensor: bool
+  compensation: Optional[str]
+
+
+class _Tree(NamedTuple):
+  """The params tree's structure and where its float leaves (the optimized ones) are."""
+  treedef: Any
+  names: list  # every leaf's tree path
+  positions: list  # the float leaves' indices
+  leaf_names: list  # the float leaves' paths, "<root>" for a bare array
+  dtype_label: str
+
+  def unflatten(self, leaves: list):
+    """A tree of this structure holding ``leaves``."""
+    return jax.tree.unflatten(self.treedef, leaves)
+
+
+@dataclasses.dataclass
+class _Sides:
+  """Both frameworks mid-run: JAX's jitted step, state and current leaves, torch's
+  params (mutable clones) and optimizer; the steps replace or update them in place."""
+  jax_step: Any
+  state: Any
+  leaves: list
+  tparams: list
+  optimizer: Any
+  scaler: Any
+
+
+@dataclasses.dataclass
+class _Records:
+  """What the measured steps gather: the ``ParityReport`` fields in the making, and
+  the largest magnitude of each (buffer, leaf) so far (for the tensor rel)."""
+  setup: _Setup
+  clipping: Optional[list]  # (step, JAX stats, torch stats) with a clipping ScaledAdam
+  dotted: Optional[list]  # the JAX names of the params, which torch names by position
+  recorded: list = dataclasses.field(default_factory=list)
+  errors: dict = dataclasses.field(default_factory=dict)
+  buffers: dict = dataclasses.field(default_factory=dict)
+  leaves: dict = dataclasses.field(default_factory=dict)
+  sizes: dict = dataclasses.field(default_factory=dict)
+  counters: dict = dataclasses.field(default_factory=dict)
+  seen: dict = dataclasses.field(default_factory=dict)  # (buffer, leaf) -> largest finite
+
+
+def _resolve(name: str, hyperparams: dict, loss_scale, steps: int,
+             record_every: int) -> _Setup:
+  """compare's arguments checked, a ``CONFIGS`` key replaced by its optimizer, keywords
+  and loss scaling (the arguments override them), ``loss_scale`` made None or a dict."""
+  if name in CONFIGS and name not in _NAMES:  # a bare optimizer name keeps its defaults
+    name, config_hyperparams, config_loss_scale = CONFIGS[name]
+    hyperparams = {**config_hyperparams, **hyperparams}
+    loss_scale = config_loss_scale if loss_scale is None else loss_scale
+  if _parts(name) is None:
+    raise ValueError(f"compare() knows {_NAMES}, {' and '.join(_WRAPPERS)} of those or of "
+                     f"{tuple(_STOCK)} (e.g. 'master_weights(adam)'), and the CONFIGS "
+                     f"{tuple(CONFIGS)}; got {name!r}.")
+  inner_name = _parts(name)[1]
+  per_tensor = inner_name == "scaled_adam" or inner_name in _STOCK
+  if steps < 1 or record_every < 1:
+    raise ValueError(f"steps and record_every must be >= 1; got {steps}, {record_every}.")
+  if isinstance(hyperparams.get("key"), jax.Array):
+    raise ValueError("compare() needs an integer key: torch_bridge cannot take a JAX key.")
+  if loss_scale is True:
+    loss_scale = {}
+  loss_scale = None if loss_scale is None or loss_scale is False else dict(loss_scale)
+  compensation = hyperparams.get("compensation", "kahan" if name == "adamw_bf16" else None)
+  return _Setup(name, hyperparams, loss_scale, inner_name, per_tensor, compensation)
+
+
+def _jax_params(params, dtype, copies: list) -> tuple[_Tree, list]:
+  """The params as JAX leaves in the requested dtype, and the tree's layout."""
+  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
+  leaves = [_jax_leaf(x, n, copies) for (_, x), n in zip(paths_leaves, names)]
+  if dtype is not None:
+    target = jnp.dtype(_dtype_name(dtype))
+    leaves = [x.astype(target) if is_float(x) else x for x in leaves]
+  positions = [i for i, x in enumerate(leaves) if is_float(x)]
+  if not positions:
+    raise ValueError("compare() needs at least one float leaf in params.")
+  leaf_names = [names[i] or "<root>" for i in positions]
+  dtypes = sorted({leaves[i].dtype.name for i in positions})
+  dtype_label = dtypes[0] if len(dtypes) == 1 else "mixed"
+  return _Tree(treedef, names, positions, leaf_names, dtype_label), leaves
+
+
+def _jitted_step(tx):
+  """``tx``'s update and ``optax.apply_updates`` as one jitted step:
+  (params, state, grads) -> (params, state)."""
+  @jax.jit
+  def jax_step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  return jax_step
+
+
+def _start(setup: _Setup, tree: _Tree, leaves: list, torch_options: Optional[dict]) -> _Sides:
+  """Both optimizers at step 0 on the same params; torch owns mutable clones of them."""
+  tx = _jax_optimizer(setup.name, setup.hyperparams, setup.loss_scale)
+  state = tx.init(tree.unflatten(leaves))
+  tparams = [dlpack.to_torch(leaves[i]).clone().requires_grad_(True) for i in tree.positions]
+  optimizer, scaler = _torch_optimizer(setup.name, tparams, setup.hyperparams,
+                                       setup.loss_scale, torch_options)
+  return _Sides(_jitted_step(tx), state, leaves, tparams, optimizer, scaler)
+
+
+def _grad_source(grads, steps: int, sides: _Sides, *, scaled: bool, seed: int,
+                 nonfinite_every: Optional[int], spike_every: Optional[int]):
+  """compare's ``grads`` as a callable ``(step, params) -> tree``; random ones are
+  scaled by the JAX side's current loss scale when ``scaled``."""
+  if grads is None:
+    random = _random_grads(seed, nonfinite_every, spike_every)
+    if scaled:
+      def next_grads(t, p):
+        return random(t, p, float(oh.loss_scale(sides.state)))
+    else:
+      next_grads = random
+  elif callable(grads):
+    next_grads = grads
+  else:
+    sequence = list(grads)
+    if len(sequence) < steps:
+      raise ValueError(f"grads holds {len(sequence)} trees for {steps} steps.")
+    def next_grads(t, p):
+      return sequence[t]
+  return next_grads
+
+
+def _jax_grads(g_tree, tree: _Tree, leaves: list, copies: list) -> list:
+  """One step's gradient tree as JAX leaves cast to their params' dtypes (the
+  non-float leaves: the params' own, unused)."""
+  g_flat = tree.treedef.flatten_up_to(g_tree)
+  jgrads = list(leaves)
+  for i in tree.positions:
+    g = _jax_leaf(g_flat[i], tree.names[i], copies)
+    if g.shape != leaves[i].shape:
+      raise ValueError(f"gradient {tree.names[i] or '<root>'} has shape {g.shape}, "
+                       f"param {leaves[i].shape}.")
+    jgrads[i] = g.astype(leaves[i].dtype)
+  return jgrads
+
+
+def _step_jax(sides: _Sides, tree: _Tree, jgrads: list) -> None:
+  """One jitted JAX step: new leaves and state in ``sides``."""
+  jtree, sides.state = sides.jax_step(tree.unflatten(sides.leaves), sides.state,
+                                      tree.unflatten(jgrads))
+  # Only float leaves are optimized (scale_by_adamw alone would move the rest).
+  floats = set(tree.positions)
+  sides.leaves = [new if i in floats else old for i, (new, old) in
+                  enumerate(zip(tree.treedef.flatten_up_to(jtree), sides.leaves))]
+
+
+def _step_torch(sides: _Sides, tree: _Tree, jgrads: list) -> None:
+  """One torch step on the JAX gradients, read through DLPack (cloned when a
+  loss scaler unscales them in place)."""
+  for k, i in enumerate(tree.positions):
+    g = dlpack.to_torch(jgrads[i])
+    sides.tparams[k].grad = g.clone() if sides.scaler is not None else g
+  if sides.scaler is not None:
+    sides.scaler.step(sides.optimizer)
+    sides.scaler.update()
+  else:
+    sides.optimizer.step()
+  for p in sides.tparams:
+    p.grad = None
+
+
+def _read_buffers(sides: _Sides, tree: _Tree, records: _Records, copies: list) -> tuple:
+  """Both sides' buffers by name, JAX's and torch's, one entry per float leaf, with
+  the params and (for split params) the fp32 master the two halves encode."""
+  positions = tree.positions
+  jb = _jax_buffers(sides.state, tree.treedef, positions)
+  tbuf = _torch_buffers(sides.optimizer, sides.scaler, sides.tparams, records.setup.inner_name)
+  jb["params"] = [sides.leaves[i] for i in positions]
+  tbuf["params"] = sides.tparams
+  for side in (jb, tbuf):  # split: compare the fp32 master the two halves encode
+    side["master"] = [_split_master(p, m, copies) for p, m in
+                      zip(side["params"], side.get("master", [None] * len(positions)))]
+  return jb, tbuf
+
+
+def _record_clipping(step: int, sides: _Sides, records: _Records) -> None:
+  """Both ScaledAdams' clipping statistics at ``step``, the dominant parameter by
+  its JAX name on both sides (torch names params by position)."""
+  jstats, tstats = oh.scaled_adam_stats(sides.state), tb.scaled_adam_stats(sides.optimizer)
+  index = tstats["dominant_parameter"]
+  tstats["dominant_parameter"] = records.dotted[int(index)] if index is not None else None
+  records.clipping.append((step, jstats, tstats))
+
+
+def _leaf_stats(buffer: str, k: int, a, b, records: _Records, copies: list) -> tuple:
+  """(host array, ``_stats``) of leaf ``k`` of a buffer, JAX's ``a`` against torch's
+  ``b``; the tensor rel is over the leaf's largest magnitude at any recorded step."""
+  a_np = _numpy(a, buffer, copies)
+  b_np = _numpy(b.detach() if isinstance(b, torch.Tensor) else b, buffer, copies)
+  if buffer == "count":
+    a_np, b_np = a_np.astype(np.int64), b_np.astype(np.int64)
+  if a_np.dtype != b_np.dtype or a_np.shape != b_np.shape:
+    raise AssertionError(
+        f"{buffer}[{k}]: JAX has {a_np.dtype}{a_np.shape}, torch {b_np.dtype}{b_np.shape}")
+  seen = records.seen
+  stats = _stats(a_np, b_np)
+  if stats[3] < a_np.size and jnp.issubdtype(a_np.dtype, jnp.floating):
+    # Over the largest magnitude so far: a momentum crossing 0 is not a relative error of 1.
+    largest = _largest(a_np, b_np)
+    largest = seen[(buffer, k)] = max(seen.get((buffer, k), 0.0), largest)
+    stats = (*stats[:4], stats[0] / max(largest, float(jnp.finfo(a_np.dtype).tiny)))
+  elif jnp.issubdtype(a_np.dtype, jnp.floating):
+    seen[(buffer, k)] = max(seen.get((buffer, k), 0.0), _largest(a_np, b_np))
+  return a_np, stats
+
+
+def _measure(step: int, sides: _Sides, tree: _Tree, records: _Records, copies: list) -> None:
+  """Compares every buffer both sides have after ``step`` and adds the errors,
+  the scalar counters and the clipping statistics to ``records``."""
+  jb, tbuf = _read_buffers(sides, tree, records, copies)
+  if records.clipping is not None:
+    _record_clipping(step, sides, records)
+  records.recorded.append(step)
+  for buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
+    if jb.get(buffer):
+      records.counters[buffer] = np.asarray(jb[buffer][0]).item()
+  rows: dict = {}  # (buffer, dtype) -> [(leaf name, stats, size)]
+  for buffer in ["params"] + [b for b in jb if b != "params"]:
+    if buffer not in tbuf:
+      continue
+    pairs = list(zip(jb[buffer], tbuf[buffer]))
+    for k, (a, b) in enumerate(pairs):
+      if a is None or b is None:
+        continue
+      a_np, stats = _leaf_stats(buffer, k, a, b, records, copies)
+      name = tree.leaf_names[k] if len(pairs) == len(tree.positions) else buffer
+      rows.setdefault((buffer, a_np.dtype.name), []).append((name, stats, a_np.size))
+  _add_rows(rows, records)
+
+
+def _add_rows(rows: dict, records: _Records) -> None:
+  """One step's ``(buffer, dtype) -> [(leaf, stats, size)]`` into ``records``: one
+  entry per buffer, or per buffer and dtype when a tree mixes dtypes."""
+  per_buffer: dict = {}
+  for buffer, dtype_name in rows:
+    per_buffer.setdefault(buffer, []).append(dtype_name)
+  compensation, per_tensor = records.setup.compensation, records.setup.per_tensor
+  for (buffer, dtype_name), entries in rows.items():
+    key = buffer if len(per_buffer[buffer]) == 1 else f"{buffer}[{dtype_name}]"
+    records.buffers.setdefault(key, (_kind(buffer, np.dtype(jnp.dtype(dtype_name)),
+                                           compensation, per_tensor), dtype_name))
+    records.errors.setdefault(key, []).append([e[1] for e in entries])
+    records.leaves[key] = [e[0] for e in entries]
+    records.sizes[key] = [e[2] for e in entries]
+
+
 def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed: int = 0,
             loss_scale=None, nonfinite_every: Optional[int] = None,
             spike_every: Optional[int] = None, record_every: int = 1,
@@ -712,172 +972,33 @@ def compare(name: str, params, grads=None, steps: int = 100, *, dtype=None, seed
     (True, 0.0)
   """
   label = name  # the report's name: the configuration asked for
-  if name in CONFIGS and name not in _NAMES:  # a bare optimizer name keeps its defaults
-    name, config_hyperparams, config_loss_scale = CONFIGS[name]
-    hyperparams = {**config_hyperparams, **hyperparams}
-    loss_scale = config_loss_scale if loss_scale is None else loss_scale
-  if _parts(name) is None:
-    raise ValueError(f"compare() knows {_NAMES}, {' and '.join(_WRAPPERS)} of those or of "
-                     f"{tuple(_STOCK)} (e.g. 'master_weights(adam)'), and the CONFIGS "
-                     f"{tuple(CONFIGS)}; got {name!r}.")
-  inner_name = _parts(name)[1]
-  per_tensor = inner_name == "scaled_adam" or inner_name in _STOCK
-  if steps < 1 or record_every < 1:
-    raise ValueError(f"steps and record_every must be >= 1; got {steps}, {record_every}.")
-  if isinstance(hyperparams.get("key"), jax.Array):
-    raise ValueError("compare() needs an integer key: torch_bridge cannot take a JAX key.")
-  if loss_scale is True:
-    loss_scale = {}
-  loss_scale = None if loss_scale is None or loss_scale is False else dict(loss_scale)
+  setup = _resolve(name, hyperparams, loss_scale, steps, record_every)
   started = time.perf_counter()
   copies: list = []
-
-  # The params, as JAX arrays, in the requested dtype.
-  paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  names = [jax.tree_util.keystr(path) for path, _ in paths_leaves]
-  leaves = [_jax_leaf(x, n, copies) for (_, x), n in zip(paths_leaves, names)]
-  if dtype is not None:
-    target = jnp.dtype(_dtype_name(dtype))
-    leaves = [x.astype(target) if is_float(x) else x for x in leaves]
-  positions = [i for i, x in enumerate(leaves) if is_float(x)]
-  float_set = set(positions)
-  if not positions:
-    raise ValueError("compare() needs at least one float leaf in params.")
-  jparams = jax.tree.unflatten(treedef, leaves)
-  leaf_names = [names[i] or "<root>" for i in positions]
-  dtypes = sorted({leaves[i].dtype.name for i in positions})
-  dtype_label = dtypes[0] if len(dtypes) == 1 else "mixed"
-
-  # Both optimizers. torch owns mutable clones of the params.
-  tx = _jax_optimizer(name, hyperparams, loss_scale)
-  state = tx.init(jparams)
-  tparams = [dlpack.to_torch(leaves[i]).clone().requires_grad_(True) for i in positions]
-  optimizer, scaler = _torch_optimizer(name, tparams, hyperparams, loss_scale, torch_options)
-
-  @jax.jit
-  def jax_step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
-
-  if grads is None:
-    random = _random_grads(seed, nonfinite_every, spike_every)
-    if loss_scale is not None:
-      def next_grads(t, p):
-        return random(t, p, float(oh.loss_scale(state)))
-    else:
-      next_grads = random
-  elif callable(grads):
-    next_grads = grads
-  else:
-    sequence = list(grads)
-    if len(sequence) < steps:
-      raise ValueError(f"grads holds {len(sequence)} trees for {steps} steps.")
-    def next_grads(t, p):
-      return sequence[t]
-
-  compensation = hyperparams.get("compensation", "kahan" if name == "adamw_bf16" else None)
-  recorded: list = []
-  errors: dict = {}
-  buffers: dict = {}
-  buffer_leaves: dict = {}
-  sizes: dict = {}
-  counters: dict = {}
-  seen: dict = {}  # (buffer, leaf) -> the largest finite magnitude recorded so far
-  # ScaledAdam's clipping statistics of both sides at each recorded step.
-  clipping = [] if inner_name == "scaled_adam" and hyperparams.get("clipping_scale") else None
-  dotted = leaf_names_of(jparams) if clipping is not None else None
-
-  def measure(step):
-    jb = _jax_buffers(state, treedef, positions)
-    tbuf = _torch_buffers(optimizer, scaler, tparams, inner_name)
-    if clipping is not None:  # torch names params by position: use the JAX names
-      jstats, tstats = oh.scaled_adam_stats(state), tb.scaled_adam_stats(optimizer)
-      index = tstats["dominant_parameter"]
-      tstats["dominant_parameter"] = dotted[int(index)] if index is not None else None
-      clipping.append((step, jstats, tstats))
-    jb["params"] = [leaves[i] for i in positions]
-    tbuf["params"] = tparams
-    for side in (jb, tbuf):  # split: compare the fp32 master the two halves encode
-      side["master"] = [_split_master(p, m, copies) for p, m in
-                        zip(side["params"], side.get("master", [None] * len(positions)))]
-    recorded.append(step)
-    for buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
-      if jb.get(buffer):
-        counters[buffer] = np.asarray(jb[buffer][0]).item()
-    rows: dict = {}  # (buffer, dtype) -> [(leaf name, stats, size)]
-    for buffer in ["params"] + [b for b in jb if b != "params"]:
-      if buffer not in tbuf:
-        continue
-      pairs = list(zip(jb[buffer], tbuf[buffer]))
-      for k, (a, b) in enumerate(pairs):
-        if a is None or b is None:
-          continue
-        a_np = _numpy(a, buffer, copies)
-        b_np = _numpy(b.detach() if isinstance(b, torch.Tensor) else b, buffer, copies)
-        if buffer == "count":
-          a_np, b_np = a_np.astype(np.int64), b_np.astype(np.int64)
-        if a_np.dtype != b_np.dtype or a_np.shape != b_np.shape:
-          raise AssertionError(
-              f"{buffer}[{k}]: JAX has {a_np.dtype}{a_np.shape}, torch {b_np.dtype}{b_np.shape}")
-        name = leaf_names[k] if len(pairs) == len(positions) else buffer
-        stats = _stats(a_np, b_np)
-        if stats[3] < a_np.size and jnp.issubdtype(a_np.dtype, jnp.floating):
-          # The error relative to the largest magnitude this leaf has had at a
-          # recorded step (a momentum crossing 0 is not a relative error of 1).
-          largest = _largest(a_np, b_np)
-          largest = seen[(buffer, k)] = max(seen.get((buffer, k), 0.0), largest)
-          stats = (*stats[:4], stats[0] / max(largest, float(jnp.finfo(a_np.dtype).tiny)))
-        elif jnp.issubdtype(a_np.dtype, jnp.floating):
-          seen[(buffer, k)] = max(seen.get((buffer, k), 0.0), _largest(a_np, b_np))
-        rows.setdefault((buffer, a_np.dtype.name), []).append((name, stats, a_np.size))
-    # One entry per buffer, or per buffer and dtype when a tree mixes dtypes
-    # (each dtype has its own tolerance).
-    per_buffer: dict = {}
-    for buffer, dtype_name in rows:
-      per_buffer.setdefault(buffer, []).append(dtype_name)
-    for (buffer, dtype_name), entries in rows.items():
-      key = buffer if len(per_buffer[buffer]) == 1 else f"{buffer}[{dtype_name}]"
-      buffers.setdefault(key, (_kind(buffer, np.dtype(jnp.dtype(dtype_name)), compensation,
-                                     per_tensor), dtype_name))
-      errors.setdefault(key, []).append([e[1] for e in entries])
-      buffer_leaves[key] = [e[0] for e in entries]
-      sizes[key] = [e[2] for e in entries]
-
+  tree, leaves = _jax_params(params, dtype, copies)
+  sides = _start(setup, tree, leaves, torch_options)
+  next_grads = _grad_source(grads, steps, sides, scaled=setup.loss_scale is not None,
+                            seed=seed, nonfinite_every=nonfinite_every,
+                            spike_every=spike_every)
+  clipping = ([] if setup.inner_name == "scaled_adam" and setup.hyperparams.get("clipping_scale")
+              else None)
+  records = _Records(setup, clipping,
+                     leaf_names_of(tree.unflatten(leaves)) if clipping is not None else None)
   for t in range(steps):
-    g_tree = next_grads(t, jax.tree.unflatten(treedef, leaves))
-    g_flat = treedef.flatten_up_to(g_tree)
-    jgrads = list(leaves)
-    for i in positions:
-      g = _jax_leaf(g_flat[i], names[i], copies)
-      if g.shape != leaves[i].shape:
-        raise ValueError(f"gradient {names[i] or '<root>'} has shape {g.shape}, "
-                         f"param {leaves[i].shape}.")
-      jgrads[i] = g.astype(leaves[i].dtype)
-    jtree, state = jax_step(jax.tree.unflatten(treedef, leaves), state,
-                            jax.tree.unflatten(treedef, jgrads))
-    # Only float leaves are optimized (scale_by_adamw alone would move the rest).
-    leaves = [new if i in float_set else old
-              for i, (new, old) in enumerate(zip(treedef.flatten_up_to(jtree), leaves))]
-    for k, i in enumerate(positions):
-      g = dlpack.to_torch(jgrads[i])
-      tparams[k].grad = g.clone() if scaler is not None else g
-    if scaler is not None:
-      scaler.step(optimizer)
-      scaler.update()
-    else:
-      optimizer.step()
-    for p in tparams:
-      p.grad = None
+    jgrads = _jax_grads(next_grads(t, tree.unflatten(sides.leaves)), tree, sides.leaves, copies)
+    _step_jax(sides, tree, jgrads)
+    _step_torch(sides, tree, jgrads)
     if (t + 1) % record_every == 0 or t + 1 == steps:
-      measure(t + 1)
+      _measure(t + 1, sides, tree, records, copies)
 
   return ParityReport(
-      name=label, dtype=dtype_label, steps=steps, hyperparams=dict(hyperparams),
-      loss_scale=loss_scale, recorded=recorded, buffers=buffers, leaves=buffer_leaves,
-      sizes=sizes, errors={b: np.asarray(e, np.float64) for b, e in errors.items()},
+      name=label, dtype=tree.dtype_label, steps=steps, hyperparams=dict(setup.hyperparams),
+      loss_scale=setup.loss_scale, recorded=records.recorded, buffers=records.buffers,
+      leaves=records.leaves, sizes=records.sizes,
+      errors={b: np.asarray(e, np.float64) for b, e in records.errors.items()},
       tolerances={**TOLERANCES, **(tolerances or {})}, copies=sorted(set(copies)),
-      counters=counters, seconds=time.perf_counter() - started,
-      clipping=_clipping_summary(clipping))
+      counters=records.counters, seconds=time.perf_counter() - started,
+      clipping=_clipping_summary(records.clipping))
 
 
 # ----------------------------------------------------------------------------
