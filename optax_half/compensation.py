@@ -21,7 +21,7 @@ import optax_half_native as native_lib
 from optax_half import rounding
 from optax_half._util import zeros_like_param
 
-__all__ = ["COMPENSATIONS", "Compensation", "MasterWeightsState", "KahanSummationState",
+__all__ = ["BUFFER_FIELDS", "COMPENSATIONS", "Compensation", "MasterWeightsState", "KahanSummationState",
            "StochasticRoundingState", "RoundToNearestState"]
 
 
@@ -230,3 +230,5 @@ COMPENSATIONS = {name: rules(native_lib.COMPENSATIONS[name]) for name, rules in 
     ("kahan", _Kahan), ("split", _Split), ("stochastic", _Stochastic), ("none", _Nearest),
     ("master", _Master))}
 assert set(COMPENSATIONS) == set(native_lib.COMPENSATIONS)
+# A wrapper state -> the field of its per-leaf buffers (also the torch state key).
+BUFFER_FIELDS = {c.state_type: c.buffer for c in COMPENSATIONS.values() if c.buffer}

@@ -59,7 +59,7 @@ import torch
 
 import optax_half as oh
 from optax_half import _flat
-from optax_half.compensation import COMPENSATIONS
+from optax_half.compensation import BUFFER_FIELDS, COMPENSATIONS
 from torch_bridge import _dist, dlpack
 from torch_bridge.adam import LowPrecisionAdamW
 from torch_bridge.loss_scale import DynamicLossScaler
@@ -68,9 +68,6 @@ from torch_bridge.wrappers import LowPrecisionWrapper
 
 __all__ = ["optax_state_to_torch", "torch_state_to_optax"]
 
-# The JAX wrapper state -> its per-param buffer's field, which is also the
-# torch state key (one compensation table: optax_half_native.COMPENSATIONS).
-_BUFFER_FIELDS = {c.state_type: c.buffer for c in COMPENSATIONS.values() if c.buffer}
 _CLIPPING = oh.ScaledAdamClippingState._fields
 _NONFINITE = ("notfinite_count", "last_finite", "total_notfinite")
 
@@ -308,7 +305,7 @@ def _core_of(state, compensation: str, what: str):
 
 def _buffers(wrapper, leaves: _Leaves) -> tuple:
   """(torch state key, per torch param the JAX buffer or None) of a wrapper state."""
-  field = _BUFFER_FIELDS.get(type(wrapper))
+  field = BUFFER_FIELDS.get(type(wrapper))
   if field is not None:
     return field, leaves.get(getattr(wrapper, field))
   return None, [None] * len(leaves.positions)
@@ -562,7 +559,7 @@ def _wrapper_state(state, optimizer: LowPrecisionWrapper, leaves: _Leaves):
 def _fill_wrapper(wrapper, new, inner_state, seed: int, count: int):
   """A JAX wrapper state holding torch's buffers (``new(key, tree)``), seed
   and count, around ``inner_state``."""
-  field = _BUFFER_FIELDS.get(type(wrapper))
+  field = BUFFER_FIELDS.get(type(wrapper))
   if field is not None:
     return wrapper._replace(**{field: new(field, getattr(wrapper, field))},
                             inner_state=inner_state)

@@ -48,7 +48,9 @@ import optax
 import torch
 
 import optax_half as oh
+import optax_half_native as native_lib
 from optax_half._util import is_float
+from optax_half.compensation import BUFFER_FIELDS, COMPENSATIONS
 from optax_half.scaled_adam import leaf_names as leaf_names_of
 import torch_bridge as tb
 from torch_bridge import dlpack
@@ -115,14 +117,19 @@ TOLERANCES = {
 }
 
 
+# The Kahan remainders: buffers in the param's dtype.
+_RESIDUALS = {c.buffer for c in COMPENSATIONS.values() if c.buffer_dtype == "param"}
+
+
 def _kind(buffer: str, dtype, compensation: Optional[str], per_tensor: bool = False) -> str:
   if buffer in ("count", "loss_scale", "growth_tracker", "skipped_steps"):
     return "exact"
-  if buffer == "compensation":
+  if buffer in _RESIDUALS:
     return "residual"
   if per_tensor:
     return "per-tensor" if np.dtype(dtype).itemsize >= 4 else "per-tensor 16bit"
-  if buffer == "params" and compensation == "stochastic" and np.dtype(dtype).itemsize < 4:
+  if (buffer == "params" and compensation is not None
+      and COMPENSATIONS[compensation].draws_bits and np.dtype(dtype).itemsize < 4):
     return "exact"
   return "fp32" if np.dtype(dtype).itemsize >= 4 else "16bit"
 
@@ -591,10 +598,8 @@ def _jax_buffers(state, treedef, positions) -> dict:
       out["count"] = [s.count] * len(positions)
     elif isinstance(s, optax.TraceState):
       per_leaf("trace", s.trace)
-    elif isinstance(s, oh.KahanSummationState):
-      per_leaf("compensation", s.compensation)
-    elif isinstance(s, oh.MasterWeightsState):
-      per_leaf("master", s.master)
+    elif type(s) in BUFFER_FIELDS:
+      per_leaf(BUFFER_FIELDS[type(s)], getattr(s, BUFFER_FIELDS[type(s)]))
     elif isinstance(s, oh.DynamicLossScaleState):
       out["loss_scale"] = [s.scale]
       out["growth_tracker"] = [s.growth_tracker]
@@ -616,7 +621,7 @@ def _torch_buffers(optimizer, scaler, params: list, inner_name: str = "") -> dic
   renames = _TORCH_BUFFERS.get(inner_name, {})
   for i, p in enumerate(params):
     state = optimizer.state[p]
-    for name in ("mu", "nu", "compensation", "master"):
+    for name in ("mu", "nu", *native_lib.BUFFERS):
       out.setdefault(name, [None] * len(params))[i] = state.get(name)
     if inner is not None:
       state = inner.state.get(optimizer._work.get(p, p), {})
