@@ -145,9 +145,9 @@ def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
 def check_kind(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
   """A clear error when ``state_dict`` says another kind of optimizer saved it.
 
-  A state dict without ``"kind"`` (saved by an older torch_bridge, or kept as
-  only ``state`` and ``param_groups`` by a checkpointing tool) is checked by
-  its structure alone (``prepare_load``).
+  A state dict without ``"kind"`` (kept as only ``state`` and
+  ``param_groups`` by a checkpointing tool) is checked by its structure alone
+  (``prepare_load``).
   """
   mine, saved = optimizer_kind(optimizer), state_dict.get("kind")
   if saved is not None and saved != mine:
@@ -260,8 +260,9 @@ def init_skip_nonfinite(optimizer: torch.optim.Optimizer, skip_nonfinite: bool) 
 
 
 def load_nonfinite(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
-  """The skip counters of ``state_dict``; a dict saved without them (an older
-  torch_bridge) starts them afresh, as a new optimizer would."""
+  """The skip counters of ``state_dict``; a dict without them (kept as only
+  ``state`` and ``param_groups`` by a tool) starts them afresh, as a new
+  optimizer would."""
   optimizer.nonfinite = {**_NONFINITE_START, **state_dict.get("nonfinite", {})}
 
 
@@ -387,8 +388,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     (``lr_schedule``), and an unknown key is an error;
   * ``state_dict()``/``load_state_dict()``: bit for bit, with a ``"kind"``
     entry, every check made before anything is written, torch's state-dict
-    hooks run around them; an older format (``b1``/``b2`` group keys, a
-    Python number as ``step``) loads;
+    hooks run around them; a Python number as ``step`` (torch's older
+    format) loads;
   * ``pickle`` and ``copy.deepcopy``: the whole optimizer (hooks aside, as in
     torch);
   * params written from outside the optimizer (``model.load_state_dict``
@@ -553,17 +554,6 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         out = result
     return out
 
-  def _upgrade(self, state_dict: dict) -> dict:
-    """An older torch_bridge state dict in today's format: groups that saved
-    ``b1`` and ``b2`` get ``betas``."""
-    groups = []
-    for g in state_dict["param_groups"]:
-      g = dict(g)
-      if "b1" in g and "b2" in g and "betas" in self.defaults and "betas" not in g:
-        g["betas"] = (g.pop("b1"), g.pop("b2"))
-      groups.append(g)
-    return {**state_dict, "param_groups": groups}
-
   def _load(self, state_dict: dict) -> None:
     """Checks ``state_dict`` and loads it (nothing is written if a check fails)."""
     prepare_load(self, state_dict)()
@@ -584,7 +574,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
       if result is not None:
         state_dict = result
     check_kind(self, state_dict)
-    self._load(self._upgrade(state_dict))
+    self._load(state_dict)
     self._remember(self._all_params())
     for hook in self._optimizer_load_state_dict_post_hooks.values():
       hook(self)
