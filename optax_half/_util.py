@@ -8,6 +8,7 @@ import numpy as np
 import optax
 
 from optax_half import _in_place, rounding
+from optax_half_native.checks import float64_message
 
 
 def is_abstract(tree) -> bool:
@@ -133,10 +134,8 @@ def check_no_float64(name: str, params) -> None:
     # The canonical dtype: with x64 off (JAX's default) a numpy float64 leaf is
     # an fp32 array to every JAX op, the wrappers' included, and is accepted.
     if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) == np.float64:
-      raise ValueError(
-          f"{name}: params{jax.tree_util.keystr(path)} is float64, but the math here is "
-          "fp32 and would silently drop the extra precision. Cast the params to "
-          "float32 (or bf16/fp16), or use an optax optimizer for float64.")
+      raise ValueError(float64_message(name, f"params{jax.tree_util.keystr(path)}",
+                                       "an optax optimizer"))
 
 
 def leaf_indices(params):

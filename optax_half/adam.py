@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 import optax_half_native as native_lib
+from optax_half_native import checks
 from optax_half import _native, rounding, wrappers
 from optax_half._coefficients import Coefficients, _f32, coefficients  # noqa: F401
 from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_param,
@@ -31,7 +32,6 @@ from optax_half.compensation import COMPENSATIONS
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "ScaleByAdamWState"]
 
-_STATE_ROUNDINGS = ("stochastic", "nearest")
 
 
 class ScaleByAdamWState(NamedTuple):
@@ -72,18 +72,7 @@ def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
           f"hyperparameter {name} arrived as {jnp.dtype(dtype)}: 16-bit hyperparameters "
           "lose their meaning (b2=0.999 rounds to 1.0 in bf16). With "
           "optax.inject_hyperparams pass hyperparam_dtype=jnp.float32.")
-
-  def concrete(v):
-    return isinstance(v, (int, float))
-  if concrete(learning_rate) and learning_rate < 0:
-    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
-  for name, v in (("b1", b1), ("b2", b2)):
-    if concrete(v) and not 0.0 <= v < 1.0:
-      raise ValueError(f"{name} must be in [0, 1); got {v}.")
-  if concrete(eps) and eps <= 0:
-    raise ValueError(f"eps must be > 0; got {eps}.")
-  if concrete(weight_decay) and weight_decay < 0:
-    raise ValueError(f"weight_decay must be >= 0; got {weight_decay}.")
+  checks.check_adamw_args(learning_rate, b1, b2, eps, weight_decay)
 
 
 def scale_by_adamw(
@@ -168,9 +157,7 @@ def scale_by_adamw(
     weight_decay = 0.0
   _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
   seed_from_key(key)  # a bad key fails here, not at init
-  if state_rounding not in _STATE_ROUNDINGS:
-    raise ValueError(
-        f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
+  checks.check_state_rounding(state_rounding)
 
   def state_dtype(override, p):
     return jnp.dtype(override) if override is not None else jnp.dtype(p.dtype)

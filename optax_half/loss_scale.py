@@ -32,7 +32,6 @@ lost or narrowed by ``jax.jit``. Spec:
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any, Callable, NamedTuple
 
@@ -42,6 +41,7 @@ import numpy as np
 import optax
 
 from optax_half import _in_place, _native
+from optax_half_native.checks import check_loss_scale_args
 from optax_half._util import if_finite, is_float, skipped, transformation, unscaled
 
 __all__ = [
@@ -78,33 +78,6 @@ class DynamicLossScaleState(NamedTuple):
   skipped_steps: jax.Array
   last_finite: jax.Array
   inner_state: Any
-
-
-def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
-                          min_scale) -> None:
-  """Argument checks shared (same messages) with ``torch_bridge.dynamic_loss_scale``."""
-  def f32(v):
-    with np.errstate(over="ignore"):
-      return float(np.float32(v))
-  for name, v in (("init_scale", init_scale), ("min_scale", min_scale),
-                  ("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-      raise TypeError(f"{name} must be a Python number; got {type(v).__name__}.")
-    if not math.isfinite(f32(v)):
-      raise ValueError(f"{name} must be finite in fp32; got {v}.")
-  if not f32(init_scale) > 0:
-    raise ValueError(f"init_scale must be > 0; got {init_scale}.")
-  if not f32(min_scale) > 0:
-    raise ValueError(f"min_scale must be > 0 (a scale of 0 would stop training); got {min_scale}.")
-  if f32(min_scale) > f32(init_scale):
-    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
-  if not f32(growth_factor) > 1.0:
-    raise ValueError(f"growth_factor must be > 1; got {growth_factor}.")
-  if not 0.0 < f32(backoff_factor) < 1.0:
-    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}.")
-  if (isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer))
-      or not 1 <= growth_interval < 2**31):
-    raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
 
 
 def _refuse_inside_multisteps() -> None:

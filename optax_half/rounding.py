@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import optax_half_native as native_lib
+
 __all__ = [
     "widen",
     "opaque_zero",
@@ -40,15 +42,10 @@ __all__ = [
     "STREAM_MOMENTS",
 ]
 
-# Streams keep the random bits of different buffers independent for one step.
-# The two moments share one stream: one word per element, whose halves round
-# the first and the second moment (``round_moments``).
-STREAM_PARAMS = 0
-STREAM_MOMENTS = 1
-
-_M1 = 0x21F0AAAD
-_M2 = 0x735A2D97
-_GOLDEN = 0x9E3779B9
+# Streams keep the random bits of different buffers independent for one step;
+# both moments share one (``round_moments``).
+STREAM_PARAMS, STREAM_MOMENTS = native_lib.STREAM_PARAMS, native_lib.STREAM_MOMENTS
+_M1, _M2, _GOLDEN = native_lib.MIX32_M1, native_lib.MIX32_M2, native_lib.GOLDEN
 
 
 def _u32(x) -> jax.Array:

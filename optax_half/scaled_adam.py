@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from optax import MaskedNode
 
+from optax_half_native.checks import QUARTILES, check_scaled_adam_args, quartile_indices
 from optax_half import _in_place, _native, rounding
 from optax_half._util import (check_no_float64, check_trees, is_float, maybe_skip_nonfinite,
                               transformation, zeros_like_param)
@@ -27,7 +28,6 @@ __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamCli
 
 logger = logging.getLogger(__name__)
 
-QUARTILES = 5  # min, 25%, median, 75%, max of the stored gradient norms
 
 
 class ScaledAdamClippingState(NamedTuple):
@@ -115,43 +115,8 @@ def _f32(x) -> jax.Array:
   return jnp.asarray(x, jnp.float32)
 
 
-def _concrete(v) -> bool:
-  return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 _STATIC = (". (Only learning_rate may be an array or a schedule: with "
            "optax.inject_hyperparams, list the others in static_args.)")
-
-
-def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
-                           param_min_rms, param_max_rms, scalar_max, size_update_period,
-                           clipping_update_period) -> None:
-  """Argument checks shared (same messages) with ``torch_bridge.scaled_adam``."""
-  if _concrete(learning_rate) and learning_rate < 0:
-    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
-  if clipping_scale is not None and not (_concrete(clipping_scale) and clipping_scale > 0):
-    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}"
-                     + _STATIC)
-  for name, v in (("b1", b1), ("b2", b2)):
-    if not (_concrete(v) and 0.0 <= v < 1.0):
-      raise ValueError(f"{name} must be a Python number in [0, 1); got {v!r}" + _STATIC)
-  for name, v in (("scalar_lr_scale", scalar_lr_scale), ("eps", eps),
-                  ("param_min_rms", param_min_rms), ("param_max_rms", param_max_rms),
-                  ("scalar_max", scalar_max)):
-    if not (_concrete(v) and v > 0):
-      raise ValueError(f"{name} must be a Python number > 0; got {v!r}" + _STATIC)
-  if param_min_rms > param_max_rms:
-    raise ValueError(
-        f"param_min_rms ({param_min_rms}) must be <= param_max_rms ({param_max_rms}).")
-  for name, v in (("size_update_period", size_update_period),
-                  ("clipping_update_period", clipping_update_period)):
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2**31:
-      raise ValueError(f"{name} must be an integer >= 1; got {v!r}" + _STATIC)
-
-
-def quartile_indices(period: int) -> list[int]:
-  """Indices into the sorted norms that the seed reports: ``min(P-1, (P//4) n)``."""
-  return [min(period - 1, (period // 4) * n) for n in range(QUARTILES)]
 
 
 def _second_moment_dtype(dtype):
@@ -312,7 +277,7 @@ def scaled_adam(
   """
   check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                          param_min_rms, param_max_rms, scalar_max, size_update_period,
-                         clipping_update_period)
+                         clipping_update_period, _STATIC)
   h = _Hyper(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps, param_min_rms,
              param_max_rms, scalar_max, size_update_period, clipping_update_period,
              show_dominant_parameters)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from optax_half_native.checks import check_eden_args, check_preheat_decay_args
+
 __all__ = ["eden", "preheat_decay_schedule"]
 
 
@@ -41,10 +43,7 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
     arogozhnikov, `adamw_bfloat16 <https://github.com/arogozhnikov/adamw_bfloat16>`_
     (the ``LR`` schedule shipped with its bf16 AdamW)
   """
-  if preheat_steps <= 0:
-    raise ValueError(f"preheat_steps must be > 0; got {preheat_steps}.")
-  if decay_power >= 0:
-    raise ValueError(f"decay_power must be < 0 for a decay; got {decay_power}.")
+  check_preheat_decay_args(preheat_steps, decay_power)
 
   def schedule(count):
     step = jnp.asarray(count, jnp.float32) + 1
@@ -53,26 +52,6 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
     return jnp.float32(learning_rate) * jnp.minimum(x, x ** jnp.float32(decay_power))
 
   return schedule
-
-
-def check_eden_args(learning_rate, lr_batches, lr_epochs, warmup_batches, warmup_start,
-                    steps_per_epoch) -> None:
-  """Argument checks shared (same messages) with ``torch_bridge.eden``."""
-  if isinstance(learning_rate, (int, float)) and learning_rate < 0:
-    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
-  for name, v in (("lr_batches", lr_batches), ("lr_epochs", lr_epochs)):
-    if not v > 0:
-      raise ValueError(f"{name} must be > 0; got {v}.")
-  if warmup_batches < 0:
-    raise ValueError(f"warmup_batches must be >= 0; got {warmup_batches}.")
-  if not 0 <= warmup_start <= 1:
-    raise ValueError(f"warmup_start must be in [0, 1]; got {warmup_start}.")
-  if steps_per_epoch is not None and (
-      isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
-      or steps_per_epoch < 1):
-    raise ValueError(
-        "steps_per_epoch must be a positive integer (the epoch is count // steps_per_epoch), "
-        f"or None to leave the epoch factor out; got {steps_per_epoch!r}.")
 
 
 def eden(learning_rate, lr_batches: float = 7500, lr_epochs: float = 3.5,

@@ -152,8 +152,13 @@ SCALED_ADAM_F16_CONFIGS = ("HHF", "HFF", "FHF")
 # a tensor's sums need 3 * ceil(numel / SUM_BLOCK) doubles of scratch.
 SUM_BLOCK = 4096
 
-_M1, _M2 = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
-_STREAMS = [np.uint32((s * 0x9E3779B9) & 0xFFFFFFFF) for s in range(2)]  # stream * golden
+# The random-bit hash of docs/algorithms.md#counter-based-random-bits, in every
+# implementation (JAX, torch, C++): mix32's multipliers, the stream constant
+# (stream * GOLDEN is xored into the step key) and the streams.
+MIX32_M1, MIX32_M2, GOLDEN = 0x21F0AAAD, 0x735A2D97, 0x9E3779B9
+STREAM_PARAMS, STREAM_MOMENTS = 0, 1  # the params; both moments (one word per element)
+_M1, _M2 = np.uint32(MIX32_M1), np.uint32(MIX32_M2)
+_STREAMS = [np.uint32((s * GOLDEN) & 0xFFFFFFFF) for s in (STREAM_PARAMS, STREAM_MOMENTS)]
 
 
 def _mix32(x: np.ndarray) -> np.ndarray:

@@ -9,8 +9,6 @@
   a param's buffer after the param was written from outside;
 * host-side fp32 scalars: every hyperparameter enters the math as an fp32
   value, like ``optax_half`` (which makes them fp32 arrays);
-* the same argument checks as ``optax_half.adam._check_hyperparams`` and
-  ``optax_half.loss_scale.check_loss_scale_args``;
 * ``seed_from_key``: the uint32 seed of an integer key;
 * ``prepare_load``: ``Optimizer.load_state_dict`` without its casts. torch
   casts every floating state tensor to its param's dtype on load, which
@@ -23,64 +21,18 @@
 from __future__ import annotations
 
 import copy
-import math
-from collections import defaultdict
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
-from torch_bridge import _dist, rounding
+from optax_half_native.checks import f32, float64_message
+from torch_bridge import _dist
 
-__all__ = ["f32", "check_hyperparams", "check_loss_scale_args", "seed_from_key",
+__all__ = ["f32", "seed_from_key",
            "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
            "stepping_params", "torch_spellings", "LowPrecisionOptimizer"]
-
-
-def f32(x) -> float:
-  """``x`` rounded to fp32, as a Python float (exact in any later fp32 op)."""
-  with np.errstate(over="ignore"):  # too large -> inf, which the checks report
-    return float(np.float32(x))
-
-
-def check_hyperparams(learning_rate, b1, b2, eps, weight_decay) -> None:
-  """The checks of ``optax_half.adam._check_hyperparams``, same messages."""
-  def concrete(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-  if concrete(learning_rate) and learning_rate < 0:
-    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
-  for name, v in (("b1", b1), ("b2", b2)):
-    if concrete(v) and not 0.0 <= v < 1.0:
-      raise ValueError(f"{name} must be in [0, 1); got {v}.")
-  if concrete(eps) and eps <= 0:
-    raise ValueError(f"eps must be > 0; got {eps}.")
-  if concrete(weight_decay) and weight_decay < 0:
-    raise ValueError(f"weight_decay must be >= 0; got {weight_decay}.")
-
-
-def check_loss_scale_args(init_scale, growth_factor, backoff_factor, growth_interval,
-                          min_scale) -> None:
-  """The checks of ``optax_half.loss_scale.check_loss_scale_args``, same messages."""
-  for name, v in (("init_scale", init_scale), ("min_scale", min_scale),
-                  ("growth_factor", growth_factor), ("backoff_factor", backoff_factor)):
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-      raise TypeError(f"{name} must be a Python number; got {type(v).__name__}.")
-    if not math.isfinite(f32(v)):
-      raise ValueError(f"{name} must be finite in fp32; got {v}.")
-  if not f32(init_scale) > 0:
-    raise ValueError(f"init_scale must be > 0; got {init_scale}.")
-  if not f32(min_scale) > 0:
-    raise ValueError(f"min_scale must be > 0 (a scale of 0 would stop training); got {min_scale}.")
-  if f32(min_scale) > f32(init_scale):
-    raise ValueError(f"min_scale ({min_scale}) must be <= init_scale ({init_scale}).")
-  if not f32(growth_factor) > 1.0:
-    raise ValueError(f"growth_factor must be > 1; got {growth_factor}.")
-  if not 0.0 < f32(backoff_factor) < 1.0:
-    raise ValueError(f"backoff_factor must be in (0, 1); got {backoff_factor}.")
-  if (isinstance(growth_interval, bool) or not isinstance(growth_interval, (int, np.integer))
-      or not 1 <= growth_interval < 2**31):
-    raise ValueError(f"growth_interval must be an integer >= 1; got {growth_interval!r}.")
 
 
 def seed_from_key(key) -> int:
@@ -104,10 +56,7 @@ def check_param(p: torch.Tensor, position: int) -> None:
 def check_no_float64(p: torch.Tensor, position: int, name: str) -> None:
   """The check of ``optax_half._util.check_no_float64``, same message."""
   if p.dtype == torch.float64:
-    raise ValueError(
-        f"{name}: param {position} is float64, but the math here is fp32 and would "
-        "silently drop the extra precision. Cast the params to float32 (or bf16/fp16), "
-        "or use a torch.optim optimizer for float64.")
+    raise ValueError(float64_message(name, f"param {position}", "a torch.optim optimizer"))
 
 
 def check_grad(grad: torch.Tensor, position: int) -> None:

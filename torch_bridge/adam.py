@@ -26,18 +26,18 @@ import numpy as np
 import torch
 
 import optax_half_native as native_lib
+from optax_half_native import checks
 from torch_bridge import _dist, _native, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
-from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_hyperparams,
+from torch_bridge._optim import (LowPrecisionOptimizer, check_grad,
                                  check_no_float64, check_param, grad_of, init_skip_nonfinite,
-                                 prepare_load, seed_from_key, step_grad,
+                                 seed_from_key, step_grad,
                                  torch_spellings)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
 
 _CORE_NAME = "scale_by_adamw (the fp32 AdamW core of adamw_bf16 and adam_fp32_master)"
-_STATE_ROUNDINGS = ("stochastic", "nearest")
 
 def _param_compensation(compensation: Compensation,
                         dtype: torch.dtype) -> Optional[Compensation]:
@@ -303,13 +303,11 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                                             (0.9, 0.999))
     if compensation != "master":  # adam_fp32_master's, not an adamw_bf16 choice
       native_lib.check_compensation(compensation)
-    if state_rounding not in _STATE_ROUNDINGS:
-      raise ValueError(
-          f"state_rounding must be one of {_STATE_ROUNDINGS}; got {state_rounding!r}.")
+    checks.check_state_rounding(state_rounding)
     for name, d in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
       if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
         raise ValueError(f"{name} must be None or a torch float dtype; got {d!r}.")
-    check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
+    checks.check_adamw_args(learning_rate, b1, b2, eps, weight_decay)
     schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
     lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
     self._compensation = COMPENSATIONS[compensation]
@@ -329,7 +327,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
 
   def _check_group(self, group: dict, first: int) -> None:
     b1, b2 = group["betas"]
-    check_hyperparams(group["lr"], b1, b2, group["eps"], group["weight_decay"])
+    checks.check_adamw_args(group["lr"], b1, b2, group["eps"], group["weight_decay"])
     for position, p in enumerate(group["params"], first):
       check_param(p, position)
       check_no_float64(p, position, _CORE_NAME)

@@ -41,7 +41,8 @@ from typing import Optional
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import check_loss_scale_args, f32, grad_of, step_grad
+from optax_half_native.checks import check_loss_scale_args, f32
+from torch_bridge._optim import grad_of, step_grad
 
 __all__ = ["DynamicLossScaler", "dynamic_loss_scale", "check_loss_scale_args"]
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+import optax_half_native as native_lib
+
 __all__ = [
     "widen",
     "sqrt",
@@ -34,12 +36,9 @@ __all__ = [
     "STREAM_MOMENTS",
 ]
 
-STREAM_PARAMS = 0
-STREAM_MOMENTS = 1  # one word per element for both moments (round_moments)
+STREAM_PARAMS, STREAM_MOMENTS = native_lib.STREAM_PARAMS, native_lib.STREAM_MOMENTS
 
-_M1 = 0x21F0AAAD
-_M2 = 0x735A2D97
-_GOLDEN = 0x9E3779B9
+_M1, _M2, _GOLDEN = native_lib.MIX32_M1, native_lib.MIX32_M2, native_lib.GOLDEN
 _MASK = 0xFFFFFFFF
 
 

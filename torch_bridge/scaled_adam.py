@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 import optax_half_native as native_lib
+from optax_half_native.checks import QUARTILES, check_scaled_adam_args, quartile_indices
 from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_no_float64, check_param,
                                  f32, grad_of, init_skip_nonfinite, load_nonfinite, prepare_load,
@@ -33,44 +34,9 @@ __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
 logger = logging.getLogger(__name__)
 
-QUARTILES = 5
-
 
 _STATIC = (". (Only learning_rate may be a schedule; the other hyperparameters are "
            "Python numbers.)")
-
-
-def check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
-                           param_min_rms, param_max_rms, scalar_max, size_update_period,
-                           clipping_update_period) -> None:
-  """The checks of ``optax_half.scaled_adam.check_scaled_adam_args``, same messages."""
-  def concrete(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-  if concrete(learning_rate) and learning_rate < 0:
-    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
-  if clipping_scale is not None and not (concrete(clipping_scale) and clipping_scale > 0):
-    raise ValueError(f"clipping_scale must be None (no clipping) or > 0; got {clipping_scale!r}"
-                     + _STATIC)
-  for name, v in (("b1", b1), ("b2", b2)):
-    if not (concrete(v) and 0.0 <= v < 1.0):
-      raise ValueError(f"{name} must be a Python number in [0, 1); got {v!r}" + _STATIC)
-  for name, v in (("scalar_lr_scale", scalar_lr_scale), ("eps", eps),
-                  ("param_min_rms", param_min_rms), ("param_max_rms", param_max_rms),
-                  ("scalar_max", scalar_max)):
-    if not (concrete(v) and v > 0):
-      raise ValueError(f"{name} must be a Python number > 0; got {v!r}" + _STATIC)
-  if param_min_rms > param_max_rms:
-    raise ValueError(
-        f"param_min_rms ({param_min_rms}) must be <= param_max_rms ({param_max_rms}).")
-  for name, v in (("size_update_period", size_update_period),
-                  ("clipping_update_period", clipping_update_period)):
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v < 2**31:
-      raise ValueError(f"{name} must be an integer >= 1; got {v!r}" + _STATIC)
-
-
-def quartile_indices(period: int) -> list[int]:
-  """Indices into the sorted norms that the seed reports: ``min(P-1, (P//4) n)``."""
-  return [min(period - 1, (period // 4) * n) for n in range(QUARTILES)]
 
 
 def _is_scalar(p: torch.Tensor) -> bool:
@@ -117,7 +83,7 @@ class ScaledAdam(LowPrecisionOptimizer):
                                             (0.9, 0.98))
     check_scaled_adam_args(learning_rate, clipping_scale, b1, b2, scalar_lr_scale, eps,
                            param_min_rms, param_max_rms, scalar_max, size_update_period,
-                           clipping_update_period)
+                           clipping_update_period, _STATIC)
     schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
     lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
     self.show_dominant_parameters = bool(show_dominant_parameters)
@@ -140,7 +106,8 @@ class ScaledAdam(LowPrecisionOptimizer):
     check_scaled_adam_args(group["lr"], group["clipping_scale"], b1, b2,
                            group["scalar_lr_scale"], group["eps"], group["param_min_rms"],
                            group["param_max_rms"], group["scalar_max"],
-                           group["size_update_period"], group["clipping_update_period"])
+                           group["size_update_period"], group["clipping_update_period"],
+                           _STATIC)
     for position, p in enumerate(group["params"], first):
       check_param(p, position)
       check_no_float64(p, position, "scaled_adam")

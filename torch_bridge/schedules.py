@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from optax_half_native.checks import check_eden_args, check_preheat_decay_args
+
 __all__ = ["eden", "preheat_decay_schedule", "Eden", "EdenLR", "PreheatDecaySchedule"]
 
 
@@ -85,31 +87,8 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
     <https://github.com/arogozhnikov/adamw_bfloat16>`_): the schedule and the
     bf16 AdamW it was written for.
   """
-  if preheat_steps <= 0:
-    raise ValueError(f"preheat_steps must be > 0; got {preheat_steps}.")
-  if decay_power >= 0:
-    raise ValueError(f"decay_power must be < 0 for a decay; got {decay_power}.")
+  check_preheat_decay_args(preheat_steps, decay_power)
   return PreheatDecaySchedule(learning_rate, preheat_steps, decay_power)
-
-
-def check_eden_args(learning_rate, lr_batches, lr_epochs, warmup_batches, warmup_start,
-                    steps_per_epoch) -> None:
-  """The checks of ``optax_half.schedules.check_eden_args``, same messages."""
-  if isinstance(learning_rate, (int, float)) and learning_rate < 0:
-    raise ValueError(f"learning_rate must be >= 0; got {learning_rate}.")
-  for name, v in (("lr_batches", lr_batches), ("lr_epochs", lr_epochs)):
-    if not v > 0:
-      raise ValueError(f"{name} must be > 0; got {v}.")
-  if warmup_batches < 0:
-    raise ValueError(f"warmup_batches must be >= 0; got {warmup_batches}.")
-  if not 0 <= warmup_start <= 1:
-    raise ValueError(f"warmup_start must be in [0, 1]; got {warmup_start}.")
-  if steps_per_epoch is not None and (
-      isinstance(steps_per_epoch, bool) or not isinstance(steps_per_epoch, int)
-      or steps_per_epoch < 1):
-    raise ValueError(
-        "steps_per_epoch must be a positive integer (the epoch is count // steps_per_epoch), "
-        f"or None to leave the epoch factor out; got {steps_per_epoch!r}.")
 
 
 class Eden:
