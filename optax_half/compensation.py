@@ -104,22 +104,11 @@ class StochasticRoundingState(NamedTuple):
   inner_state: Any
 
 
-class Compensation:
+class Compensation(native_lib.Rules):
   """A compensation's JAX rules; the shared facts are ``spec``'s
   (``optax_half_native.Compensation``), readable as attributes."""
 
   state_type: type = None  # the wrapper state holding the buffers
-
-  def __init__(self, spec: native_lib.Compensation):
-    self.spec = spec
-
-  def __getattr__(self, name):
-    if name == "spec":  # not set yet (copy, pickle)
-      raise AttributeError(name)
-    return getattr(self.spec, name)
-
-  def __repr__(self) -> str:
-    return f"Compensation({self.spec.name!r})"
 
   def for_dtype(self, dtype) -> Compensation:
     """The compensation a 16-bit param of ``dtype`` takes (``spec.fp16``

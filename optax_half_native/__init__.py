@@ -36,7 +36,7 @@ import numpy as np
 __all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
            "leaf_keys", "ADAMW_SCALARS", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE",
            "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
-           "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation",
+           "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation", "Rules",
            "compensation_of", "check_compensation", "build_errors"]
 
 _HERE = Path(__file__).resolve().parent
@@ -104,6 +104,23 @@ COMPENSATIONS = {c.name: c for c in (
 OPTIMIZER_COMPENSATIONS = ("kahan", "split", "stochastic", "none")
 # The buffer fields, each once ("master" is split's and master's).
 BUFFERS = tuple(dict.fromkeys(c.buffer for c in COMPENSATIONS.values() if c.buffer))
+
+
+class Rules:
+  """The base of a framework's rules for one compensation
+  (``optax_half.compensation``, ``torch_bridge.compensation``): its table
+  row ``spec``, whose fields read as attributes."""
+
+  def __init__(self, spec: Compensation):
+    self.spec = spec
+
+  def __getattr__(self, name):
+    if name == "spec":  # not set yet (copy, pickle)
+      raise AttributeError(name)
+    return getattr(self.spec, name)
+
+  def __repr__(self) -> str:
+    return f"{type(self).__name__}({self.spec.name!r})"
 
 
 def compensation_of(name: str, bfloat16: bool) -> Compensation:

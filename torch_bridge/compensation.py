@@ -37,20 +37,9 @@ def kahan_remainder_fits(p: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
   return 2 * rounding.widen(c).abs() <= gap
 
 
-class Compensation:
+class Compensation(native_lib.Rules):
   """A compensation's torch rules; the shared facts are ``spec``'s
   (``optax_half_native.Compensation``), readable as attributes."""
-
-  def __init__(self, spec: native_lib.Compensation):
-    self.spec = spec
-
-  def __getattr__(self, name):
-    if name == "spec":  # not set yet (copy, pickle)
-      raise AttributeError(name)
-    return getattr(self.spec, name)
-
-  def __repr__(self) -> str:
-    return f"Compensation({self.spec.name!r})"
 
   def __reduce__(self):  # one object per name, also after pickle and deepcopy
     return (_lookup, (self.spec.name,))
