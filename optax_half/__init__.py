@@ -1,25 +1,16 @@
 """optax_half: train bf16/fp16 params without losing accuracy, in Optax.
 
-Composable wrappers (any optax transformation on 16-bit params):
-  master_weights, kahan_summation, stochastic_rounding, round_to_nearest
-Named optimizers built from them:
-  adam_fp32_master, adamw_bf16
-Dynamic loss scaling (fp16):
-  dynamic_loss_scale, with scale_loss, loss_scale, value_and_scaled_grad
-ScaledAdam (icefall) and its schedule:
-  scaled_adam, scaled_adam_stats, eden
-Schedules:
-  preheat_decay_schedule, eden
-Gradient clipping (optax's, without an fp32 copy of 16-bit gradients):
-  clip_by_global_norm
-One step with the params written in place (the native kernel, on CPU):
-  update_and_apply, and chain (optax.chain, in place through its last element)
-A state from one layout to the other (flat_state=False <-> True):
-  relayout_state
-Checkpoints (Orbax, checked leaf by leaf):
-  checkpoint.save, checkpoint.restore
-Mixed-precision policies (jmp's API) and their Flax NNX helper:
-  Policy, get_policy, cast_to_full, cast_to_half, half_dtype; nnx.apply_policy
+Wrappers (any optax transformation on 16-bit params): master_weights,
+  kahan_summation, stochastic_rounding, round_to_nearest; built from them:
+  adam_fp32_master, adamw_bf16. fp16 loss scaling: dynamic_loss_scale,
+  scale_loss, loss_scale, value_and_scaled_grad. ScaledAdam (icefall):
+  scaled_adam, scaled_adam_stats, eden. Schedules: preheat_decay_schedule, eden.
+Gradient clipping (optax's, no fp32 copy of 16-bit gradients): clip_by_global_norm.
+In place (the native kernel, on CPU): update_and_apply, chain (optax.chain, in
+  place through its last element). flat_state=False <-> True: relayout_state.
+Checkpoints (Orbax, checked leaf by leaf): checkpoint.save, checkpoint.restore.
+Policies (jmp's API): Policy, get_policy, cast_to_full, cast_to_half,
+  half_dtype; nnx.apply_policy.
 """
 
 from optax_half import checkpoint, rounding
@@ -58,8 +49,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-  # optax_half.nnx and optax_half.train_state need Flax: imported on first
-  # use, not with the package.
+  # nnx and train_state need Flax: imported on first use, not with the package.
   if name in ("nnx", "train_state"):
     import importlib  # noqa: PLC0415
     return importlib.import_module(f"optax_half.{name}")

@@ -1,18 +1,5 @@
-"""The flat state layout of ``adamw_bf16`` / ``adam_fp32_master`` (``flat_state=True``).
-
-Every param-shaped tree of the state (the moments ``mu`` and ``nu``, the Kahan
-``compensation``, the ``master`` copy or low halves) is stored as a ``Flat``:
-one 1-D array per dtype, holding the tree's leaves of that dtype raveled and
-concatenated in flatten order (``optax.MaskedNode`` leaves hold nothing),
-named by its dtype and a digest of those leaves' shapes (``key``).
-Nothing else changes: the counts, seeds and wrapper states stay where they
-were, and the values are the tree layout's, bit for bit.
-
-Why: JAX pays a fixed cost for every array a jitted step takes and returns
-(measured in benchmarks/README.md#what-bounds-each-row), so a tree of 512
-small leaves costs ~2560 arrays per step in the tree layout and ~1030 in the
-flat one; on CPU the native kernel steps all leaves of a flat state in one
-call.
+"""The flat state layout of ``adamw_bf16`` / ``adam_fp32_master`` (``flat_state=True``):
+each param-shaped tree of the state is one 1-D array per dtype (docs/algorithms.md#flat-state).
 """
 
 from __future__ import annotations
@@ -34,15 +21,14 @@ FIELDS = ("mu", "nu", *native_lib.BUFFERS)
 
 
 class Flat(NamedTuple):
-  """A param-shaped tree stored flat: ``arrays[key(dtype, shapes)]`` is a
-  1-D array with every leaf of that dtype, raveled, in flatten order."""
+  """A param-shaped tree stored flat: ``arrays[key(dtype, shapes)]`` holds every leaf of
+  that dtype, raveled, in flatten order."""
   arrays: dict
 
 
 def key(dtype, shapes) -> str:
-  """The name of a flat array: its dtype and a digest of its leaves' shapes
-  (in order), so that a state of another params tree with the same sizes per
-  dtype has other names (``checkpoint.check`` and ``check`` refuse it)."""
+  """A flat array's name: its dtype and a digest of its leaves' shapes, so a state of
+  another params tree has other names (``checkpoint.check`` and ``check`` refuse it)."""
   digest = zlib.crc32(repr([tuple(int(d) for d in s) for s in shapes]).encode())
   return f"{jnp.dtype(dtype).name}_{digest:08x}"
 
@@ -88,9 +74,8 @@ def _unpack_tree(flat: Flat, like):
 
 
 def check(state, like, name: str = "flat_state=True") -> None:
-  """Raises a ``ValueError`` unless ``state`` is in the flat layout of
-  ``like`` (``template``): every param-shaped field a ``Flat`` with the
-  arrays (names, dtypes, sizes) that ``pack(like)`` would have."""
+  """Raises a ``ValueError`` unless each param-shaped field of ``state`` is the ``Flat``
+  (names, dtypes, sizes) that ``pack(like)`` would give (``like``: ``template``)."""
   if not _is_state(like):
     return
   if not _is_state(state) or type(state) is not type(like):
@@ -170,21 +155,18 @@ def _relayout(state, like, path: str):
 
 
 def relayout_state(state, tx, params):
-  """``state`` in the layout of ``tx.init(params)``: the same values, with
-  the param-shaped buffers of ``adamw_bf16`` / ``adam_fp32_master`` stored
-  per param (``flat_state=False``) or flat (``flat_state=True``) as ``tx``
-  stores them.
+  """``state`` in the layout of ``tx.init(params)``: the same values, with the
+  param-shaped buffers per param (``flat_state=False``) or flat (``True``) as ``tx``
+  stores them, so a run can change layout bit for bit (docs/algorithms.md#flat-state).
 
-  So a run can change layout: a state of ``adamw_bf16(lr)`` given to
-  ``adamw_bf16(lr, flat_state=True)`` (or back, e.g. to
-  ``torch_bridge.convert``, which takes the per-param layout) continues the
-  same run bit for bit. ``tx`` is the optimizer the state is for, in the
-  target layout (also inside ``optax.chain``, ``oh.chain``,
-  ``dynamic_loss_scale``, ``optax.inject_hyperparams``,
-  ``optax.multi_transform``); ``params`` the
-  params tree, whose shapes give the per-param layout. Nothing else of the
-  state changes; a state of another optimizer or params tree is refused
-  with a ``ValueError``.
+  Args:
+    state: a state of ``tx``'s optimizer, in either layout.
+    tx: the optimizer in the target layout (also inside ``optax.chain`` etc.).
+    params: the params tree, whose shapes give the per-param layout.
+
+  Returns:
+    ``state`` in ``tx``'s layout; a state of another optimizer or params tree
+    is a ``ValueError``.
 
   Example:
     >>> import jax, jax.numpy as jnp

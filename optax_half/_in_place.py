@@ -1,16 +1,5 @@
-"""``update_and_apply``: one optimizer step that may write the params in place.
-
-``optax.apply_updates(params, updates)`` is a pass of its own over the params
-and the updates after ``tx.update``. For the optimizers whose step is one
-native kernel (``adamw_bf16``, ``adam_fp32_master``, ``scaled_adam`` and
-``kahan_summation(scaled_adam)`` on CPU) that pass costs
-about as much again as the kernel's reads and writes of the param, and the
-kernel can write the new param itself: ``update_and_apply`` lets it, into the
-params' own buffers (donate the params to the jitted step, or XLA copies them
-first). Any other transformation runs ``tx.update`` then
-``optax.apply_updates``. Either way the result is the same bits (two
-exceptions in ``update_and_apply``'s docstring).
-"""
+"""``update_and_apply``: one optimizer step that may write the params in place
+(docs/algorithms.md#in-place-steps)."""
 
 from __future__ import annotations
 
@@ -21,38 +10,21 @@ __all__ = ["chain", "update_and_apply"]
 
 
 class InPlaceTransformation(optax.GradientTransformationExtraArgs):
-  """An ``optax.GradientTransformationExtraArgs`` that carries an in-place step.
-
-  ``update_and_apply(updates, state, params, **extra_args) -> (params,
-  state)``: the bits of ``update`` followed by ``optax.apply_updates``.
-  ``scaled(in_place, updates, inv_scale, state, params, **extra_args)``, or
-  None: the bits of ``update`` (``in_place`` False) or of the in-place step
-  (True) given the gradients ``_util.unscaled(updates, inv_scale)``, for a
-  step that unscales the gradients as it reads them (``dynamic_loss_scale``).
-  ``clipped(updates, clip, state, params, **extra_args)``, or None: the
-  bits of the in-place step given the gradients ``clip.apply(updates)``
-  (``clipping.ClipRead``), for a step that clips the gradients as it reads
-  them (``chain`` of ``clip_by_global_norm`` and this transformation).
-  A transformation built around one (``optax.chain``, ``optax.masked``)
-  is a plain one: it runs ``update`` and ``optax.apply_updates``, with the
-  same bits.
-  """
-  update_and_apply = None  # set on each instance by `register`
-  scaled = None
-  clipped = None
+  """An ``optax.GradientTransformationExtraArgs`` with in-place steps (set by ``register``);
+  one wrapped in ``optax.chain`` or ``optax.masked`` is a plain one (same bits)."""
+  update_and_apply = None  # (updates, state, params, **kw) -> (params, state): update + apply
+  scaled = None  # (in_place, updates, inv_scale, state, params, **kw): reads unscaled(...)
+  clipped = None  # (updates, clip, state, params, **kw): in place, reads clip.apply(updates)
 
 
 class ClipTransformation(optax.GradientTransformationExtraArgs):
-  """A gradient clip that the in-place step after it in ``chain`` can apply
-  as it reads the gradients (``clip_by_global_norm``): ``read(updates)`` is
-  the step's clip (``clipping.ClipRead``), whose ``apply`` is ``update``'s
-  result."""
+  """A gradient clip (``clip_by_global_norm``) whose ``read(updates)``, a ``clipping.ClipRead``,
+  the next in-place step in ``chain`` applies as it reads the gradients."""
   read = None  # set on each instance
 
 
 def register(tx, step, scaled=None, clipped=None) -> InPlaceTransformation:
-  """``tx``'s ``init`` and ``update`` as an ``InPlaceTransformation`` with
-  in-place step ``step`` (and scaled step ``scaled``, clipped step ``clipped``)."""
+  """``tx`` as an ``InPlaceTransformation`` with these in-place, scaled and clipped steps."""
   out = InPlaceTransformation(tx.init, tx.update)
   out.update_and_apply = step
   out.scaled = scaled
@@ -78,23 +50,10 @@ def clipped_of(tx):
 def update_and_apply(tx, updates, opt_state, params, **extra_args):
   """``tx.update`` followed by ``optax.apply_updates``, in one step.
 
-  Returns ``(new_params, new_opt_state)``, bit for bit what
-
-      updates, new_opt_state = tx.update(updates, opt_state, params, **extra_args)
-      new_params = optax.apply_updates(params, updates)
-
-  returns. For ``adamw_bf16``, ``adam_fp32_master`` (also with
-  ``skip_nonfinite=True``), ``scaled_adam`` and ``kahan_summation(scaled_adam)``
-  on CPU (also inside ``dynamic_loss_scale`` and last in ``optax_half.chain``,
-  not inside an ``optax.chain``), the native kernel writes the new params into the params'
-  buffers and no ``apply_updates`` pass runs: jit the step with the params and
-  the state donated (``donate_argnums``) so XLA has nothing to copy, and
-  take the params before the state in the jitted function's arguments, the
-  order of the results: ``jax.jit`` pairs donated inputs with outputs in
-  order, and with the state first it hands the new params the state's
-  buffers, so XLA copies every array in and out of the kernel (several
-  times slower). Elsewhere, and for any other transformation, the two calls
-  above run.
+  The same bits as the two calls (exceptions: docs/algorithms.md#in-place-steps).
+  With the kernel's optimizers on CPU (also in ``dynamic_loss_scale``, or last
+  in ``optax_half.chain``) the new params go into the params' buffers: donate
+  params and state to the jitted step, the params first (the results' order).
 
   Args:
     tx: an ``optax.GradientTransformation``.
@@ -107,8 +66,6 @@ def update_and_apply(tx, updates, opt_state, params, **extra_args):
     ``(new_params, new_opt_state)``.
 
   Example:
-    The same bits as ``tx.update`` and ``optax.apply_updates``:
-
     >>> import jax.numpy as jnp, optax
     >>> import optax_half as oh
     >>> tx = oh.adamw_bf16(1e-3)
@@ -132,18 +89,9 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   """``optax.chain(*transforms)`` whose ``update_and_apply`` reaches the last
   transformation's in-place step.
 
-  ``init`` and ``update`` are ``optax.chain``'s own (the same state: a tuple
-  of the transformations' states, so checkpoints and ``torch_bridge.convert``
-  take either). ``update_and_apply(chain(...), grads, state, params)`` runs
-  the ``update`` of every transformation but the last, then
-  ``update_and_apply`` of the last: with ``adamw_bf16`` or
-  ``adam_fp32_master`` last (e.g. after ``clip_by_global_norm``), the
-  kernel writes the params in place, where ``optax.chain`` would run the
-  optimizer's ``update`` and a separate ``optax.apply_updates`` pass. An
-  ``optax_half.clip_by_global_norm`` just before such an optimizer is
-  computed by the kernel as it reads each bf16 or fp32 gradient (jitted; the
-  chain takes the norm): no clipped copy of the gradients
-  (docs/algorithms.md#gradient-clipping). The same bits either way.
+  ``optax.chain``'s ``init``, ``update``, state and bits; in place, a
+  ``clip_by_global_norm`` just before the kernel's optimizer is applied as the
+  kernel reads the gradients (docs/algorithms.md#in-place-steps).
 
   Args:
     *transforms: the transformations, applied in order (at least one).
@@ -170,8 +118,7 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   inner = [optax.with_extra_args_support(t) for t in transforms]
   tx = optax.chain(*inner)
 
-  # clip_by_global_norm then a step that clips as it reads the gradients:
-  # the clip's norm is taken here and the clipping left to that step.
+  # The clip's norm is taken here, the clipping left to the step that reads the gradients.
   fold_clip = (len(inner) >= 2 and isinstance(inner[-2], ClipTransformation)
                and clipped_of(inner[-1]) is not None)
 
@@ -186,8 +133,7 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
       new_state.append(s)
     if fold_clip:
       clip = inner[-2].read(updates)
-      # Traced (under jit) only: op by op, XLA divides by a scalar through its
-      # reciprocal (fp32: other bits), which the kernel's division would not match.
+      # Traced only: op by op, XLA's division differs (docs/algorithms.md#gradient-clipping).
       leaves = jax.tree.leaves(updates)
       if all(isinstance(g, jax.core.Tracer) and clip.folds(g.dtype) for g in leaves):
         params, last = clipped_of(inner[-1])(updates, clip, state[-1], params, **extra_args)

@@ -1,19 +1,5 @@
-"""optax_half's side of the native CPU kernel (``optax_half_native``).
-
-``fused(...)`` wraps the update of ``adamw_bf16`` and ``adam_fp32_master``:
-on CPU the leaves that share their dtypes are stepped by one XLA custom call
-(the kernel of ``optax_half_native/adamw.h`` behind an XLA FFI handler,
-which splits their elements over XLA's threads) that reads each param,
-gradient, moment and buffer once and writes the new param, moments and
-buffer in the same pass, where XLA:CPU would run one loop per output and
-materialise the fp32 update. The state and the returned updates are those of
-the composed transformation (``kahan_summation(scale_by_adamw(...))`` etc.),
-bit for bit: the kernel computes what ``scale_by_adamw`` and the wrappers
-compute, with the same fp32 scalars (``_coefficients.coefficients``) and the same
-random keys. On other platforms, and for trees it does not take (integer
-leaves; fp16 params with bf16 moments), the composed
-transformation runs: ``lax.platform_dependent``
-picks at lowering time, so nothing is decided on the host at run time.
+"""optax_half's side of the native CPU kernel (``optax_half_native``): XLA custom calls
+with the composed transformation's bits (docs/algorithms.md#the-jax-entry).
 """
 
 from __future__ import annotations
@@ -72,24 +58,15 @@ def _threads() -> int:
 _EMPTY = np.zeros((0,), np.float32)
 
 
-# At most this many leaves per custom call. XLA's compile time grows faster
-# than the number of a call's operands (and a call per leaf is slow to compile
-# too), while the step time is the same from 32 leaves a call up: 32 keeps
-# compiling short at no cost per step (timings:
-# benchmarks/README.md#what-bounds-each-row).
+# Leaves per call: short compiles at no cost per step (docs/algorithms.md#the-jax-entry).
 _LEAVES_PER_CALL = 32
 
 
 def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, states,
           in_place: bool):
-  """One custom call of ``target`` (``TARGET``: a state array per leaf and
-  field; ``FLAT_TARGET``: one per field) over leaves that share their dtypes.
-  ``states``: the (mu, nu, buffer) lists, a buffer ``None`` for modes without
-  one; the moments are written stochastically where ``state_rounding`` says
-  so and one of them is 16-bit. Returns (p_out list, (mu, nu, buffer) lists):
-  the new params (or, in mode ``"update"``, the fp32 updates), and the state
-  updated in place; with ``in_place`` the new params go into the params'
-  buffers."""
+  """One call of ``target`` (``TARGET``: state arrays per leaf, ``FLAT_TARGET``: per field) over
+  leaves sharing dtypes; ``states``: (mu, nu, buffer or None) lists. Returns the new params
+  (mode ``"update"``: fp32 updates; with ``in_place`` in their buffers) and state (in place)."""
   n = len(leaves)
   sr = rounding._stochastic_moments(states[0][0].dtype, states[1][0].dtype, state_rounding)
   states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
@@ -99,15 +76,11 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
   aliases = {2 + 2 * n + j: n + j for j in range(len(state_arrays))}  # the state in place
   for k, (p, g) in enumerate(zip(leaves, grads)):
     if in_place:
-      # The new param into the param's own buffer: with the params donated to
-      # the jitted step nothing is copied; without, XLA copies p first.
+      # Nothing is copied if the params are donated; else XLA copies p first.
       assert out_dtype == p.dtype, mode
       aliases[2 + k] = k
     elif g.dtype == out_dtype:
-      # The new param (or fp32 update) into the gradient's buffer: gradients
-      # computed in the same jitted step are dead after it, and XLA copies them
-      # first where they are not. A fresh temporary would cost page faults on
-      # every step with the default allocator (benchmarks/README.md).
+      # Into the gradient's buffer, not a fresh temporary (docs/algorithms.md#the-jax-entry).
       aliases[2 + n + k] = k
   results = ([jax.ShapeDtypeStruct(p.shape, out_dtype) for p in leaves]
              + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_arrays])
@@ -121,15 +94,8 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
 
 
 def all_finite(tree, inv_scale=None) -> jax.Array:
-  """``_util.unscaled_all_finite(tree, inv_scale)``, the gradient check of
-  ``dynamic_loss_scale`` and ``skip_nonfinite``.
-
-  On CPU, for bf16, fp32 and (with F16C) fp16 leaves on one device, one
-  pass of the native check over each leaf (``oh::all_finite_range``: the same fp32 products,
-  each tested for an all-ones exponent), where XLA:CPU's reduction of
-  ``isfinite``'s bools runs at a fraction of the memory bandwidth (timings:
-  benchmarks/README.md#what-bounds-each-row). Elsewhere XLA's reduction.
-  """
+  """``_util.unscaled_all_finite(tree, inv_scale)``; on CPU one native pass per leaf
+  (``oh::all_finite_range``, docs/algorithms.md#dynamic-loss-scaling)."""
   def framework():
     return unscaled_all_finite(tree, inv_scale)
 
@@ -157,18 +123,16 @@ def has_f16() -> bool:
 
 
 def _mode(compensation: Compensation, dtype) -> str:
-  """The kernel's mode (a ``native.MODES`` key) for a param of ``dtype``:
-  fp32 params take ``"update"`` (the wrappers hand them to the core as they
-  are), 16-bit ones their compensation's (``for_dtype``)."""
+  """The kernel's mode (``native.MODES`` key): ``"update"`` for fp32 params (the wrappers
+  hand them to the core as they are), else the compensation's for ``dtype``."""
   if jnp.dtype(dtype) == jnp.float32:
     return "update"
   return compensation.for_dtype(dtype).name
 
 
 def _takes(compensation, params, grads, core) -> bool:
-  """Whether the kernel takes this tree (trace time: dtypes and shapes only):
-  bf16 and fp32 leaves, and fp16 params with fp16 or fp32 gradients and
-  moments (``_takes_f16``)."""
+  """Whether the kernel takes this tree (trace time): bf16 and fp32 leaves, and fp16
+  params as ``_takes_f16`` allows."""
   ok = (jnp.bfloat16, jnp.float32)
   leaves = jax.tree.leaves(params)
   if not leaves or params is None:
@@ -191,19 +155,15 @@ def _takes(compensation, params, grads, core) -> bool:
 
 
 def _takes_f16(grad_dtype, moment_dtypes) -> bool:
-  """Whether the kernel steps an fp16 param with these gradient and moment
-  dtypes (``dispatch`` in adamw_ffi.cc: fp16 or fp32 each, in every
-  compensation fp16 params take, where the library has fp16)."""
+  """Whether the kernel steps an fp16 param with these gradient and moment dtypes
+  (``dispatch`` in adamw_ffi.cc: fp16 or fp32 each, where the library has fp16)."""
   ok = (jnp.float16, jnp.float32)
   return grad_dtype in ok and all(d in ok for d in moment_dtypes) and has_f16()
 
 
 def on_cpu(params) -> bool:
-  """Whether a step over ``params`` may call the kernel: off CPU
-  (``jax.default_backend()``) nothing is built and the framework code is what
-  would be lowered anyway; with several devices, or under a mesh, the params
-  may be sharded, and the custom calls have no partitioning rule: the
-  framework code, which XLA partitions elementwise, runs there."""
+  """Whether a step over ``params`` may call the kernel: on the CPU backend, and unsharded
+  (the custom calls have no partitioning rule; docs/algorithms.md#the-jax-entry)."""
   return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
               or not available())
 
@@ -218,10 +178,8 @@ def _maybe_sharded(params) -> bool:
 
 
 def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
-  """Whether one flat call (``_flat_update``) takes this tree and flat state:
-  every leaf a param of one 16-bit dtype (bf16, or fp16 as ``_takes_f16``
-  allows) with one gradient dtype, one dtype per flat buffer (the mode's buffer of the
-  dtype the kernel reads)."""
+  """Whether one flat call (``_flat_update``) takes this tree and flat state
+  (docs/algorithms.md#flat-state)."""
   params, grads = jax.tree.leaves(params), jax.tree.leaves(grads)
   core = state.inner_state
   if not params or len(grads) != len(params):
@@ -253,23 +211,16 @@ def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
 
 def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, tx_init,
           tx_update, flat_state: bool, name: str) -> _in_place.InPlaceTransformation:
-  """``wrap(compensation, scale_by_adamw(*hyperparams, ...))`` (``tx_init``,
-  ``tx_update``) with the kernel on CPU: ``adamw_bf16`` or
-  ``adam_fp32_master``, as an ``InPlaceTransformation`` whose in-place,
-  scaled and clipped steps the kernel takes (the same bits as ``tx_update``,
-  which runs elsewhere). With ``flat_state`` the state is in ``_flat``'s
-  layout: one call of the flat kernel where it takes the tree
-  (``_takes_flat``), else the tree layout's step between an unpack and a
-  pack (docs/algorithms.md#the-jax-entry)."""
+  """``adamw_bf16`` or ``adam_fp32_master`` (``tx_init``, ``tx_update``) with the kernel on CPU:
+  an ``InPlaceTransformation`` with ``tx_update``'s bits; with ``flat_state`` in ``_flat``'s
+  layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state)."""
 
   def native(updates, state, params) -> bool:
     return on_cpu(params) and _takes(compensation, params, updates, state.inner_state)
 
   def step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
     if (inv_scale is not None or clip is not None) and not native(updates, state, params):
-      # No kernel, or one that cannot read these gradients as they are (an
-      # fp32 param's bf16 gradient): unscaled or clipped first, as
-      # dynamic_loss_scale or clip_by_global_norm would.
+      # No kernel for these gradients as they are (an fp32 param's bf16 one): unscale/clip first.
       return step(in_place, _read(updates, inv_scale, clip), state, params, extra_args)
 
     def elsewhere():
@@ -337,9 +288,8 @@ def _read(updates, inv_scale, clip):
 
 
 def _scalars(hyperparams, count, grad_scale, clip=None, grad_dtype=None) -> jax.Array:
-  """The kernel's ``Scalars`` (adamw.h; ``native.ADAMW_SCALARS``) of the step
-  after ``count``, reading gradients of ``grad_dtype`` unscaled by
-  ``grad_scale`` or clipped by ``clip`` (``clipping.ClipRead``), or neither."""
+  """The kernel's ``Scalars`` (``native.ADAMW_SCALARS``) of the step after ``count``, its
+  gradients of ``grad_dtype`` read unscaled by ``grad_scale`` or clipped by ``clip``."""
   c = coefficients(*hyperparams, count)
   one = jnp.ones((), jnp.float32)
   grad_scale = one if grad_scale is None else grad_scale
@@ -349,9 +299,8 @@ def _scalars(hyperparams, count, grad_scale, clip=None, grad_dtype=None) -> jax.
 
 
 def _keys(compensation: Compensation, state, leaf) -> jax.Array:
-  """The leaf keys (param stream, moment stream) of leaf index ``leaf`` (a
-  scalar, or a vector of them: one row each). The param stream is the
-  wrapper's where it draws bits, the core's otherwise."""
+  """(param stream, moment stream) keys of leaf index ``leaf`` (or a row per index); the
+  param stream is the wrapper's where it draws bits, else the core's."""
   core = state.inner_state
   p_seed, p_count = compensation.param_stream(state) or (core.seed, core.count)
   return jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, leaf),
@@ -374,9 +323,7 @@ def _stepped(compensation: Compensation, state, mu, nu, buffers):
 
 def _flat_update(compensation, hyperparams, state_rounding, updates, state, params,
                  in_place=False, grad_scale=None, clip=None):
-  """``_native_update`` for a flat state (``_takes_flat``): every leaf in one
-  call of ``FLAT_TARGET``, whose operands are the leaves' params and
-  gradients and the flat moments and buffer, updated in place."""
+  """``_native_update`` for a flat state (``_takes_flat``): one call of ``FLAT_TARGET``."""
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads = jax.tree.leaves(updates)
   core = state.inner_state
@@ -398,15 +345,9 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
 
 def _native_update(compensation, hyperparams, state_rounding, updates, state, params,
                    in_place=False, grad_scale=None, clip=None):
-  """(updates, state), or with ``in_place`` (new params, state). With
-  ``grad_scale`` (fp32), the step of the gradients ``unscaled(updates,
-  grad_scale)``: the kernel multiplies each gradient element by it as it reads it.
-  With ``clip`` (``clipping.ClipRead``), the step of ``clip.apply(updates)``:
-  the kernel clips each gradient element as it reads it.
-  One call of ``TARGET`` per group of leaves sharing their dtypes (and so
-  their mode: fp32 params take ``"update"``), of at most ``_LEAVES_PER_CALL``
-  leaves, so a tree of many small leaves is a few calls whose elements are
-  split over the threads."""
+  """(updates, state), or with ``in_place`` (new params, state), of the gradients read
+  ``unscaled(updates, grad_scale)`` or ``clip.apply(updates)``; one ``TARGET`` call per group
+  of up to ``_LEAVES_PER_CALL`` leaves sharing dtypes (docs/algorithms.md#the-jax-entry)."""
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads, mus, nus, index = (treedef.flatten_up_to(t) for t in (
       updates, state.inner_state.mu, state.inner_state.nu, leaf_indices(params)))
@@ -475,10 +416,8 @@ def _groups(leaves, grads) -> list:
 
 
 def scaled_adam_takes_kahan(p, g, c, delta, v) -> bool:
-  """Whether the kernel steps this leaf of ``kahan_summation(scaled_adam)``
-  whole: a bf16 (or, where the library has it, fp16) param of more than one
-  element, its compensation, a gradient of its dtype or fp32, and
-  ScaledAdam's fp32 state for ``p + c``."""
+  """Whether the kernel steps this leaf of ``kahan_summation(scaled_adam)`` whole
+  (docs/algorithms.md#the-scaledadam-kernel)."""
   dtype = jnp.dtype(p.dtype)
   if np.size(p) <= 1 or any(np.shape(x) != np.shape(p) for x in (g, c, delta, v)):
     return False
@@ -518,17 +457,10 @@ class ScaledAdamStep(NamedTuple):
 
 def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
                      in_place=False) -> ScaledAdamStep:
-  """The kernel's step of ScaledAdam leaves: ``scalars`` f32[n, 10] and
-  ``size`` int32[n] per leaf (``ScaledAdamScalars``; whether the step adds
-  the size term). The state (with ``comps`` the Kahan compensations too) is
-  written into its operands' buffers (donated to the jitted step, nothing is
-  copied). The params are only read, or with ``in_place`` the new params are
-  written into their buffers (donate them) and returned. With ``comps`` the
-  param is ``p + c`` and the step is ``kahan_summation``'s, returning the new
-  16-bit params ``p'``; unless ``in_place`` they go into the gradients'
-  buffers where those have the params' dtype (as ``adamw``'s ``tx.update``:
-  gradients computed in the jitted step are dead after it, and XLA copies
-  the others first)."""
+  """The kernel's step of ScaledAdam leaves (``scalars`` f32[n, 10], ``size`` int32[n]: whether
+  to add the size term), the state in place; with ``comps``, ``kahan_summation``'s step of
+  ``p + c``. New params (with ``comps`` or ``in_place``) go into the params' buffers if
+  ``in_place``, else into gradients of their dtype (docs/algorithms.md#the-scaledadam-kernel)."""
   n = len(leaves)
   kahan = comps is not None
   fields = ["deltas", "vs"] + (["comps"] if kahan else []) + (
@@ -538,9 +470,8 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
     m = len(ks)
     operands = ([leaves[k] for k in ks] + [grads[k] for k in ks] + [deltas[k] for k in ks]
                 + [vs[k] for k in ks] + ([comps[k] for k in ks] if kahan else []))
-    # Operands: scalars, size, p..., g..., delta..., v..., (c...); results in
-    # `fields` order, the state aliased to its operands, the new params to
-    # the params in place, else to the gradients of the params' dtype.
+    # Operands: scalars, size, p..., g..., delta..., v..., (c...); results in `fields` order,
+    # aliased: state to state, new params to p (in place) or to g of p's dtype.
     to_grads = not in_place and grads[ks[0]].dtype == leaves[ks[0]].dtype
     source = {"deltas": 2 * m, "vs": 3 * m, "comps": 4 * m, "params": 0}
     aliases, results = {}, []

@@ -3,28 +3,8 @@
     optax_half.checkpoint.save(path, opt_state)
     opt_state = optax_half.checkpoint.restore(path, tx.init(params))
 
-``save`` writes any state (sharded or not) with
-``orbax.checkpoint.StandardCheckpointer`` and waits until it is on disk.
-``restore`` reads it back into the structure, dtypes, shapes and shardings
-of ``like``: a state of the same optimizer (e.g. ``tx.init(params)`` on the
-params as they are sharded now, or ``jax.eval_shape`` of it with
-shardings). Before reading any array it compares the saved tree with ``like``
-(``check``) and raises a ``ValueError`` naming the first leaf that is
-missing, extra, or of another dtype or shape; Orbax itself would cast a
-dtype silently (a saved bf16 moment read as fp32, or the reverse) and names no
-leaf. JAX arrays are immutable: a failed restore leaves ``like`` and every
-other array as they were.
-
-Flax NNX: save ``nnx.state(model)`` and ``nnx.state(optimizer)`` (each a
-pytree of arrays); to resume, build the model and ``nnx.Optimizer`` as
-before and ``nnx.update`` each with ``restore(path, nnx.state(...))`` of the
-new one (tested in tests/test_flax_drop_in.py).
-
-Resuming is exact: the restored arrays are the saved bits, so N steps equal
-N/2 steps, ``save``, ``restore`` and N/2 steps, bit for bit (tested for every
-optimizer, sharded too). Orbax is an optional dependency
-(``pip install optax-half[checkpoint]``; Flax brings it too). Spec:
-``docs/algorithms.md#checkpoints``.
+Resuming is bit for bit; Flax NNX and the checks: ``docs/algorithms.md#checkpoints``.
+Orbax is an optional dependency (``optax-half[checkpoint]``; Flax brings it too).
 """
 
 from __future__ import annotations
@@ -56,12 +36,8 @@ def _key_name(k) -> str:
 
 
 def _flat(tree, is_leaf=None) -> dict:
-  """Leaf path (a tuple of field names, dict keys and indices) -> leaf.
-
-  Orbax stores a NamedTuple as a dict of its fields and an empty node
-  (``optax.MaskedNode``, ``optax.EmptyState``) as nothing; both flatten to the
-  same paths here.
-  """
+  """Leaf path (field names, dict keys, indices) -> leaf, as Orbax stores it: a NamedTuple
+  as a dict of its fields, an empty node (``MaskedNode``, ``EmptyState``) as nothing."""
   leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
   return {tuple(_key_name(k) for k in path): leaf for path, leaf in leaves if leaf is not None}
 
@@ -148,10 +124,9 @@ def _target(leaf):
 
 
 def restore(directory: str | os.PathLike, like: Any) -> Any:
-  """The state saved in ``directory``, in the structure, dtypes, shapes and
-  shardings of ``like`` (a state of the same optimizer, or its ``jax.eval_shape``
-  with shardings). Checks everything first (``check``): a mismatch raises
-  before any array is read.
+  """The state saved in ``directory``, in the structure, dtypes, shapes and shardings
+  of ``like`` (a state of the same optimizer, or its ``jax.eval_shape`` with
+  shardings); a mismatch (``check``) raises before any array is read.
 
   Example:
     >>> import os, tempfile, jax.numpy as jnp

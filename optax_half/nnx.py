@@ -1,9 +1,5 @@
-"""Flax NNX helpers: an ``nnx.Optimizer`` that steps in place, and a
-mixed-precision policy applied to a model's layers.
-
-Imported on demand (``optax_half.nnx``), so ``optax_half`` itself does not
-need Flax.
-"""
+"""Flax NNX helpers: an in-place ``nnx.Optimizer`` and ``apply_policy``. Imported on
+demand (``optax_half.nnx``), so ``optax_half`` itself does not need Flax."""
 
 from __future__ import annotations
 
@@ -36,29 +32,12 @@ def _changes(new, old):
 class Optimizer(nnx.Optimizer):
   """``flax.nnx.Optimizer`` whose ``update`` steps the params in place.
 
-  The same constructor, attributes and state as ``nnx.Optimizer`` (its
-  checkpoints, sharding and ``nnx.state`` are unchanged), and the same
-  bits after ``update``; ``update`` runs ``oh.update_and_apply`` instead of
-  ``tx.update`` and ``optax.apply_updates``, so ``adamw_bf16`` and
-  ``adam_fp32_master`` (also inside ``dynamic_loss_scale``, or last in
-  ``oh.chain``, e.g. after ``oh.clip_by_global_norm``, whose clip the
-  kernel then applies as it reads the gradients) write the new params
-  straight into the model's buffers on CPU. Donate the model and the
-  optimizer to the jitted step (``nnx.jit(..., donate_argnums=(0, 1))``)
-  or XLA copies every param and state buffer before the kernel writes it.
-  ``nnx.jit`` traverses the model and the optimizer in Python on every
-  call, a cost that grows with the number of variables. The fastest loop
-  binds them once: ``nnx.jit_partial(train_step, model, optimizer,
-  donate_argnums=0, graph=False)`` (Flax >= 0.12.5; argument 0 is the bound
-  objects): what is left per call is JAX's cost per array and Flax's per
-  ``Variable`` passed, close to ``oh.update_and_apply``'s time on tens of
-  tensors, and on hundreds with ``flat_state=True`` (one array per state
-  field: fewer variables). ``nnx.cached_partial`` caches part of the
-  traversal (benchmarks/README.md: Flax steps on many tensors).
-
-  ``update`` returns the change of each param (``new - old``, in fp32 for
-  16-bit params), as ``nnx.Optimizer.update`` returns the updates; under
-  ``jit`` it costs nothing unless it is used.
+  ``nnx.Optimizer``'s constructor, attributes, state and bits; ``update`` runs
+  ``oh.update_and_apply``, so the kernel's optimizers write the new params into
+  the model's buffers on CPU. Donate the model and the optimizer to the jitted
+  step, or XLA copies them first; the fastest loop is ``nnx.jit_partial``
+  (docs/algorithms.md#in-place-steps). ``update`` returns each param's change
+  (``new - old``, fp32 for 16-bit params), free under ``jit`` unless used.
 
   Example:
     >>> import jax.numpy as jnp
@@ -99,24 +78,17 @@ class Optimizer(nnx.Optimizer):
     return changes
 
 
-# Normalization layers: their statistics and scales stay fp32 by default
-# (a variance in bf16 or fp16 loses what the normalization is for).
+# Kept fp32 by default: a variance in bf16 or fp16 loses what the normalization is for.
 NORMS = (nnx.LayerNorm, nnx.RMSNorm, nnx.BatchNorm, nnx.GroupNorm)
 
 
 def apply_policy(model: nnx.Module, policy, *, keep_fp32=NORMS) -> nnx.Module:
   """Stores ``model``'s params in the policy's param dtype and computes in its compute dtype.
 
-  Every submodule with Flax's mixed-precision attributes, ``param_dtype``
-  (the dtype new params are made in) and ``dtype`` (the dtype it computes
-  in: ``nnx.Linear``, ``Conv``, ``ConvTranspose``, ``Embed``, ``Einsum``,
-  ``LinearGeneral``, ``MultiHeadAttention``, the normalization layers, ...)
-  gets them set, and every ``nnx.Param`` of floating dtype is cast, in
-  place, without editing the model's code. Instances of ``keep_fp32`` (by
-  default the normalization layers, ``NORMS``) keep fp32 params and compute.
-  Layers without those attributes (a hand-written ``x @ w``) keep computing
-  in the dtype of what they are given; outputs come in the compute dtype:
-  ``policy.cast_to_output(model(x))`` gives the output dtype.
+  Sets Flax's ``param_dtype`` and ``dtype`` on every submodule that has them and
+  casts every floating ``nnx.Param``, in place; ``policy.cast_to_output(model(x))`` gives
+  the output dtype. Spec:
+  docs/algorithms.md#mixed-precision-policies-and-fp32-gradient-accumulation.
 
   Args:
     model: a Flax NNX module (changed in place and returned).

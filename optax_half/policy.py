@@ -1,17 +1,9 @@
-"""Mixed-precision policies: which dtype params, computation and outputs use.
+"""Mixed-precision policies (jmp's API): which dtype params, computation and outputs use.
 
-JAX has no ``torch.autocast``; a policy says it once. ``Policy`` and
-``get_policy`` have jmp's API (``jmp`` is no longer developed), so code
-written against it ports by changing the import::
+    policy = oh.get_policy("p=f32,c=bf16,o=f32")  # "params=float32,compute=bfloat16,output=float32"
+    x = policy.cast_to_compute(x)                 # floating array leaves only
 
-    policy = oh.get_policy("params=float32,compute=bfloat16,output=float32")
-    policy = oh.get_policy("p=f32,c=bf16,o=f32")          # the same
-    x = policy.cast_to_compute(x)                          # floating leaves only
-
-Only floating-point array leaves are cast (jax and numpy arrays, of any
-floating dtype); integer and bool arrays, Python numbers and anything else
-pass through unchanged. ``optax_half.nnx.apply_policy`` applies a policy to
-a Flax NNX model's layers.
+Spec: docs/algorithms.md#mixed-precision-policies-and-fp32-gradient-accumulation.
 """
 
 from __future__ import annotations
@@ -139,14 +131,9 @@ def _parse_dtype(name: str, policy_name: str) -> np.dtype:
 
 
 def get_policy(policy_name: str) -> Policy:
-  """A ``Policy`` from a string, in jmp's grammar.
-
-  ``"params=float32,compute=bfloat16,output=float32"`` or its short form
-  ``"p=f32,c=bf16,o=f32"``; a part left out follows the one before it
-  (params default to f32, compute follows params, output follows compute:
-  ``"c=bf16"`` is ``p=f32,c=bf16,o=bf16``); a bare dtype (``"bf16"``) sets
-  all three. Dtype names: ``f32``/``float32``/``full``, ``bf16``/``bfloat16``,
-  ``f16``/``float16``, ``f64``/``float64``, and ``half`` (``half_dtype()``).
+  """A ``Policy`` from a string, in jmp's grammar (``"p=f32,c=bf16,o=f32"``; a part
+  left out follows the one before it, params default to f32; a bare dtype sets
+  all three; docs/algorithms.md#mixed-precision-policies-and-fp32-gradient-accumulation).
 
   Example:
     >>> import optax_half as oh

@@ -1,8 +1,5 @@
-"""A ``flax.training.train_state.TrainState`` that steps the params in place.
-
-Imported on demand (``optax_half.train_state``), so ``optax_half`` itself
-does not need Flax.
-"""
+"""A ``flax.training.train_state.TrainState`` that steps the params in place. Imported
+on demand (``optax_half.train_state``), so ``optax_half`` itself does not need Flax."""
 
 from __future__ import annotations
 
@@ -17,14 +14,9 @@ class TrainState(train_state.TrainState):
   """``flax.training.train_state.TrainState`` whose ``apply_gradients`` runs
   ``oh.update_and_apply``.
 
-  The same fields, ``create`` and pytree as Flax's (checkpoints and
-  sharding are unchanged) and the same bits after ``apply_gradients``;
-  ``adamw_bf16`` and ``adam_fp32_master`` (also inside
-  ``dynamic_loss_scale``, or last in ``oh.chain``) write the new params
-  into the params' buffers on CPU instead of a separate
-  ``optax.apply_updates`` pass. Donate the state to the jitted step
-  (``jax.jit(train_step, donate_argnums=0)``) or XLA copies the buffers
-  before the kernel writes them.
+  Flax's fields, ``create``, pytree and bits; the kernel's optimizers write the
+  new params into the params' buffers on CPU. Donate the state to the jitted
+  step (``donate_argnums=0``) or XLA copies the buffers first.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -42,8 +34,7 @@ class TrainState(train_state.TrainState):
   """
 
   def apply_gradients(self, *, grads, **kwargs):
-    """``step + 1``, the new ``params`` and ``opt_state``, and ``**kwargs``
-    replaced, as ``flax.training.train_state.TrainState.apply_gradients``."""
+    """As Flax's: ``step + 1``, new ``params`` and ``opt_state``, ``**kwargs`` replaced."""
     owg = train_state.OVERWRITE_WITH_GRADIENT
     if owg in grads:
       new_params, new_opt_state = update_and_apply(self.tx, grads["params"], self.opt_state,
