@@ -1,33 +1,7 @@
-"""``clip_by_global_norm``: optax's, without an fp32 copy of 16-bit gradients.
+"""``clip_by_global_norm``: optax's, bit for bit, without an fp32 copy of 16-bit gradients.
 
-``optax.clip_by_global_norm(max_norm)`` reads the gradients twice: once for
-their global norm and once to scale them. With bf16 or fp16 gradients
-XLA:CPU then writes the fp32 widening of every gradient to a temporary for
-the norm to read (4 bytes a param on top of the 2-byte gradients, allocated
-afresh each step). This one computes the same ops in the same order, so the
-same bits (tests/test_clipping.py compares them with optax's), but on CPU,
-when a leaf is 16-bit, it hands the scaling an ``optimization_barrier`` of
-the gradients: the norm is then the widening's only reader, and XLA fuses
-the widening into the reduction, which reads the 16-bit gradients
-(docs/algorithms.md#gradient-clipping; timings of clipping before the Kahan
-step, with this one and with optax's:
-benchmarks/README.md#what-bounds-each-row). Elsewhere (fp32 gradients, or a
-backend other than the CPU, where the barrier was not examined) the ops are
-optax's and nothing more.
-
-Math (optax's, for a tree of gradients ``g``)::
-
-  norm  = sqrt(sum over leaves of sum(g_i * g_i))   optax.tree.norm
-  g_i'  = g_i                            if norm < max_norm
-          (g_i / norm) * max_norm        otherwise
-
-in the leaves' dtypes: each leaf's sum is ``jnp.sum`` in ``g_i``'s dtype
-(XLA accumulates in fp32 and may keep the squares in fp32: its excess
-precision), the sums are added in JAX's promoted dtype, and ``norm`` is cast
-to ``g_i``'s dtype before the division. A NaN or Inf gradient makes ``norm``
-NaN or Inf, and the second branch then makes every gradient NaN (NaN norm)
-or zero or NaN (Inf norm), as optax does; ``skip_nonfinite``
-(docs/algorithms.md#non-finite-gradients) is where non-finite steps are skipped.
+Math, and the ``optimization_barrier`` that avoids the copy on CPU:
+``docs/algorithms.md#gradient-clipping``.
 """
 
 from __future__ import annotations
@@ -43,27 +17,19 @@ from optax_half._util import is_float
 
 __all__ = ["clip_by_global_norm"]
 
-# The norm optax's clip_by_global_norm takes: optax.tree.norm, or before
-# optax had it (pyproject allows optax >= 0.2.5), optax.global_norm.
+# optax's norm: optax.tree.norm, or optax.global_norm in older optax (pyproject allows 0.2.5).
 _tree_norm = getattr(getattr(optax, "tree", None), "norm", None) or optax.global_norm
 
 
 def _widened_by_xla_cpu(updates) -> bool:
-  """Whether XLA:CPU would write an fp32 copy of a leaf for optax's norm: a
-  16-bit float leaf, lowered for the CPU (trace time)."""
+  """Whether XLA:CPU would write an fp32 copy of a 16-bit leaf for optax's norm (trace time)."""
   return jax.default_backend() == "cpu" and any(
       is_float(x) and jnp.dtype(x.dtype).itemsize == 2 for x in jax.tree.leaves(updates))
 
 
 class ClipRead(NamedTuple):
-  """One step's ``clip_by_global_norm`` of the gradients, for a step that
-  clips as it reads them (the native kernel's ``Scalars.clip_div`` and
-  ``clip_mul``: ``optax_half.chain`` of this clip and ``adamw_bf16`` or
-  ``adam_fp32_master``), and the same clip in framework ops (``apply``).
-
-  ``trigger``: the global norm is below ``max_norm`` (the gradients are
-  kept); ``norm``: the global norm, in JAX's promoted dtype of the leaves.
-  """
+  """One step's clip, for a kernel step that clips as it reads (``Scalars.clip_div``,
+  ``clip_mul``) or for ``apply``. ``trigger``: ``norm < max_norm`` (gradients kept)."""
   trigger: jax.Array
   norm: jax.Array
   max_norm: jax.typing.ArrayLike
@@ -73,23 +39,14 @@ class ClipRead(NamedTuple):
     return jax.tree.map(lambda t: _clip_leaf(t, self), updates)
 
   def folds(self, dtype) -> bool:
-    """Whether a step may clip a gradient of ``dtype`` as it reads it (trace
-    time): bf16 or fp32, clipped in its own dtype (``max_norm`` a Python
-    float or an array of that dtype; one that promotes makes optax's select
-    fail). XLA:CPU computes the clip of those as the kernel reads it: a
-    true division for fp32, a product with the norm's fp32 reciprocal for
-    bf16, then the product with ``max_norm``, each rounded to the dtype; an
-    fp16 gradient's division it may turn into a multiplication by the norm's
-    reciprocal rounded to fp16, depending on the graph around it, so fp16
-    gradients are clipped by ``apply`` (docs/algorithms.md#gradient-clipping)."""
+    """Whether a step may clip a ``dtype`` gradient as it reads it (trace time): bf16 or
+    fp32, not promoted by ``max_norm`` (docs/algorithms.md#gradient-clipping)."""
     dtype = jnp.dtype(dtype)
     return (dtype in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
             and jnp.result_type(dtype, self.max_norm) == dtype)
 
   def factors(self, dtype) -> tuple:
-    """``(clip_div, clip_mul)`` of a gradient of ``dtype`` (fp32 scalars):
-    the norm and ``max_norm`` rounded to ``dtype`` as ``_clip_leaf``
-    rounds them, or 1 and 1 where the gradients are kept."""
+    """fp32 ``(clip_div, clip_mul)``: norm, ``max_norm`` as ``_clip_leaf`` rounds them; or 1s."""
     one = jnp.ones((), dtype)
     div = self.norm.astype(dtype)
     mul = one * self.max_norm  # max_norm in dtype, exactly as `(t / norm) * max_norm` takes it
@@ -112,21 +69,16 @@ def _clip_leaf(t, clip: ClipRead):
 def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransformation:
   """Clips the gradients to a global norm of at most ``max_norm``.
 
-  A drop-in for ``optax.clip_by_global_norm``: the same math, dtypes,
-  errors and results bit for bit, and an empty state. On CPU, 16-bit
-  gradients are not widened into an fp32 temporary (see the module
-  docstring).
+  A drop-in for ``optax.clip_by_global_norm`` (the same math, dtypes, errors and
+  bits) that writes no fp32 temporary of 16-bit gradients on CPU.
 
   Args:
     max_norm: the largest global norm the updates may have (a float or a
       scalar array).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` with ``optax.EmptyState``.
-    Before ``adamw_bf16`` or ``adam_fp32_master`` in ``optax_half.chain``,
-    the in-place step (``optax_half.update_and_apply``) has the kernel clip
-    each gradient as it reads it: no clipped copy of the gradients, the
-    same bits.
+    An ``optax.GradientTransformationExtraArgs`` with ``optax.EmptyState``; in ``optax_half.chain``
+    before ``adamw_bf16`` or ``adam_fp32_master``, the in-place kernel step clips as it reads.
 
   Example:
     >>> import jax.numpy as jnp
@@ -150,13 +102,11 @@ def clip_by_global_norm(max_norm: jax.typing.ArrayLike) -> optax.GradientTransfo
     del params, extra_args
     clip = read(updates, max_norm)
     if _widened_by_xla_cpu(updates):
-      # The scaling reads the barrier's output, not `updates`: XLA then has no
-      # widening with two readers to write once into an fp32 temporary.
+      # No widening with two readers, which XLA would write to an fp32 temporary.
       updates = jax.lax.optimization_barrier(updates)
     return clip.apply(updates), state
 
-  # An optax.GradientTransformationExtraArgs whose clip a following kernel
-  # step can apply as it reads the gradients (optax_half.chain).
+  # `read`: the clip a following kernel step applies as it reads (optax_half.chain).
   out = _in_place.ClipTransformation(optax.init_empty_state, update_fn)
   out.read = lambda updates: read(updates, max_norm)
   return out

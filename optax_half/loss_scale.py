@@ -1,33 +1,6 @@
 """Dynamic loss scaling: fp16 gradients without underflow, non-finite steps never applied.
 
-``dynamic_loss_scale(inner)`` wraps any transformation. The training loop
-multiplies its loss by the current scale (``scale_loss`` or
-``value_and_scaled_grad``), so the backward pass runs on ``scale * loss`` and
-small fp16 gradients stay above fp16's underflow. ``update`` then:
-
-1. upcasts every gradient leaf to fp32 (exactly, ``rounding.widen``) **before**
-   unscaling, so an fp16 gradient is never divided in fp16:
-   ``g = widen(g_scaled) * inv_scale`` with ``inv_scale = 1 / scale`` in fp32;
-2. checks, over the whole tree at once, that every unscaled value is finite;
-3. if so, runs ``inner`` on the fp32 ``g`` (``adamw_bf16`` and
-   ``adam_fp32_master`` with the native kernel form ``g`` as they read the
-   scaled gradients, the same bits); if not, returns updates of ``-0.0``
-   (``p + (-0.0) == p`` bitwise for every ``p``, ``-0.0`` included) and keeps
-   the inner state exactly as it was;
-4. updates the scale as ``torch.amp.GradScaler.update`` does, plus a floor:
-
-   * non-finite step: ``scale = max(scale * backoff_factor, min_scale)``,
-     ``growth_tracker = 0``, ``skipped_steps += 1``;
-   * finite step: ``growth_tracker += 1``; when it reaches ``growth_interval``,
-     ``scale *= growth_factor`` if the product is finite, and
-     ``growth_tracker = 0``.
-
-Everything is array arithmetic inside the step (no host sync, jit-safe, works
-with sharded trees: the finiteness check is one global reduction). The state
-is fp32/int32/bool whatever the param dtype, and every hyperparameter
-(``min_scale`` included) is a constant of the transformation, so nothing is
-lost or narrowed by ``jax.jit``. Spec:
-``docs/algorithms.md#dynamic-loss-scaling``.
+No host sync, jit- and sharding-safe; spec: ``docs/algorithms.md#dynamic-loss-scaling``.
 """
 
 from __future__ import annotations
@@ -58,8 +31,7 @@ class DynamicLossScaleState(NamedTuple):
 
   Attributes:
     scale: fp32 scalar, the current loss scale.
-    growth_tracker: int32 scalar, finite steps since the last growth or
-      backoff (``torch.amp.GradScaler``'s ``_growth_tracker``).
+    growth_tracker: int32 scalar, finite steps since the last growth or backoff.
     skipped_steps: int32 scalar, total steps skipped for non-finite gradients.
     last_finite: bool scalar, whether the last step's gradients were finite.
     inner_state: the inner transformation's state.
@@ -81,17 +53,8 @@ class DynamicLossScaleState(NamedTuple):
 
 
 def _refuse_inside_multisteps() -> None:
-  """Raises when an ``optax.MultiSteps`` is initialising this scaler.
-
-  ``optax.MultiSteps`` resets its accumulator as ``(1 - emit) * acc``: after
-  one micro-batch whose scaled gradients overflowed, ``0 * inf`` leaves it NaN
-  for good, so the scaler inside would skip every later window while its
-  scale decays to ``min_scale``. The scaler sees only the accumulated
-  gradients, so it cannot repair that; it refuses the nesting at ``init``
-  (found by ``MultiSteps.init``'s code on the call stack: a subclass that
-  calls it, an ``optax.chain`` in between, ``jax.eval_shape`` and
-  ``nnx.Optimizer`` included).
-  """
+  """Raises when ``optax.MultiSteps.init`` is on the call stack: one overflow would
+  leave its accumulator NaN for good (docs/algorithms.md#dynamic-loss-scaling)."""
   multisteps_init = optax.MultiSteps.init.__code__
   frame = sys._getframe(1)
   while frame is not None:
@@ -124,28 +87,12 @@ def dynamic_loss_scale(
     g = \text{f32}(\hat g) \cdot \text{f32}(1 / s), \qquad
     \text{finite} = \bigwedge_{\text{leaves}} \text{all}(\text{isfinite}(g))
 
-  ``inner`` is applied to ``g`` only when ``finite``; otherwise the updates
-  are ``-0.0`` and the inner state is unchanged. Then (``torch.amp.GradScaler``
-  with a floor): on a non-finite step :math:`s \leftarrow \max(s \cdot
-  \text{backoff}, \text{min\_scale})`; after ``growth_interval`` consecutive
-  finite steps :math:`s \leftarrow s \cdot \text{growth}` if that is finite.
-  The products are fp32; they equal GradScaler's (which multiplies in float64
-  and rounds to fp32) whenever the factors are representable in fp32 (2, 0.5,
-  1.5, ...); other factors are rounded to fp32 first.
-
-  Put clipping *inside*, so it sees unscaled gradients::
-
-    tx = optax_half.dynamic_loss_scale(optax.chain(
-        optax.clip_by_global_norm(1.0), optax_half.adam_fp32_master(1e-3)))
-
-  and gradient accumulation too: ``dynamic_loss_scale(optax.MultiSteps(inner,
-  k))``. The other nesting, ``optax.MultiSteps(dynamic_loss_scale(...))``, is
-  refused at ``init`` with a ``ValueError``: one overflowing micro-batch
-  would leave MultiSteps' accumulator NaN for good.
+  ``inner`` steps only when ``finite`` (else updates ``-0.0``, inner state kept); the
+  scale then follows ``torch.amp.GradScaler``, floored at ``min_scale``. Put clipping and
+  ``optax.MultiSteps`` inside (docs/algorithms.md#dynamic-loss-scaling).
 
   Args:
-    inner: any transformation (``optax.chain``s and ``optax_half`` optimizers
-      included); it receives fp32 gradients.
+    inner: any transformation; it receives fp32 gradients.
     init_scale: the first scale.
     growth_factor: factor (> 1) applied after ``growth_interval`` finite steps.
     backoff_factor: factor in (0, 1) applied on a non-finite step.
@@ -156,9 +103,6 @@ def dynamic_loss_scale(
     A ``GradientTransformationExtraArgs`` with ``DynamicLossScaleState``.
 
   Example:
-    A step whose scaled gradients overflowed is skipped and the scale backs
-    off; a finite step is unscaled and applied, and ``growth_interval``
-    finite steps double the scale:
 
     >>> import jax.numpy as jnp, optax
     >>> import optax_half as oh
@@ -219,15 +163,11 @@ def dynamic_loss_scale(
         inner_state=new_inner)
 
   inner_step = _in_place.step_of(inner)
-  # An inner step that unscales the gradients as it reads them (the native
-  # kernel's): the fp32 unscaled gradients are then never materialised.
+  # The native kernel's step unscales as it reads: no fp32 unscaled copy.
   scaled = _in_place.scaled_of(inner)
 
   def step(in_place, updates, state, params, extra_args):
     inv_scale = inverse(state)
-    # The unscaled values are formed here only inside the check (one pass of
-    # the native check on CPU, else fused by XLA into its reduction); a scaled
-    # inner step forms them again as it reads.
     finite = _native.all_finite(updates, inv_scale)
     if scaled is not None:
       def apply():
@@ -239,17 +179,10 @@ def dynamic_loss_scale(
       def apply():
         return run(grads, state.inner_state, params, **extra_args)
 
-    # On CPU a lax.cond: the inner step runs only on a finite step, and the
-    # kernel updates its state in place; elsewhere, and with several devices
-    # (where the kernel does not run), a select
-    # (docs/algorithms.md#dynamic-loss-scaling).
+    # lax.cond on CPU, a select elsewhere: docs/algorithms.md#dynamic-loss-scaling.
     branch_on_cpu = not _native._maybe_sharded(updates)
     if not in_place and scaled is not None and _all_16_bit(params):
-      # tx.update of a native optimizer on 16-bit params: the branch returns
-      # the new params (the in-place step's), and the fp32 updates
-      # f32(p') - f32(p) are formed after it, where XLA fuses them into the
-      # caller's apply_updates. The same bits as the updates returned from
-      # the branch, without an fp32 array written by one and read by the other.
+      # The branch returns p'; f32(p') - f32(p) after it fuses into apply_updates.
       def apply_new():
         return scaled(True, updates, inv_scale, state.inner_state, params, **extra_args)
       new_params, new_inner = if_finite(
@@ -272,7 +205,6 @@ def dynamic_loss_scale(
     return tx
 
   def update_and_apply_fn(updates, state, params, **extra_args):
-    # optax_half.update_and_apply: the inner optimizer writes the params in place.
     return step(True, updates, state, params, extra_args)
 
   return _in_place.register(tx, update_and_apply_fn)
@@ -291,9 +223,7 @@ def _value(x):
 
 
 def find_loss_scale_state(opt_state) -> DynamicLossScaleState:
-  """The one ``DynamicLossScaleState`` inside ``opt_state`` (any nesting).
-
-  Raises a ``ValueError`` if there is none, or more than one.
+  """The one ``DynamicLossScaleState`` in ``opt_state`` (any nesting); else ``ValueError``.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -332,10 +262,7 @@ def loss_scale(opt_state) -> jax.Array:
 
 
 def scale_loss(loss, opt_state) -> jax.Array:
-  """``loss * scale``, computed in (at least) fp32 so an fp16 loss cannot overflow.
-
-  The gradient of the result with respect to fp16 params is the scaled fp16
-  gradient that ``dynamic_loss_scale``'s ``update`` expects.
+  """``loss * scale`` in (at least) fp32, so an fp16 loss cannot overflow.
 
   Example:
     >>> import jax.numpy as jnp, optax
@@ -356,10 +283,8 @@ def scale_loss(loss, opt_state) -> jax.Array:
 def value_and_scaled_grad(fun: Callable, argnums=0, has_aux: bool = False) -> Callable:
   """``jax.value_and_grad`` for loss scaling.
 
-  Returns ``f(opt_state, *args, **kwargs) -> (value, grads)``: ``value`` is
-  what ``fun(*args, **kwargs)`` returns (the unscaled loss, or ``(loss, aux)``
-  with ``has_aux``), ``grads`` are the gradients of ``scale * loss`` with
-  respect to ``args[argnums]``, ready for ``tx.update``, which unscales them.
+  Returns ``f(opt_state, *args, **kwargs) -> (value, grads)``: ``fun``'s unscaled value
+  (``(loss, aux)`` with ``has_aux``), and ``scale * loss``'s gradients w.r.t. ``args[argnums]``.
 
   Example:
     >>> import jax.numpy as jnp, optax

@@ -1,20 +1,6 @@
-"""Bit-level helpers for low-precision parameters.
+"""Bit-level helpers for low-precision params: elementwise, jit-safe, no host syncs.
 
-Everything here is elementwise, jit-compatible and free of host syncs. The same
-functions exist, operation for operation, in ``torch_bridge/rounding.py``; the
-spec they both follow is ``docs/algorithms.md#rounding-primitives``.
-
-* ``split_f32`` / ``join_f32``: an fp32 value stored exactly as a bf16 high half
-  plus a signed 16-bit remainder (the "split master" layout).
-* ``random_bits``: a counter-based hash of (seed, step, stream, leaf, element
-  index) built from 32-bit integer xor, shift, add and multiply only, so that
-  PyTorch reproduces the same bits.
-* ``stochastic_round``: unbiased rounding of fp32 values to bf16/fp16 driven by
-  those bits.
-* ``no_fma`` / ``opaque_zero``: keep a product rounded to fp32 before it is
-  added, so that XLA cannot contract ``a * b + c`` into a fused multiply-add.
-* ``one_minus_pow``: ``1 - b ** n`` from +, -, * alone, the same bits in
-  every framework (no ``pow``).
+Spec: ``docs/algorithms.md#rounding-primitives``; ``torch_bridge/rounding.py`` mirrors it.
 """
 
 from __future__ import annotations
@@ -42,8 +28,7 @@ __all__ = [
     "STREAM_MOMENTS",
 ]
 
-# Streams keep the random bits of different buffers independent for one step;
-# both moments share one (``round_moments``).
+# One stream per buffer kind keeps their bits independent; both moments share one.
 STREAM_PARAMS, STREAM_MOMENTS = native_lib.STREAM_PARAMS, native_lib.STREAM_MOMENTS
 _M1, _M2, _GOLDEN = native_lib.MIX32_M1, native_lib.MIX32_M2, native_lib.GOLDEN
 
@@ -53,10 +38,7 @@ def _u32(x) -> jax.Array:
 
 
 def mix32(x: jax.Array) -> jax.Array:
-  """A bijective 32-bit integer hash (xor-shift / multiply, two rounds).
-
-  ``x ^= x >> 16; x *= M1; x ^= x >> 15; x *= M2; x ^= x >> 15`` on uint32
-  with wrap-around multiplication.
+  """A bijective uint32 hash (docs/algorithms.md#counter-based-random-bits).
 
   Example:
     >>> import jax.numpy as jnp
@@ -84,15 +66,10 @@ def _leaf_key(seed, step, stream, leaf) -> jax.Array:
 
 
 def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
-  """Uniform uint32 bits for every element of a leaf.
-
-  ``bits[i] = mix32(i ^ key)`` where ``i`` is the row-major element index and
-  ``key`` hashes ``seed``, ``step``, ``stream`` and ``leaf`` in turn
-  (``mix32`` between each xor). ``seed`` and ``step`` may be traced scalars.
+  """Uniform uint32 bits per element, ``mix32(i ^ key(seed, step, stream, leaf))``;
+  ``seed``, ``step`` may be traced (docs/algorithms.md#counter-based-random-bits).
 
   Example:
-    The same arguments give the same bits; another step gives others:
-
     >>> import jax.numpy as jnp
     >>> from optax_half import rounding
     >>> bits = rounding.random_bits(0, 0, rounding.STREAM_PARAMS, 0, (2, 3))
@@ -112,10 +89,7 @@ def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
 
 
 def swap_halves(bits: jax.Array) -> jax.Array:
-  """``bits`` with their 16-bit halves exchanged (a rotation by 16).
-
-  The second moment's word: rounding to bf16 draws a word's high half, so
-  ``w`` and ``swap_halves(w)`` round the two moments with disjoint bits.
+  """``bits``, 16-bit halves swapped (docs/algorithms.md#one-random-word-for-both-moments).
 
   Example:
     >>> import jax.numpy as jnp
@@ -128,17 +102,9 @@ def swap_halves(bits: jax.Array) -> jax.Array:
 
 
 def widen(p: jax.Array) -> jax.Array:
-  """The exact fp32 value of ``p``, even when ``p`` was just rounded in-graph.
-
-  ``x.astype(bf16).astype(f32)`` is not safe inside a jitted program: XLA may
-  treat the pair of converts as "excess precision" and drop both (XLA:GPU does,
-  by default), which silently turns ``x - f32(bf16(x))`` into 0. bf16 is
-  widened through its bits (``bits << 16``), which no float rewrite can fold;
-  other narrow types go through an optimization barrier.
+  """The exact fp32 value of ``p``, even just rounded in-graph (docs/algorithms.md#exact-upcasts).
 
   Example:
-    What rounding ``x`` to bf16 lost, kept exactly even under ``jax.jit``:
-
     >>> import jax, jax.numpy as jnp
     >>> from optax_half import rounding
     >>> lost = jax.jit(lambda x: x - rounding.widen(x.astype(jnp.bfloat16)))
@@ -157,19 +123,8 @@ def widen(p: jax.Array) -> jax.Array:
   return lax.optimization_barrier(p).astype(jnp.float32)
 
 
-# --------------------------------------------------------------------------
-# Reproducible arithmetic: no FMA contraction, no pow.
-# --------------------------------------------------------------------------
-
 def opaque_zero(count: jax.Array) -> jax.Array:
-  """A uint32 zero that the compiler cannot prove is zero: ``count >> 31``.
-
-  ``count`` is a step counter (int32, never negative: ``optax.safe_increment``
-  saturates), read at run time from the optimizer state. Built from a
-  constant, the zero would be folded away and ``no_fma`` would do nothing:
-  that also happens when the state is created inside the same jitted
-  function (``init`` inside ``jit`` followed by unrolled steps, or a
-  ``lax.scan`` of length 1 or with ``unroll=True``). Pass the state in.
+  """``count >> 31``, a zero the compiler cannot fold (docs/algorithms.md#determinism-and-jit).
 
   Example:
     >>> import jax.numpy as jnp
@@ -183,19 +138,11 @@ def opaque_zero(count: jax.Array) -> jax.Array:
 
 @jax.custom_jvp
 def no_fma(x: jax.Array, zero: jax.Array) -> jax.Array:
-  """fp32 ``x``, unchanged, but opaque to FMA contraction.
-
-  Inside a fusion XLA (CPU and GPU) contracts ``a * b + c`` into one fused
-  multiply-add, rounded once; PyTorch (eager, and Inductor with
-  ``-ffp-contract=off`` / Triton without fp fusion) rounds the product first.
-  ``no_fma(a * b, zero) + c`` passes the product's bits through an integer
-  ``xor`` with a zero the compiler cannot see (``opaque_zero``), so the
-  product is rounded to fp32 before the addition, as in PyTorch. The cost is
-  one integer op per element and no memory traffic.
+  """fp32 ``x``, unchanged, but opaque to FMA contraction: ``no_fma(a * b, zero) + c``
+  rounds the product first, as torch does (docs/algorithms.md#determinism-and-jit).
 
   Example:
-    With ``a = 1 + 2**-12``, ``a * a - 1`` is ``2**-11`` when the product is
-    rounded first and ``2**-11 + 2**-24`` when it is fused:
+    ``a * a - 1`` for ``a = 1 + 2**-12``: ``2**-11`` (fused: ``2**-11 + 2**-24``):
 
     >>> import jax, jax.numpy as jnp
     >>> from optax_half import rounding
@@ -217,25 +164,10 @@ def _no_fma_jvp(primals, tangents):
 
 
 def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Array:
-  """``1 - b ** n`` in fp32 for an int32 ``n >= 0``, without ``pow``.
+  """``1 - b ** n`` in fp32 for an int32 ``n >= 0``, without ``pow``: the same bits
+  as torch_bridge's (docs/algorithms.md#adamw-core).
 
-  ``pow`` differs between XLA, libm and CUDA by an ULP now and then, so the
-  bias corrections of Adam would differ between frameworks. Instead, with
-  ``d(k) = 1 - b ** k``, binary exponentiation runs on ``d`` itself:
-
-      d(2k)  = d(k) * (2 - d(k))
-      d(j+k) = (d(j) + d(k)) - d(j) * d(k)
-
-  starting from ``d(1) = 1 - b`` (exact for ``b >= 0.5``) and ``d(0) = 0``.
-  Every step keeps a small relative error even where ``b ** n`` is close to 1
-  (``1 - fl(b ** n)`` loses up to ``2**-24 / d`` there), and the sequence of
-  fp32 +, -, * is fixed, so ``torch_bridge.rounding.one_minus_pow`` gives the
-  same bits. ``zero``: from ``opaque_zero`` (the product is not fused).
-
-  ``one_minus_b``, if given, is ``d(1)`` itself (``b`` is then ignored): pass
-  ``f32(1 - b)`` computed in float64 when ``b`` is a Python float close to 1,
-  since ``1 - f32(b)`` carries ``b``'s rounding (for ``b = 0.98``, 1e-6 of
-  ``1 - b``).
+  ``one_minus_b``: ``1 - b`` itself, ``b`` ignored (docs/algorithms.md#dtypes-and-coefficients).
 
   Example:
     >>> import jax.numpy as jnp
@@ -259,21 +191,12 @@ def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Arr
   return d
 
 
-# --------------------------------------------------------------------------
-# Exact split of fp32 into a bf16 high half and an int16 low half.
-# --------------------------------------------------------------------------
-
 _BF16_QNAN = 0x7FC0
 
 
 def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Split fp32 ``x`` into ``(hi: bfloat16, lo: int16)`` with no loss.
-
-  ``hi`` is ``x`` rounded to bf16 half-up in bit space,
-  ``hi_bits = (x_bits + 0x8000) >> 16``; the remainder
-  ``lo = x_bits - (hi_bits << 16)`` then lies in ``[-32768, 32767]``.
-  ``hi`` equals round-to-nearest-even except on exact ties (it rounds those
-  away from zero). NaN becomes a quiet bf16 NaN with ``lo = 0``.
+  """Split fp32 ``x`` into ``(hi: bfloat16, lo: int16)`` with no loss
+  (docs/algorithms.md#split-fp32-into-bf16-and-int16).
 
   Example:
     >>> import jax.numpy as jnp
@@ -298,7 +221,7 @@ def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def join_f32(hi: jax.Array, lo: jax.Array) -> jax.Array:
-  """Inverse of ``split_f32``: ``bits = (hi_bits << 16) + lo`` (mod 2^32).
+  """Inverse of ``split_f32``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -313,14 +236,8 @@ def join_f32(hi: jax.Array, lo: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type((hi_bits << 16) + lo_bits, jnp.float32)
 
 
-# --------------------------------------------------------------------------
-# Stochastic rounding.
-# --------------------------------------------------------------------------
-
-
 def _stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
-  # Add 16 random bits below the bf16 mantissa, then truncate: the word carries
-  # into the next bf16 value with probability low16(x) / 2^16 exactly.
+  # 16 random bits added below the bf16 mantissa carry with probability low16(x) / 2^16.
   word = lax.bitcast_convert_type(x, jnp.uint32)
   word = (word + (bits >> 16)) >> 16
   y = lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.bfloat16)
@@ -328,15 +245,9 @@ def _stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
 
 
 def _stochastic_round_f16(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
-  # Neighbours of x in `dtype`: `down` towards zero, `up` away from zero.
-  # frac = (|x| - |down|) / (|up| - |down|) is exact in fp32; round away from
-  # zero when a 24-bit uniform u in [0, 1) is below it.
   nearest = x.astype(dtype)
   overshoot = jnp.abs(widen(nearest)) > jnp.abs(x)
-  # down = nextafter(nearest, 0) where nearest overshoots, else nearest; up =
-  # nextafter(down, +-inf on x's side): one step of the 15-bit magnitude, the
-  # sign kept (nearest has x's sign, -0 included; x = +-0 never takes up).
-  # Integer steps, as torch_bridge.rounding takes them.
+  # Neighbours by integer steps, as torch_bridge's: docs/algorithms.md#stochastic-rounding.
   word = lax.bitcast_convert_type(nearest, jnp.int16).astype(jnp.int32)
   sign, down_magnitude = word & -32768, (word & 0x7FFF) - overshoot.astype(jnp.int32)
   down = lax.bitcast_convert_type((sign | down_magnitude).astype(jnp.int16), dtype)
@@ -350,18 +261,10 @@ def _stochastic_round_f16(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
 
 
 def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
-  """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased.
-
-  ``E[stochastic_round(x)] == x`` up to the 2^-16 (bf16) or 2^-24 (fp16)
-  granularity of the random threshold. ``bits`` is a uint32 array of
-  ``x``'s shape (see ``random_bits``). Non-finite values round to nearest.
-  For fp32 targets this is the identity; other dtypes (fp8) raise a
-  ``ValueError``.
+  """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased, by uint32 ``bits`` of
+  ``x``'s shape (docs/algorithms.md#stochastic-rounding).
 
   Example:
-    ``1 + 2**-9`` is a quarter of a bf16 ULP above 1: to nearest it is 1.0,
-    stochastically it is 1.0078125 a quarter of the time, 1.0 otherwise,
-    and 1 + 2**-9 on average:
 
     >>> import jax.numpy as jnp
     >>> from optax_half import rounding
@@ -387,8 +290,8 @@ def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
              stream: int = 0, leaf: int = 0) -> jax.Array:
   """Round fp32 ``x`` to ``dtype`` by ``rounding`` in {"nearest", "stochastic"}.
 
-  Stochastic rounding draws ``random_bits(seed, step, stream, leaf, x.shape)``;
-  it only applies to 16-bit targets (wider dtypes round to nearest).
+  Stochastic draws ``random_bits(seed, step, stream, leaf, x.shape)``; targets wider than
+  16 bits round to nearest.
 
   Example:
     >>> import jax.numpy as jnp
@@ -407,21 +310,15 @@ def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
 
 
 def _stochastic_moments(m_dtype, v_dtype, rounding: str) -> bool:
-  """Whether ``round_moments`` draws random bits: stochastic rounding and
-  a 16-bit moment (fp32 moments are written as they are)."""
+  """Whether ``round_moments`` draws bits: stochastic, and a moment narrower than fp32."""
   return rounding == "stochastic" and (
       jnp.dtype(m_dtype).itemsize < 4 or jnp.dtype(v_dtype).itemsize < 4)
 
 
 def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: str,
                   seed=None, step=None, leaf: int = 0) -> tuple[jax.Array, jax.Array]:
-  """Round Adam's fp32 moments to their storage dtypes, as one pair.
-
-  Stochastic rounding draws one word per element,
-  ``w = random_bits(seed, step, STREAM_MOMENTS, leaf, shape)``: ``m32``
-  rounds with ``w`` and ``v32`` with ``swap_halves(w)`` (one hash for both,
-  and for bf16 moments disjoint halves of it). 32-bit targets, and
-  ``rounding="nearest"``, round to nearest.
+  """Round Adam's fp32 moments to their storage dtypes, stochastically from one word
+  per element (docs/algorithms.md#one-random-word-for-both-moments).
 
   Example:
     >>> import jax.numpy as jnp

@@ -1,11 +1,5 @@
-"""ScaledAdam (icefall, Daniel Povey 2022), as an optax transformation.
-
-Adam whose step for each tensor is proportional to the tensor's RMS, which
-learns each tensor's scale every ``size_update_period`` steps, keeps momentum
-as a parameter change ``delta`` and may clip gradients against the median of
-recent norms. The spec (formulas, order of operations, dtypes, and where this
-port of seed 002 differs from the seed): ``docs/algorithms.md#scaledadam-and-eden``.
-``torch_bridge/scaled_adam.py`` is the same algorithm, its steps named as here.
+"""ScaledAdam (icefall, Daniel Povey 2022) as an optax transformation; spec:
+``docs/algorithms.md#scaledadam-and-eden``. ``torch_bridge/scaled_adam.py`` names its steps alike.
 """
 
 from __future__ import annotations
@@ -34,20 +28,14 @@ class ScaledAdamClippingState(NamedTuple):
   """The gradient-clipping statistics of ``scaled_adam`` (one set per tree).
 
   Attributes:
-    model_norms: fp32 ``(clipping_update_period,)``, the norm of the
-      param_rms-weighted gradient at step ``t`` in slot ``t % period``.
-    model_norm_threshold: fp32, ``clipping_scale`` x the median of
-      ``model_norms``, set every ``period`` steps (0 before the first).
+    model_norms: fp32 ``(P,)``, ``P = clipping_update_period``: step ``t``'s norm in slot ``t % P``.
+    model_norm_threshold: fp32, ``clipping_scale`` x their median, every ``P`` steps; 0 at first.
     num_clipped: int32, steps clipped since the statistics were last taken.
-    quartiles: fp32 ``(5,)``, the norm quartiles (min, 25%, 50%, 75%, max)
-      taken at the last multiple of ``period``.
-    percent_clipped: fp32, the percentage of the ``period`` steps before that
-      which were clipped.
-    clipping_factor: fp32, the factor (<= 1) the last step's gradients were
-      multiplied by.
+    quartiles: fp32 ``(5,)``, the norms' min, 25%, 50%, 75%, max at the last multiple of ``P``.
+    percent_clipped: fp32, the percentage of the ``P`` steps before that which were clipped.
+    clipping_factor: fp32, the factor (<= 1) of the last step's gradients.
     grad_norm: fp32, the last step's weighted gradient norm.
-    dominant_index: int32, position (among the float leaves, in flatten order)
-      of the leaf with the largest share of the squared norm, last step.
+    dominant_index: int32, the float leaf (flatten order) with the largest squared-norm share.
     dominant_share: fp32, that share (in [0, 1]).
 
   Example:
@@ -71,18 +59,15 @@ class ScaledAdamClippingState(NamedTuple):
 
 
 class ScaledAdamState(NamedTuple):
-  """State of ``scaled_adam``; per-leaf buffers are in the param dtype (as in the
-  seed), except the second moments of fp16 params, which are fp32.
+  """State of ``scaled_adam``: buffers in the param dtype, second moments fp32 for fp16.
 
   Attributes:
     count: int32 steps taken (the seed's ``step``).
     delta: per leaf, the momentum-filtered parameter change.
     exp_avg_sq: per leaf, the second moment of the gradient.
-    param_rms: per leaf with more than one element, the scalar RMS of the
-      param, refreshed at every size update; ``MaskedNode()`` for scalars.
+    param_rms: per non-scalar leaf, its RMS at the last size step; ``MaskedNode()`` for scalars.
     scale_exp_avg_sq: per non-scalar leaf, the second moment of the scale gradient.
-    scale_grads: per non-scalar leaf, ``(size_update_period,)`` scale gradients
-      ``sum(p * g)`` of the current period.
+    scale_grads: per non-scalar leaf, the period's ``(size_update_period,)`` ``sum(p * g)``.
     clipping: the ``ScaledAdamClippingState``.
 
   Example:
@@ -105,9 +90,8 @@ class ScaledAdamState(NamedTuple):
 
 
 class ScaledAdamTransformation(_in_place.InPlaceTransformation):
-  """``scaled_adam``'s transformation, with an in-place step (``update_and_apply``)
-  and ``kahan_update``, the step ``kahan_summation`` takes when it wraps it: the
-  same bits as ``update`` either way (docs/algorithms.md#the-scaledadam-kernel)."""
+  """``scaled_adam`` with ``update_and_apply`` and ``kahan_update``, ``update``'s bits either way
+  (docs/algorithms.md#the-scaledadam-kernel)."""
   kahan_update = None  # set on each instance by scaled_adam
 
 
@@ -130,9 +114,7 @@ def _is_scalar(p) -> bool:
 
 
 def leaf_names(params) -> list[str]:
-  """Dotted names of the float leaves, in flatten order (``"layer.w"``,
-  ``"blocks.0.b"``). A Flax NNX variable's array (the attribute ``value`` of
-  an ``nnx.Param``) is named by the variable: ``"linear.kernel"``."""
+  """Dotted float-leaf names in flatten order (an NNX variable's ``value``: ``"linear.kernel"``)."""
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
     if is_float(leaf):
@@ -194,9 +176,8 @@ def scaled_adam(
 ) -> optax.GradientTransformationExtraArgs:
   r"""ScaledAdam: Adam with updates proportional to each tensor's RMS, and a learnt scale.
 
-  At step ``t`` (0-based; ``lr = learning_rate(t)``), with ``g`` the fp32
-  gradient times the clipping factor ``c_t``, for a tensor ``p`` with more
-  than one element and ``rms = param_rms``:
+  At step ``t`` (0-based; ``lr = learning_rate(t)``), ``g`` the fp32 gradient times the clipping
+  factor ``c_t``, for a tensor ``p`` of more than one element and ``rms = param_rms``:
 
   .. math::
      \delta &\leftarrow b_1 \delta \\
@@ -214,17 +195,9 @@ def scaled_adam(
      \delta &\leftarrow \delta + (g / (\sqrt{\hat v} + \epsilon))
         \cdot (-\eta (1 - b_1) \max(rms, rms_{min})),\qquad p \leftarrow p + \delta
 
-  with ``eta_s = lr * scalar_lr_scale``. A tensor with one element takes the
-  scalar path: ``v`` as above, ``delta += -eta_s (1 - b1) g / (sqrt(v / (1 -
-  b2^(t+1))) + eps)`` (always bias corrected), and ``p = clip(p, +-scalar_max)
-  + delta``. There is no first-moment bias correction: ``delta`` starts at 0.
-
-  Clipping (``clipping_scale`` not None): the norm ``N_t`` of the gradient
-  weighted by ``param_rms`` (scalars: unweighted) is stored in slot ``t mod
-  P`` of ``model_norms`` (``P = clipping_update_period``, from step 1 on);
-  every ``P`` steps the quartiles are taken and ``threshold = clipping_scale
-  * median``; from step ``P`` on, ``c_t = min(1, threshold / (N_t + 1e-20))``.
-  ``c_t`` scales the gradient used everywhere above.
+  with ``eta_s = lr * scalar_lr_scale``; ``c_t = min(1, threshold / (N_t + 1e-20))``, ``N_t``
+  the ``param_rms``-weighted norm. One-element tensors take a scalar path; ``delta`` has no
+  bias correction (docs/algorithms.md#the-scaledadam-step).
 
   Args:
     learning_rate: a float or an optax schedule ``count -> lr`` (e.g. ``eden``).
@@ -236,26 +209,17 @@ def scaled_adam(
     scalar_max: one-element params are clipped to ``[-scalar_max, scalar_max]``.
     size_update_period: steps between size updates.
     clipping_update_period: steps between clipping statistics.
-    show_dominant_parameters: log (``jax.debug.callback``, logger
-      ``optax_half.scaled_adam``) the statistics every ``clipping_update_period``
-      steps and, when a step is scaled by less than 0.1, which param dominates
-      the norm. Logging is also on when that logger is enabled for INFO at
-      trace time; otherwise no callback is compiled in. The statistics are in
-      the state either way (``scaled_adam_stats``).
-    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
-      Inf (``optax.apply_if_finite``, never giving up). Without it one
-      non-finite element reaches every param through the clipping norm and the
-      scale gradients.
+    show_dominant_parameters: log the statistics, and the param dominating a
+      step scaled by < 0.1 (docs/algorithms.md#statistics-and-logging).
+    skip_nonfinite: skip (and count) every step with a NaN or Inf gradient
+      (docs/algorithms.md#non-finite-gradients).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``.
-    Its updates are ``delta`` in the param dtype, and fp32 for one-element
-    leaves (the clamp to ``scalar_max``).
+    An ``optax.GradientTransformationExtraArgs``; ``update`` needs ``params``. Its updates
+    are ``delta`` in the param dtype; fp32 for one-element leaves (the clamp to ``scalar_max``).
 
   Example:
-    The same gradient moves each tensor in proportion to its RMS (``0.1``
-    and ``1.0`` here); a one-element param takes the scalar path, with the
-    learning rate times ``scalar_lr_scale``:
+    Steps in proportion to each tensor's RMS (``s``: lr times ``scalar_lr_scale``):
 
     >>> import jax, jax.numpy as jnp
     >>> import optax_half as oh
@@ -352,8 +316,7 @@ def _init(h: _Hyper, params) -> ScaledAdamState:
 
 
 def _step(h: _Hyper, updates, state, params, in_place: bool):
-  """``update`` (``(updates, state)``) or, with ``in_place``, ``update_and_apply``
-  (``(new params, state)``: on CPU the kernel writes its leaves' new params)."""
+  """``update``, or with ``in_place`` ``update_and_apply`` (``(new params, state)``)."""
   check_trees("scaled_adam", updates, params)
   grads, treedef = jax.tree.flatten(updates)
   ps = treedef.flatten_up_to(params)
@@ -383,9 +346,8 @@ def _step_leaves(h: _Hyper, treedef, ps, grads, state, native: tuple, in_place: 
 
 
 def _kahan_update(h: _Hyper, grads, state, x, leaves, finish, in_place: bool):
-  """``kahan_update``: ``kahan_summation(scaled_adam)``'s step with the kernel
-  taking the 16-bit leaves and their compensations whole
-  (docs/algorithms.md#the-scaledadam-kernel). None where it takes none (trace time)."""
+  """``kahan_summation(scaled_adam)``'s kernel step, or None where the kernel takes no leaf
+  (docs/algorithms.md#the-scaledadam-kernel)."""
   gs, treedef = jax.tree.flatten(grads)
   xs = treedef.flatten_up_to(x)
   ds = treedef.flatten_up_to(state.delta)
@@ -404,8 +366,7 @@ def _kahan_update(h: _Hyper, grads, state, x, leaves, finish, in_place: bool):
 
 def _kahan_step(h: _Hyper, treedef, xs, gs, state, leaves, whole, native, finish,
                 in_place: bool, kernel: bool):
-  """``_kahan_update``'s platform branch: ``(updates, state, done)``, ``done`` each
-  whole leaf's (new param, new compensation), from the kernel or ``finish``."""
+  """``_kahan_update``'s platform branch; ``done``: whole leaves' (param, compensation)."""
   kahan = {k: leaves[k][:3] for k in whole} if kernel else None
   u, new_state, kernel_done = _update(h, treedef, xs, gs, state, native if kernel else (),
                                       kahan=kahan, in_place=in_place)
@@ -416,9 +377,8 @@ def _kahan_step(h: _Hyper, treedef, xs, gs, state, leaves, whole, native, finish
 
 
 def _update(h: _Hyper, treedef, ps, grads, state, native: tuple, kahan=None, in_place=False):
-  """The step of the flat leaves ``ps`` (``native``'s in the kernel; ``kahan``: their 16-bit
-  param, gradient and compensation, ``ps`` being ``p + c``) in torch's ``_step_group`` order:
-  ``(updates, state, done)``, ``done`` the kernel's new params (and compensations)."""
+  """The step of the flat leaves ``ps`` (``p + c`` for ``kahan``'s), ``native``'s in the kernel,
+  in torch's ``_step_group`` order: ``(updates, state, done)``, ``done`` the kernel's."""
   names = leaf_names(jax.tree.unflatten(treedef, ps))
   deltas = treedef.flatten_up_to(state.delta)
   vs = treedef.flatten_up_to(state.exp_avg_sq)
@@ -450,8 +410,8 @@ def _update(h: _Hyper, treedef, ps, grads, state, native: tuple, kahan=None, in_
 
 
 def _coefficients(h: _Hyper, t) -> _Coefficients:
-  """The fp32 scalars of step ``t``, formed from the Python hyperparameters in
-  float64 and rounded once (docs/algorithms.md#dtypes-and-coefficients)."""
+  """Step ``t``'s fp32 scalars, each rounded once from float64
+  (docs/algorithms.md#dtypes-and-coefficients)."""
   S = h.size_update_period
   lr = _f32(h.learning_rate(t) if callable(h.learning_rate) else h.learning_rate)
   one_minus_b2 = _f32(1 - h.b2)
@@ -468,8 +428,7 @@ def _coefficients(h: _Hyper, t) -> _Coefficients:
 
 
 def _native_rows(ps, grads, native: tuple, kahan: dict) -> list:
-  """The kernel's calls, ``(positions, params, gradients, compensations or None)``:
-  the leaves it takes as they are, then those it takes with ``kahan``'s."""
+  """The kernel's calls, ``(positions, params, gradients, compensations or None)``."""
   calls = []
   for ks in ([k for k in native if k not in kahan], [k for k in native if k in kahan]):
     if ks:
@@ -493,8 +452,7 @@ def _native_sums(h: _Hyper, c: _Coefficients, calls, rms_old) -> dict:
 
 
 def _clip_sums(sums: dict, g32, rms_old) -> list:
-  """Per leaf, ``sum((g * param_rms)^2)`` (``sum(g^2)`` for a scalar): the
-  kernel's, or XLA's."""
+  """Per leaf, ``sum((g * param_rms)^2)`` (``sum(g^2)`` for a scalar): the kernel's or XLA's."""
   return [sums[k][0] if k in sums else jnp.sum(g * g) if r is None
           else jnp.sum((g * r) * (g * r)) for k, (g, r) in enumerate(zip(g32, rms_old))]
 
@@ -540,8 +498,7 @@ def _clip(h: _Hyper, t, c: ScaledAdamClippingState, sumsq: list, names):
 
 
 def _log(h: _Hyper, t, c: ScaledAdamClippingState, names) -> None:
-  """Logs at the seed's cadence from inside jit: a ``jax.debug.callback`` in a
-  cond (docs/algorithms.md#statistics-and-logging)."""
+  """Logs from inside jit at the seed's cadence (docs/algorithms.md#statistics-and-logging)."""
   P = h.clipping_update_period
   due = ((t > 0) & (t % P == 0)) | (c.clipping_factor < 0.1)
   host_log = functools.partial(_host_log, names, h.clipping_scale, h.show_dominant_parameters, P)
@@ -555,9 +512,8 @@ def _host_log(names, clipping_scale, show_dominant: bool, P: int, t, c) -> None:
 
 
 def _size_updates(h: _Hyper, c: _Coefficients, sg, w, rms, scale_grad, mean_sq) -> tuple:
-  """The size updates of a batch of leaves (``sg`` (n, S), the rest (n,)) or of
-  one (``sg`` (S,)): each records its scale gradient and, every S steps, gets its
-  new RMS and log-scale step (else 0); and the step's RMS factor ``alpha``."""
+  """The size updates of a batch of leaves (``sg`` (n, S)) or of one (``sg`` (S,)),
+  and the step's RMS factor ``alpha`` (docs/algorithms.md#the-scaledadam-step)."""
   S = h.size_update_period
   sg_new = sg.at[..., c.t % S].set(scale_grad.astype(sg.dtype))
   sg32 = rounding.widen(sg_new)
@@ -594,7 +550,6 @@ def _step_one(h: _Hyper, c: _Coefficients, p, g, d, v, rms, w, sg) -> tuple:
   sg_new, rms_new, w_new, scale_step, alpha, _ = _size_updates(
       h, c, sg, w, rms, jnp.sum(p32 * g), jnp.mean(p32 * p32))
   delta = delta + c.one_minus_b1 * (p32 * scale_step)
-  # The Adam-like step, scaled by the tensor's RMS.
   v_hat = jnp.where(c.bc2 < _f32(0.99), v32 * c.inv_bc2, v32)
   denom = jnp.sqrt(v_hat) + c.eps
   delta = (delta + (g / denom) * alpha).astype(d.dtype)
@@ -625,8 +580,7 @@ def _native_scalars(h: _Hyper, c: _Coefficients, sums: dict, factor, sgs, ws, rm
 
 
 def _native_step(c: _Coefficients, calls, rows: dict, deltas, vs, in_place: bool) -> tuple:
-  """The kernel's step of its leaves: ``(stepped, done)``, ``stepped`` each one's
-  ``(update, delta, v)`` (the update is the new delta), ``done`` as ``_update``'s."""
+  """The kernel's step: ``(stepped, done)``, ``stepped[k] = (delta, delta, v)``."""
   stepped, done = {}, {}
   for ks, kernel_ps, kernel_gs, comps in calls:
     size = jnp.broadcast_to(c.do_size_update.astype(jnp.int32), (len(ks),))
@@ -689,18 +643,13 @@ def _find_state(opt_state) -> Optional[ScaledAdamState]:
 
 
 def scaled_adam_stats(opt_state) -> dict:
-  """The clipping statistics of the ``scaled_adam`` found in ``opt_state`` (host values).
-
-  Reads the device arrays (a host sync: call it when logging, not inside a
-  jitted step). The dominant parameter is named by its dotted tree path in
-  the tree ``scaled_adam`` itself saw (its state's ``delta``), so leaves
-  masked out by ``optax.masked`` or the wrappers are never named.
+  """The clipping statistics of the ``scaled_adam`` in ``opt_state``, read to the host
+  (a sync: not inside a jitted step; docs/algorithms.md#statistics-and-logging).
 
   Returns:
-    A dict: ``grad_norm_quartiles`` (5 floats: min, 25%, median, 75%, max, as of
-    the last multiple of ``clipping_update_period``), ``model_norm_threshold``,
-    ``percent_clipped``, ``num_clipped``, ``clipping_factor`` and ``grad_norm``
-    of the last step, ``dominant_parameter`` (name) and ``dominant_share``.
+    A dict: ``grad_norm_quartiles`` (min, 25%, median, 75%, max at the last multiple of
+    ``clipping_update_period``), ``model_norm_threshold``, ``percent_clipped``, ``num_clipped``;
+    the last step's ``clipping_factor``, ``grad_norm``, ``dominant_parameter``, ``dominant_share``.
 
   Example:
     >>> import jax, jax.numpy as jnp

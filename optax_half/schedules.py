@@ -1,10 +1,4 @@
-"""Learning-rate schedules.
-
-``preheat_decay_schedule`` is the built-in schedule of arogozhnikov's
-adamw_bfloat16 (its ``LR`` class): a linear "preheat" followed by a power-law
-decay, written as an optax schedule. ``eden`` is icefall's schedule for
-ScaledAdam: a slow decay in both the step and the epoch, after a linear warm-up.
-"""
+"""Learning-rate schedules: adamw_bfloat16's preheat-decay and icefall's Eden, as optax's."""
 
 from __future__ import annotations
 
@@ -19,11 +13,8 @@ def preheat_decay_schedule(learning_rate: float, preheat_steps: int = 3000,
                            decay_power: float = -0.5):
   r"""``lr(count) = learning_rate * min(x, x ** decay_power)``, fp32.
 
-  ``x = (step + 1) / preheat_steps`` with ``step = count + 1``: the reference
-  increments its step counter before evaluating the schedule, so the first
-  update (optax ``count == 0``) uses ``x = 2 / preheat_steps``. The peak,
-  ``learning_rate``, is reached at ``count = preheat_steps - 2``; afterwards
-  the rate decays as ``x ** decay_power``.
+  ``x = (count + 2) / preheat_steps`` (docs/algorithms.md#preheat-decay-schedule):
+  linear up to the peak at ``count = preheat_steps - 2``, then ``x ** decay_power``.
 
   Args:
     learning_rate: peak learning rate.
@@ -64,12 +55,8 @@ def eden(learning_rate, lr_batches: float = 7500, lr_epochs: float = 3.5,
         \left(\frac{e^2 + E^2}{E^2}\right)^{-1/4} w,\qquad
      w = \begin{cases} s + (1 - s)\, b / W & b < W \\ 1 & b \ge W \end{cases}
 
-  with ``b = count`` (the step, starting at 0 like icefall's batch counter),
-  ``e = count // steps_per_epoch`` (icefall's integer epoch, starting at 0),
-  ``B = lr_batches``, ``E = lr_epochs``, ``W = warmup_batches`` and ``s =
-  warmup_start``. Every operation is one fp32 op; ``x ** -1/4`` is taken as
-  ``1 / sqrt(sqrt(x))`` and ``a / c`` for constants ``c`` as ``a * fl(1 /
-  c)``, so ``torch_bridge.eden`` gives the same bits.
+  with ``b = count``, ``e = count // steps_per_epoch``; fp32 ops, the same bits as
+  ``torch_bridge.eden`` (docs/algorithms.md#eden).
 
   Args:
     learning_rate: the base rate (icefall's ``base_lr``; Zipformer used 0.045).
@@ -77,15 +64,12 @@ def eden(learning_rate, lr_batches: float = 7500, lr_epochs: float = 3.5,
     lr_epochs: ``E``, the epoch scale of the decay.
     warmup_batches: ``W``, the length of the linear warm-up (0: none).
     warmup_start: ``s``, the warm-up's starting factor.
-    steps_per_epoch: optimizer steps per epoch (keyword, required); ``None``
-      keeps ``e = 0``, i.e. leaves the epoch factor out.
+    steps_per_epoch: optimizer steps per epoch (keyword, required); ``None``: ``e = 0``.
 
   Returns:
     An optax schedule.
 
   Example:
-    Half the rate at step 0, the whole rate at the end of the warm-up, then a
-    slow decay in the step and the epoch:
 
     >>> import optax_half as oh
     >>> schedule = oh.eden(0.045, lr_batches=100, lr_epochs=2, warmup_batches=10,
