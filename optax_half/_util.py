@@ -17,9 +17,7 @@ def is_abstract(tree) -> bool:
 
 
 def check_no_complex(name: str, params) -> None:
-  """Raises a ``ValueError`` naming the first complex leaf of ``params``: the
-  low-precision optimizers and wrappers are written for real floats (a
-  complex leaf would lose its imaginary part, or get no update)."""
+  """Refuses complex params, naming the first leaf (docs/algorithms.md#named-optimizers)."""
   for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
     dtype = x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
     if jnp.issubdtype(dtype, jnp.complexfloating):
@@ -31,12 +29,8 @@ def check_no_complex(name: str, params) -> None:
 
 def transformation(init, update,
                    name: str | None = None) -> optax.GradientTransformationExtraArgs:
-  """``optax.GradientTransformationExtraArgs(init, update)`` whose ``init``
-  also takes abstract params (``jax.ShapeDtypeStruct`` leaves, as sharding
-  setup code passes): it then returns the abstract state, as
-  ``jax.eval_shape(init, params)`` does (a master copy of abstract params has
-  no values). ``update`` takes ``**extra_args``. With ``name``, ``init``
-  refuses complex params (``check_no_complex``)."""
+  """``GradientTransformationExtraArgs(init, update)``; ``init`` of abstract params gives the
+  abstract state (docs/algorithms.md#jax-sharding); with ``name`` it refuses complex ones."""
   def init_any(params):
     if name is not None:
       check_no_complex(name, params)
@@ -54,16 +48,8 @@ def is_float(x) -> bool:
 
 
 def like_param(p, x) -> jax.Array:
-  """``x`` (an array of ``p``'s shape) sharded like ``p``.
-
-  Under ``jax.jit`` with automatic sharding, XLA replicates a constant (it
-  has no operand to take a sharding from) and does not carry a sharding
-  through bit casts; ``shard_alike`` ties ``x`` to ``p`` (an annotation: no
-  data moves). Eagerly, and under explicit sharding, ``x`` already follows
-  ``p`` and is returned as it is. On a JAX without
-  ``jax.experimental.shard_alike`` (0.11) there is no tie: under automatic
-  sharding XLA then lays out state made inside ``jit`` as it chooses.
-  """
+  """``x`` (of ``p``'s shape) tied to ``p``'s sharding with ``shard_alike`` when traced
+  (docs/algorithms.md#jax-sharding)."""
   if shard_alike is not None and (isinstance(p, jax.core.Tracer)
                                   or isinstance(x, jax.core.Tracer)):
     return shard_alike(p, x)[1]
@@ -76,11 +62,7 @@ def zeros_like_param(p, dtype=None) -> jax.Array:
 
 
 def seed_from_key(key) -> jax.Array:
-  """A uint32 seed from ``None`` (seed 0), a Python int, or a JAX PRNG key.
-
-  Integers are taken modulo 2^32; the same integer gives the same random bits
-  in ``torch_bridge``. A JAX key is reduced with ``jax.random.bits``.
-  """
+  """A uint32 seed from None, an int or a JAX key: docs/algorithms.md#counter-based-random-bits."""
   if key is None:
     return jnp.uint32(0)
   if isinstance(key, int) and not isinstance(key, bool):
@@ -102,11 +84,8 @@ def seed_from_key(key) -> jax.Array:
 
 
 def check_trees(name: str, updates, params) -> None:
-  """A clear error when the gradient tree does not fit the params tree.
-
-  Checks the structure, then every leaf's shape, and names the first
-  mismatching leaf by its tree path (trace-time only: shapes are static).
-  """
+  """A clear error when the gradient tree does not fit the params tree (structure, then
+  shapes: the first mismatching leaf by its path; at trace time)."""
   if params is None:
     raise ValueError(
         f"{name} needs the current params: call tx.update(grads, state, params).")
@@ -124,27 +103,18 @@ def check_trees(name: str, updates, params) -> None:
 
 
 def check_no_float64(name: str, params) -> None:
-  """Refuses float64 leaves where the math is fp32 (names the first one).
-
-  An fp32 update added to a float64 param would silently drop the precision
-  the user asked for.
-  """
+  """Refuses float64 leaves (fp32 math), naming the first: docs/algorithms.md#named-optimizers."""
   for path, p in jax.tree_util.tree_flatten_with_path(params)[0]:
     dtype = getattr(p, "dtype", None)
-    # The canonical dtype: with x64 off (JAX's default) a numpy float64 leaf is
-    # an fp32 array to every JAX op, the wrappers' included, and is accepted.
+    # Canonical: with x64 off a numpy float64 leaf is an fp32 array, and accepted.
     if dtype is not None and jax.dtypes.canonicalize_dtype(dtype) == np.float64:
       raise ValueError(float64_message(name, f"params{jax.tree_util.keystr(path)}",
                                        "an optax optimizer"))
 
 
 def leaf_indices(params):
-  """Index of every float leaf among the float leaves, in flatten order.
-
-  This is the ``leaf`` coordinate of the random bits; ``torch_bridge`` uses a
-  parameter's position in the optimizer's parameter list, which matches for
-  trees holding only float leaves.
-  """
+  """Each float leaf's index among the float leaves (-1 elsewhere): the random bits' ``leaf``
+  (docs/algorithms.md#counter-based-random-bits)."""
   leaves, treedef = jax.tree.flatten(params)
   out, i = [], 0
   for p in leaves:
@@ -159,13 +129,8 @@ def unzip(like, tuples, n: int):
 
 
 def all_finite(tree) -> jax.Array:
-  """One bool scalar: every element of every float leaf is finite (True if none).
-
-  Under ``jax.jit`` one device-side reduction, no host sync. Called eagerly on
-  leaves committed to different devices (no single device holds them all),
-  the per-leaf bools are read on the host and the result is an uncommitted
-  array, usable next to a leaf on any device.
-  """
+  """One bool: every element of every float leaf is finite (True if none); eagerly across
+  devices, read on the host (docs/algorithms.md#non-finite-gradients)."""
   checks = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float(x)]
   if not checks:
     return jnp.ones((), jnp.bool_)
@@ -182,24 +147,14 @@ def unscaled(tree, inv_scale):
 
 
 def unscaled_all_finite(tree, inv_scale=None) -> jax.Array:
-  """``all_finite(unscaled(tree, inv_scale))``; without ``inv_scale``,
-  ``all_finite(tree)``: the gradient check of ``dynamic_loss_scale`` and
-  ``skip_nonfinite`` (``_native.all_finite`` computes it natively on CPU)."""
+  """``all_finite(unscaled(tree, inv_scale))``: the check of ``dynamic_loss_scale`` and
+  ``skip_nonfinite`` (natively on CPU: ``_native.all_finite``); no ``inv_scale``: no unscaling."""
   return all_finite(tree if inv_scale is None else unscaled(tree, inv_scale))
 
 
 def if_finite(finite, apply, skip, elsewhere: str = "cond", branch_on_cpu: bool = True):
-  """``apply()`` if ``finite`` else ``skip()``, both returning the same types.
-
-  Under ``jax.jit`` on CPU a ``lax.cond``: one branch runs, so ``apply`` may
-  update its buffers in place (the native kernel does), which a select
-  between both results would not allow. On other platforms a ``lax.cond``
-  too, or with ``elsewhere="select"`` both are computed and selected with
-  ``jnp.where`` (no predicate read back by the device's runtime to pick a
-  branch). Called eagerly, the branch is taken in Python. With
-  ``elsewhere="select"`` and ``branch_on_cpu=False`` the select is used on
-  CPU too.
-  """
+  """``apply()`` if ``finite`` else ``skip()``: a ``lax.cond``, or with ``elsewhere="select"`` a
+  select off CPU (everywhere if not ``branch_on_cpu``); docs/algorithms.md#dynamic-loss-scaling."""
   if not isinstance(finite, jax.core.Tracer):
     return apply() if bool(finite) else skip()
 
@@ -220,15 +175,8 @@ def select(finite, apply, skip):
 
 
 def skipped(apply, state, first=None):
-  """What a skipped step returns, typed like ``apply()``'s ``(first, state)``.
-
-  ``first`` (the params of an in-place step) and ``state`` as they were, or
-  with ``first=None`` updates of ``-0.0``: ``p + (-0.0)`` is ``p`` bit for
-  bit, signed zeros included (+0.0 is not). Leaves are cast (exactly: only
-  ever widened) to the dtypes ``apply`` returns, as a select between the two
-  would promote them: a plain ``optax.adam`` given fp32 gradients returns fp32
-  moments for bf16 ones. With explicit sharding the types include the sharding.
-  """
+  """A skipped step's ``(first, state)``, widened to ``apply()``'s types: ``first`` (in-place
+  params) as it was, or ``-0.0`` updates (docs/algorithms.md#dynamic-loss-scaling)."""
   first_types, state_types = jax.eval_shape(apply)
   if first is None:
     first = jax.tree.map(
@@ -248,22 +196,8 @@ def _widened(like, x):
 
 
 def maybe_skip_nonfinite(tx, skip_nonfinite: bool, check=None):
-  """``tx``, or ``tx`` that skips every step whose gradients hold a NaN or Inf.
-
-  ``optax.apply_if_finite`` never giving up, for transformations whose updates
-  are wider than their gradients (the wrappers return fp32 updates for 16-bit
-  grads, which ``apply_if_finite``'s zero branch would not match). Same state,
-  ``optax.ApplyIfFiniteState``: on a non-finite gradient the updates are -0.0,
-  the inner state (step count included) is kept, ``notfinite_count`` (in a
-  row), ``last_finite`` and ``total_notfinite`` record the skip. Jitted, the
-  check is one device-side reduction and a ``lax.cond`` (no host sync); eagerly
-  the branch is taken in Python (docs/algorithms.md#non-finite-gradients).
-
-  An in-place ``tx`` (``_in_place.InPlaceTransformation``) gives a result with
-  its in-place and scaled steps, guarded the same way; its clipped step is
-  dropped (the check would need the clipped gradients). ``check``:
-  ``unscaled_all_finite`` or another way to compute it (``_native.all_finite``).
-  """
+  """``tx``, or ``tx`` skipping non-finite steps (``optax.apply_if_finite`` never giving up), its
+  in-place steps too but not its clipped one (docs/algorithms.md#non-finite-gradients)."""
   if not isinstance(skip_nonfinite, bool):
     raise TypeError(f"skip_nonfinite must be True or False; got {skip_nonfinite!r}.")
   if not skip_nonfinite:
@@ -278,8 +212,7 @@ def maybe_skip_nonfinite(tx, skip_nonfinite: bool, check=None):
         total_notfinite=jnp.zeros([], jnp.int32), inner_state=inner.init(params))
 
   def guarded(finite, state, apply, params=None):
-    """``apply()`` (``(first, inner_state)``) if ``finite``, else a skip:
-    ``params`` (an in-place step) or updates of -0.0 first."""
+    """``apply()`` if ``finite``, else a skip (``params`` or -0.0 updates first)."""
     first, inner_state = if_finite(finite, apply,
                                    lambda: skipped(apply, state.inner_state, params))
     return first, optax.ApplyIfFiniteState(

@@ -1,16 +1,6 @@
-"""Named Adam optimizers for low-precision params, built from the wrappers.
-
-* ``adam_fp32_master``: Adam(W) with fp32 moments on an fp32 master copy
-  (``master_weights``) -- the classic mixed-precision recipe (labml AdamFP16,
-  NeMo/Megatron main params).
-* ``adamw_bf16``: AdamW whose params stay 16-bit, compensated by Kahan
-  summation, an exact split master, stochastic rounding, or nothing; moments
-  in the param dtype by default, written with stochastic rounding so that they
-  do not go stale either.
-
-Both share one Adam core, ``scale_by_adamw``, whose math is fp32 whatever the
-param and state dtypes. The spec, with the order of operations, is
-``docs/algorithms.md#adamw-core``.
+"""Named Adam optimizers for low-precision params (``adam_fp32_master``, ``adamw_bf16``),
+built from the wrappers around one fp32 core, ``scale_by_adamw``.
+Spec: ``docs/algorithms.md#adamw-core``.
 """
 
 from __future__ import annotations
@@ -39,13 +29,11 @@ class ScaleByAdamWState(NamedTuple):
 
   Attributes:
     count: int32 number of updates taken.
-    mu: first moments (``mu_dtype`` or the param dtype).
-    nu: second moments (``nu_dtype`` or the param dtype).
+    mu, nu: first and second moments (``mu_dtype``, ``nu_dtype`` or the param dtype).
     seed: uint32 seed of the stochastic moment writes.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax_half as oh
     >>> params = {"w": jnp.zeros(3, jnp.bfloat16)}
     >>> state = oh.scale_by_adamw(1e-3, nu_dtype=jnp.float32).init(params)
     >>> print(state.count.dtype, state.mu["w"].dtype, state.nu["w"].dtype, state.seed.dtype)
@@ -62,8 +50,7 @@ def _is_zero(v) -> bool:
 
 
 def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
-  # Arrays (e.g. from optax.inject_hyperparams) are checked by dtype only: their
-  # values may be traced, and reading them would be a host sync.
+  # Arrays (optax.inject_hyperparams) by dtype only: reading a value could be a host sync.
   for name, v in (("learning_rate", learning_rate), ("b1", b1), ("b2", b2),
                   ("eps", eps), ("weight_decay", weight_decay)):
     dtype = getattr(v, "dtype", None)
@@ -88,8 +75,7 @@ def scale_by_adamw(
 ) -> optax.GradientTransformation:
   r"""The AdamW update, in fp32, as one transformation.
 
-  With ``t`` the 1-based step, ``g`` and ``x`` the gradient and params upcast
-  to fp32 and all hyperparameters fp32:
+  With ``t`` the 1-based step, gradient ``g``, params ``x``, everything in fp32:
 
   .. math::
      m_t &= b_1 m_{t-1} + (1 - b_1) g \\
@@ -98,42 +84,27 @@ def scale_by_adamw(
      \hat v = v_t \cdot \mathrm{f32}(1 / (1 - b_2^t)) \\
      u &= -\eta_{t-1} \left(\hat m / (\sqrt{\hat v} + \epsilon) + \lambda x\right)
 
-  (the order of optax's ``adamw``: ``scale_by_adam``, ``add_decayed_weights``,
-  ``scale_by_learning_rate``; ``eta`` is evaluated at the pre-increment count).
-  ``m_t`` and ``v_t`` are stored in ``mu_dtype``/``nu_dtype`` (default: the
-  param dtype), rounded to nearest or stochastically
-  (``state_rounding="stochastic"``: ``rounding.round_moments``, one hash per
-  element for both); the
-  update itself uses the unrounded fp32 ``m_t`` and ``v_t``. Updates are fp32.
-
-  Every product that is added is rounded to fp32 first (``rounding.no_fma``:
-  XLA would fuse it into an FMA) and ``1 - b^t`` comes from
-  ``rounding.one_minus_pow`` (no ``pow``), so jitted results equal
-  ``torch_bridge`` bit for bit.
+  in optax's ``adamw`` order; ``m_t``, ``v_t`` are stored rounded to ``mu_dtype``/``nu_dtype``,
+  the update uses them unrounded. No FMA, no ``pow``: the bits of ``torch_bridge``
+  (docs/algorithms.md#adamw-core).
 
   Args:
     learning_rate: a float or an optax schedule (``count -> lr``).
     b1, b2, eps: Adam coefficients.
-    weight_decay: decoupled weight decay, multiplied by the lr (``update``
-      then needs ``params``). ``None`` (the default): no decay term, and no
-      params needed, also under ``optax.inject_hyperparams`` (which injects
-      numbers only: an injected ``weight_decay``, 0 included, is an array
-      whose value is not known while tracing, so it needs the params).
+    weight_decay: decoupled weight decay, multiplied by the lr; ``update`` then needs
+      ``params`` (an injected value, 0 included, is traced). ``None``: neither, also
+      under ``optax.inject_hyperparams``.
     mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
     state_rounding: "nearest" or "stochastic", for 16-bit moment writes.
-    key: ``None`` (seed 0), a Python int or a JAX PRNG key: the seed of the
-      stochastic moment writes.
+    key: ``None`` (seed 0), a Python int or a JAX PRNG key: the stochastic writes' seed.
 
   Returns:
-    An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; its
-    updates are fp32 whatever the param dtype.
+    An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; fp32 updates.
 
   Example:
-    The first step of Adam is ``-lr * sign(g)``, computed in fp32 for bf16
-    params:
+    Adam's first step is ``-lr * sign(g)``, in fp32 for bf16 params:
 
-    >>> import jax.numpy as jnp
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax_half as oh
     >>> tx = oh.scale_by_adamw(learning_rate=0.1)
     >>> params = {"w": jnp.array([1.0, -2.0], jnp.bfloat16)}
     >>> state = tx.init(params)
@@ -150,8 +121,7 @@ def scale_by_adamw(
     <https://arxiv.org/abs/1711.05101>`_, ICLR 2019
 
     Gupta et al., `Deep Learning with Limited Numerical Precision
-    <https://arxiv.org/abs/1502.02551>`_, ICML 2015 (stochastic rounding, used
-    for 16-bit moment writes)
+    <https://arxiv.org/abs/1502.02551>`_, ICML 2015 (stochastic rounding: the moment writes)
   """
   if weight_decay is None:
     weight_decay = 0.0
@@ -224,37 +194,26 @@ def adam_fp32_master(
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
 
-  ``master_weights(scale_by_adamw(..., mu_dtype=f32, nu_dtype=f32))``:
-  16 bytes/param of optimizer state for 16-bit params (master 4, mu 4, nu 4,
-  plus the 2-byte param and 2-byte grad), exact fp32 Adam on the master.
-  Params written from outside after ``init`` are followed, not reverted
-  (see ``master_weights``).
+  ``master_weights(scale_by_adamw(..., mu_dtype=f32, nu_dtype=f32))``: exact fp32 Adam on
+  a master that follows outside writes (docs/algorithms.md#named-optimizers).
 
   Args:
     learning_rate: a float or an optax schedule (``count -> lr``).
     b1, b2, eps: Adam coefficients.
     weight_decay: decoupled weight decay (AdamW), multiplied by the lr.
-    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
-      Inf: ``optax.apply_if_finite`` around the whole optimizer, never giving
-      up. Without it a non-finite gradient element poisons its own param and
-      moments (docs/algorithms.md#non-finite-gradients).
-    flat_state: store the master copy and the moments of all leaves as one
-      1-D array each per dtype (``Flat``) instead of one array per leaf: the
-      same values, for trees of many small leaves, where JAX's cost per array
-      dominates a step (docs/algorithms.md#flat-state). ``update`` then
-      needs ``params``.
+    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or Inf
+      (docs/algorithms.md#non-finite-gradients).
+    flat_state: the master and moments of all leaves as one 1-D array per dtype: the same
+      values in fewer arrays, for many small leaves (docs/algorithms.md#flat-state).
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is a
-    ``MasterWeightsState`` around a ``ScaleByAdamWState``. ``update`` needs
-    ``params``.
+    An ``optax.GradientTransformationExtraArgs``: a ``MasterWeightsState`` around a
+    ``ScaleByAdamWState``. ``update`` needs ``params``.
 
   Example:
-    Steps of ``-1e-3`` are below half a bf16 ULP at 1.0; the fp32 master
-    adds them up until the bf16 param moves:
+    Steps of ``-1e-3``, lost on a bf16 1.0, add up in the master until it moves:
 
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> tx = oh.adam_fp32_master(1e-3)
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
@@ -307,47 +266,29 @@ def adamw_bf16(
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
-  ``compensation`` picks how the 16-bit param absorbs small updates:
-
-  * ``"kahan"`` (default): ``kahan_summation`` -- a compensation buffer in the
-    param dtype; 10 bytes/param with bf16 param, grad, buffer, mu and nu.
-  * ``"split"``: ``master_weights(split=True)`` -- the exact fp32 master stored
-    as the bf16 param plus an int16 low half, same memory as ``"kahan"``.
-  * ``"stochastic"``: ``stochastic_rounding`` -- no buffer, 8 bytes/param.
-  * ``"none"``: round to nearest (the naive baseline; updates stall).
-
-  Moments default to the param dtype and are written with stochastic rounding
-  (``state_rounding="stochastic"``) since nearest-rounded bf16 ``nu`` goes
-  stale at ``b2=0.999``; pass ``mu_dtype``/``nu_dtype=jnp.float32`` to keep
-  them in fp32. All random bits are a function of ``key`` (default seed 0),
-  the step, the buffer and the element, and match ``torch_bridge`` for an
-  integer key.
+  Moments default to the param dtype, written stochastically so that bf16 ``nu`` does not
+  go stale (docs/algorithms.md#adamw-core).
 
   Args:
     learning_rate: a float or an optax schedule.
     b1, b2, eps: Adam coefficients.
     weight_decay: decoupled weight decay, multiplied by the lr.
-    compensation: one of "kahan", "split", "stochastic", "none".
+    compensation: "kahan" (``kahan_summation``), "split" (``master_weights(split=True)``),
+      "stochastic" (``stochastic_rounding``) or "none" (round to nearest: updates stall).
     mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
-    key: ``None`` (seed 0), a Python int or a JAX PRNG key.
-    skip_nonfinite: skip (and count) every step whose gradients hold a NaN or
-      Inf, as in ``adam_fp32_master``.
-    flat_state: the buffer and the moments of all leaves as one 1-D array
-      each per dtype, as in ``adam_fp32_master``.
+    key: ``None`` (seed 0), a Python int or a JAX PRNG key: the seed of every random bit.
+    skip_nonfinite: as in ``adam_fp32_master``.
+    flat_state: the buffer and the moments flat, as in ``adam_fp32_master``.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs`` whose state is the
-    compensation wrapper's (``KahanSummationState``, ``MasterWeightsState``,
-    ``StochasticRoundingState`` or ``RoundToNearestState``) around a
-    ``ScaleByAdamWState``. ``update`` needs ``params``.
+    An ``optax.GradientTransformationExtraArgs``: ``compensation``'s wrapper state (e.g.
+    ``KahanSummationState``) around a ``ScaleByAdamWState``. ``update`` needs ``params``.
 
   Example:
-    Steps of ``-1e-3`` are below half a bf16 ULP at 1.0: plain AdamW on bf16
-    params loses every one of them, Kahan summation keeps them:
+    Steps of ``-1e-3``, lost by plain AdamW on a bf16 1.0, kept by Kahan summation:
 
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> def train(tx, steps=3):
     ...   params = {"w": jnp.ones(2, jnp.bfloat16)}
     ...   state = tx.init(params)
@@ -373,8 +314,7 @@ def adamw_bf16(
     <https://doi.org/10.1145/363707.363723>`_, Communications of the ACM, 1965
 
     Zamirai et al., `Revisiting BFloat16 Training
-    <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation and stochastic
-    rounding for bf16 weights)
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation, stochastic rounding of bf16)
 
     Gupta et al., `Deep Learning with Limited Numerical Precision
     <https://arxiv.org/abs/1502.02551>`_, ICML 2015 (stochastic rounding)
@@ -388,8 +328,7 @@ def adamw_bf16(
   wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key)
 
   def init(params):
-    # The wrapper initialises the core on the fp32 view of the params; moments
-    # without an explicit dtype take the dtype of the param itself.
+    # The core was initialised on the fp32 view: default moments take the param's dtype.
     state = wrapped.init(params)
     core_state = state.inner_state
     def param_dtype(moments, override):

@@ -1,11 +1,5 @@
-"""Compensations in JAX: how a 16-bit param keeps what its rounding loses.
-
-One object per entry of ``optax_half_native.COMPENSATIONS`` (the facts both
-frameworks share), holding its JAX rules: the wrapper state, the buffer's
-``init``, the working value's ``read`` and the new param's and buffer's
-``write``. ``wrappers`` applies them to any optimizer, ``adam`` picks one by
-name, ``_native`` gives the kernel its mode; ``torch_bridge.compensation``
-holds the same rules in torch. Spec: ``docs/algorithms.md#wrappers``.
+"""Compensations in JAX: the rules (state, buffer ``init``, ``read``, ``write``) of each
+``optax_half_native.COMPENSATIONS`` entry. Spec: ``docs/algorithms.md#wrappers``.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ class MasterWeightsState(NamedTuple):
     inner_state: the inner transformation's state, built on the master params.
 
   Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> params = {"w": jnp.ones(3, jnp.bfloat16), "b": jnp.zeros(3, jnp.float32)}
     >>> state = oh.master_weights(optax.sgd(0.1)).init(params)
     >>> print(state.master["w"].dtype, state.master["b"])  # fp32 leaves: no copy
@@ -57,8 +50,7 @@ class KahanSummationState(NamedTuple):
     inner_state: the inner transformation's state.
 
   Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
     >>> state = oh.kahan_summation(optax.sgd(0.1)).init(params)
     >>> print(state.compensation["w"].dtype, state.compensation["w"].tolist())
@@ -72,8 +64,7 @@ class RoundToNearestState(NamedTuple):
   """State of ``round_to_nearest``: only the inner state.
 
   Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
     >>> state = oh.round_to_nearest(optax.adam(1e-3)).init(params)
     >>> print(state.inner_state[0].mu["w"].dtype)  # the inner state, on fp32
@@ -87,13 +78,11 @@ class StochasticRoundingState(NamedTuple):
 
   Attributes:
     seed: uint32 scalar; with ``count`` it determines every random bit.
-    count: int32 number of updates taken (the per-step key is derived from
-      ``(seed, count)`` by hashing: a counter-based split of the key).
+    count: int32 number of updates taken.
     inner_state: the inner transformation's state.
 
   Example:
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
     >>> state = oh.stochastic_rounding(optax.sgd(0.1), key=7).init(params)
     >>> print(state.seed.dtype, int(state.count))
@@ -105,17 +94,13 @@ class StochasticRoundingState(NamedTuple):
 
 
 class Compensation(native_lib.Rules):
-  """A compensation's JAX rules; the shared facts are ``spec``'s
-  (``optax_half_native.Compensation``), readable as attributes."""
+  """A compensation's JAX rules; ``spec``'s shared facts read as attributes."""
 
   state_type: type = None  # the wrapper state holding the buffers
 
   def for_dtype(self, dtype) -> Compensation:
-    """The compensation a 16-bit param of ``dtype`` takes (``spec.fp16``
-    where it is not bf16)."""
+    """The compensation a 16-bit param of ``dtype`` takes (not bf16: ``spec.fp16``)."""
     return self if jnp.dtype(dtype) == jnp.bfloat16 else COMPENSATIONS[self.spec.fp16]
-
-  # -- per leaf ---------------------------------------------------------------
 
   def init_buffer(self, p, master_dtype):
     """The buffer of a fresh state for 16-bit ``p``, or ``MaskedNode()``."""
@@ -126,11 +111,8 @@ class Compensation(native_lib.Rules):
     return rounding.widen(p)
 
   def write(self, x_new, p, buf, bits):
-    """``(p', buf')`` holding ``x_new``; ``bits``: the random bits where
-    ``draws_bits``, else None."""
+    """``(p', buf')`` holding ``x_new``; ``bits`` where ``draws_bits``, else None."""
     return x_new.astype(p.dtype), buf
-
-  # -- the wrapper state ------------------------------------------------------
 
   def init_state(self, buffers, inner_state, seed: Optional[jax.Array]):
     fields = {"inner_state": inner_state}
@@ -165,9 +147,7 @@ class _Master(Compensation):
     return p.astype(master_dtype)
 
   def read(self, p, buf):
-    # The master follows the param: where the param is not the master's rounding
-    # (written from outside after init), the step starts from the param.
-    # `widen`: XLA must not fold the round trip through p.dtype away.
+    # Follows outside writes (docs/algorithms.md#wrappers); `widen`: XLA keeps the round trip.
     p_wide = rounding.widen(p).astype(buf.dtype)
     return jnp.where(rounding.widen(buf.astype(p.dtype)).astype(buf.dtype) == p_wide,
                      buf, p_wide)

@@ -1,28 +1,8 @@
 """Low-precision wrappers: any optax transformation, trained on 16-bit params.
 
-Each wrapper runs its ``inner`` transformation on an fp32 (or ``master_dtype``)
-view ``x`` of the parameters and fp32 gradients, adds the inner update to ``x``
-in that precision, and stores the result back in the 16-bit parameter plus a
-per-leaf buffer that keeps what 16 bits cannot hold:
-
-============================  ==========================  =====================
-wrapper                       buffer per 16-bit leaf       ``x`` seen by inner
-============================  ==========================  =====================
-``master_weights``            ``master_dtype`` copy        the master copy
-``master_weights(split=True)``  int16 low half (bf16 only)  ``join(p, lo)``, exact
-``kahan_summation``           compensation, param dtype   ``p + c``
-``stochastic_rounding``       none (a seed and a counter)  ``p``
-============================  ==========================  =====================
-
-The returned updates ``u = new_p.astype(f32) - p.astype(f32)`` are fp32, so
-``optax.apply_updates(params, u)`` computes ``round(p + u)`` in fp32 and lands
-on ``new_p`` bit for bit (argument and its one limit:
-``docs/algorithms.md#landing-exactly``).
-
-Leaves that are already 32-bit (or at least as wide as ``master_dtype``) are
-passed to the inner transformation unchanged and get no buffer. Non-float
-leaves (integers, bools) are masked out of the inner transformation with
-``optax.MaskedNode`` and receive zero updates: they are left untouched.
+Each runs ``inner`` on an fp32 (or ``master_dtype``) view of the params, keeps what
+16 bits cannot hold in a per-leaf buffer, and returns fp32 updates on which
+``optax.apply_updates`` lands bit for bit. Spec: ``docs/algorithms.md#wrappers``.
 """
 
 from __future__ import annotations
@@ -53,11 +33,6 @@ __all__ = [
 
 _WRAPPER_STATES = tuple(dict.fromkeys(c.state_type for c in COMPENSATIONS.values()))
 
-# ---------------------------------------------------------------------------
-# Shared machinery.
-# ---------------------------------------------------------------------------
-
-# Per-leaf roles.
 _FROZEN = "frozen"  # not a float: masked out, zero update
 _DIRECT = "direct"  # wide enough: inner runs on it as is, no buffer
 _LOW = "low"        # 16-bit: inner runs on x, a buffer keeps the rest
@@ -65,9 +40,8 @@ _LOW = "low"        # 16-bit: inner runs on x, a buffer keeps the rest
 
 def _engine(compensation: Compensation, inner: optax.GradientTransformation,
             master_dtype, nested_ok: bool):
-  """``(init, step)`` of a wrapper applying ``compensation`` (per 16-bit leaf,
-  ``compensation.for_dtype``) around ``inner``, working in ``master_dtype``
-  (docs/algorithms.md#wrappers)."""
+  """``(init, step)`` of a wrapper applying ``compensation`` (per leaf: ``for_dtype``)
+  around ``inner`` in ``master_dtype`` (docs/algorithms.md#wrappers)."""
   name = compensation.wrapper
   inner = optax.with_extra_args_support(inner)
 
@@ -94,8 +68,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
     buffers = jax.tree.map(
         lambda p, r: rules(p).init_buffer(p, master_dtype) if r == _LOW else MaskedNode(),
         params, rl)
-    # The view is sharded like the params, so state the inner transformation
-    # makes from it is too.
+    # The view is sharded like the params, so the inner state made from it is too.
     x = jax.tree.map(lambda p, xi, r: xi if r == _FROZEN else like_param(p, xi),
                      params, view(params, buffers, rl), rl)
     inner_state = _like_view(inner, inner.init(x), x)
@@ -105,15 +78,9 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
   def step(grads, buffers, inner_state, params, stream, fused=None, in_place=False,
            **extra_args):
-    """``(updates, buffers, inner state)``, or with ``in_place`` ``(new
-    params, ...)``. ``stream``: ``(seed, count)`` of the param writes' random
-    bits, or None. ``fused(g, inner_state, x, leaves, finish, in_place,
-    **extra_args)``, or None: an inner step that may take the whole step of
-    some 16-bit leaves (the inner's own ``kahan_update``); ``leaves`` lists,
-    per leaf the inner sees, ``(param, gradient, buffer or None, x, leaf
-    index)``; it returns None (not taken) or ``(inner updates, inner state,
-    done)``, ``done`` mapping a leaf index to ``finish``'s ``(new param, new
-    buffer)``."""
+    """``(updates, buffers, inner state)``, new params first with ``in_place``; ``stream``:
+    ``(seed, count)`` or None. ``fused`` (the inner's ``kahan_update``) gets ``(p, g, buffer or
+    None, x, index)`` per leaf; None, or ``(u, state, {index: finish(...)})`` for leaves taken."""
     check_trees(name, grads, params)
     params = jax.tree.map(jnp.asarray, params)
     if buffers is None:  # compensations without per-leaf buffers
@@ -153,7 +120,6 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
         new_p, buf = done[i] if i in done else finish(p, buf, xi, ui, i)
         if in_place:
           return new_p, buf
-        # Work-dtype (fp32) updates: apply_updates(p, u) lands on new_p exactly.
         # `widen`: XLA must not fold f32(round(x_new)) back into x_new.
         dtype = xi.dtype
         return rounding.widen(new_p).astype(dtype) - rounding.widen(p).astype(dtype), buf
@@ -169,10 +135,8 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
 def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key=None,
          master_dtype=jnp.float32, fused=None) -> optax.GradientTransformationExtraArgs:
-  """``inner`` on 16-bit params kept by ``compensation`` (a ``COMPENSATIONS``
-  entry): the transformation every wrapper here is. ``key``: the seed of a
-  compensation that draws random bits. ``fused``: the inner's
-  ``kahan_update``, or None; with it the result has an in-place step."""
+  """``inner`` on 16-bit params kept by ``compensation`` (every wrapper here). ``key``: the
+  seed where it draws bits; ``fused``: the inner's ``kahan_update`` (adds an in-place step)."""
   _validate_inner(compensation.wrapper, inner)
   master_dtype = jnp.dtype(master_dtype)
   init_fn, step = _engine(compensation, inner, master_dtype,
@@ -203,13 +167,8 @@ def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key
 
 
 def _like_view(inner, inner_state, x):
-  """``inner_state`` with every params-shaped part sharded like ``x``.
-
-  Under ``jax.jit`` with automatic sharding a state built from constants
-  (``optax.adam``'s zero moments) would be replicated; ``optax.tree_map_params``
-  finds the parts of the state that mirror the params, and ``like_param`` ties
-  them to ``x``. Eagerly (nothing traced) the state already follows ``x``.
-  """
+  """``inner_state`` with its params-shaped parts tied to ``x``'s sharding when traced
+  (docs/algorithms.md#jax-sharding)."""
   if not any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves(x)):
     return inner_state
   try:
@@ -221,15 +180,8 @@ def _like_view(inner, inner_state, x):
 
 
 def _check_not_nested(name, inner_state) -> None:
-  """Refuses an inner transformation that is itself a low-precision wrapper.
-
-  Its state would hold one of the wrapper states: ``adamw_bf16``,
-  ``adam_fp32_master`` and every wrapper here keep their own master,
-  compensation or rounding, and a second layer would only hand them fp32
-  params (a second master copy, or a buffer that never fills). Not checked
-  under ``master_weights`` with a 16-bit ``master_dtype`` (bf16 masters of
-  fp8 params): there the inner wrapper has 16-bit params of its own to keep.
-  """
+  """Refuses an inner transformation that keeps low-precision params itself: one layer only
+  (docs/algorithms.md#wrappers)."""
   nested = [type(x).__name__ for x in jax.tree.leaves(
       inner_state, is_leaf=lambda x: isinstance(x, _WRAPPER_STATES))
             if isinstance(x, _WRAPPER_STATES)]
@@ -248,11 +200,6 @@ def _validate_inner(name, inner):
         f"got {type(inner).__name__}.")
 
 
-# ---------------------------------------------------------------------------
-# Public wrappers.
-# ---------------------------------------------------------------------------
-
-
 def master_weights(
     inner: optax.GradientTransformation,
     master_dtype=jnp.float32,
@@ -267,40 +214,24 @@ def master_weights(
      (u, s') = \mathrm{inner}(g_m, s, m),\quad
      m' = m + u,\quad p' = \mathrm{round}(m')
 
-  and the returned update is ``m'.astype(p.dtype).astype(m.dtype) - p``
-  (fp32), so that ``optax.apply_updates(params, updates)`` equals
-  ``m'.astype(p.dtype)`` bit for bit. Leaves already in ``master_dtype`` carry
-  no copy: the inner update is returned for them unchanged.
-
-  The master follows the param: where ``p`` is not the master's rounding
-  (params written from outside after ``init``: a checkpoint or pretrained
-  weights loaded into the model), the step starts from ``p`` instead of the
-  stale master, so the load is not reverted (one compare per element; in a
-  run only the optimizer writes it changes no bit;
-  docs/algorithms.md#wrappers).
-
-  With ``split=True`` (fp32 master, bf16 leaves) the master is not stored as a
-  second fp32 array: the bf16 param is its high half (``rounding.split_f32``:
-  nearest, ties away from zero) and an int16 buffer holds the low 16 bits, so
-  ``m = join(p, lo)`` is exact at 2 bytes/param. Non-bf16 16-bit leaves (fp16)
-  fall back to a full fp32 copy.
+  returning ``p' - p`` in ``master_dtype``, on which ``optax.apply_updates`` lands exactly. Leaves
+  in ``master_dtype`` have no copy. The master follows params written from outside
+  after ``init`` (docs/algorithms.md#wrappers).
 
   Args:
-    inner: the transformation to run on the master params (e.g.
-      ``optax.adam(1e-3)`` or an ``optax.chain``).
+    inner: the transformation run on the master params (e.g. ``optax.adam(1e-3)``).
     master_dtype: dtype of the master copy (a float type).
-    split: store the fp32 master of bf16 leaves as param + int16 low half.
+    split: store the fp32 master of bf16 leaves exactly as param (high half) + int16
+      low half, 2 bytes/param; fp16 leaves keep a full fp32 copy.
 
   Returns:
-    An ``optax.GradientTransformationExtraArgs``; its state is
-    ``MasterWeightsState``. ``update`` requires ``params``.
+    An ``optax.GradientTransformationExtraArgs`` with ``MasterWeightsState``.
+    ``update`` requires ``params``.
 
   Example:
-    SGD steps of ``-1e-3`` are below half a bf16 ULP at 1.0: on the bf16
-    param they are lost, the fp32 master adds them up until the param moves:
+    Steps of ``-1e-3``, lost on a bf16 1.0, add up in the master until it moves:
 
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> tx = oh.master_weights(optax.sgd(1e-3))
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
@@ -313,8 +244,7 @@ def master_weights(
 
   References:
     Micikevicius et al., `Mixed Precision Training
-    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (an fp32 master copy of
-    fp16 weights)
+    <https://arxiv.org/abs/1710.03740>`_, ICLR 2018 (an fp32 master copy of fp16 weights)
 
     NVIDIA NeMo, ``MainParamsOptimizerWrapper``, `github.com/NVIDIA/NeMo
     <https://github.com/NVIDIA/NeMo>`_ (fp32 main params for any optimizer)
@@ -338,10 +268,8 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
      x = p + c,\quad (u, s') = \mathrm{inner}(g, s, x),\quad x' = x + u,\quad
      p' = \mathrm{round}(x'),\quad c' = \mathrm{round}(x' - p')
 
-  ``x' - p'`` is exact in fp32; rounding it to the param dtype keeps ~8 (bf16)
-  or ~11 (fp16) more bits of the weight than ``p`` alone. The returned fp32
-  updates make ``optax.apply_updates`` land on ``p'`` bit for bit. 32-bit
-  leaves get no buffer.
+  ``c`` keeps ~8 (bf16) or ~11 (fp16) more bits than ``p``; 32-bit leaves get no
+  buffer (docs/algorithms.md#wrappers).
 
   Args:
     inner: the transformation to run on the compensated params.
@@ -351,11 +279,9 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     ``update`` requires ``params``.
 
   Example:
-    SGD steps of ``-1e-3`` are below half a bf16 ULP at 1.0; the
-    compensation keeps what rounding loses until the param moves:
+    Steps of ``-1e-3``, lost on a bf16 1.0, add up in ``c`` until the param moves:
 
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> tx = oh.kahan_summation(optax.sgd(1e-3))
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
@@ -375,12 +301,9 @@ def kahan_summation(inner: optax.GradientTransformation) -> optax.GradientTransf
     <https://doi.org/10.1145/363707.363723>`_, Communications of the ACM, 1965
 
     Zamirai et al., `Revisiting BFloat16 Training
-    <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation for bf16
-    weight updates)
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (Kahan summation for bf16 weight updates)
   """
-  # An inner transformation may step its 16-bit leaves and their compensation
-  # in one kernel pass (scaled_adam on CPU: the same bits), and then write
-  # the new params into their buffers (update_and_apply).
+  # An inner with `kahan_update` (scaled_adam) steps leaf and buffer in one pass, same bits.
   return wrap(COMPENSATIONS["kahan"], inner, fused=getattr(inner, "kahan_update", None))
 
 
@@ -388,29 +311,22 @@ def stochastic_rounding(inner: optax.GradientTransformation,
                         key) -> optax.GradientTransformationExtraArgs:
   r"""Stochastically rounded 16-bit params: unbiased, no extra buffer.
 
-  For each 16-bit leaf, in fp32: ``x = p``, ``x' = x + u``,
-  ``p' = stochastic_round(x')`` with bits
-  ``random_bits(seed, count, STREAM_PARAMS, leaf, shape)``
-  (``rounding.random_bits``), so ``E[p'] = x'``. ``count`` advances every step;
-  results are deterministic given ``key`` and reproducible in ``torch_bridge``
-  for an integer key.
+  For each 16-bit leaf, in fp32: ``p' = stochastic_round(p + u)``, so ``E[p'] = p + u``,
+  with bits from ``(key, count, leaf)``: torch_bridge's for an integer key
+  (docs/algorithms.md#counter-based-random-bits).
 
   Args:
     inner: the transformation to run on the fp32 view of the params.
-    key: a Python int or a JAX PRNG key (required: the random bits are a
-      function of it; ``adamw_bf16(compensation="stochastic")`` defaults to
-      seed 0).
+    key: a Python int or a JAX PRNG key (required here; ``adamw_bf16`` defaults to 0).
 
   Returns:
     An ``optax.GradientTransformationExtraArgs`` with ``StochasticRoundingState``.
     ``update`` requires ``params``.
 
   Example:
-    An SGD step of ``-1e-3`` is a quarter of a bf16 ULP below 1.0: about a
-    quarter of the elements move down one ULP, the mean follows the update:
+    A step of a quarter bf16 ULP moves about a quarter of the elements one ULP:
 
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> tx = oh.stochastic_rounding(optax.sgd(1e-3), key=0)
     >>> params = {"w": jnp.ones(1000, jnp.bfloat16)}
     >>> state = tx.init(params)
@@ -424,8 +340,7 @@ def stochastic_rounding(inner: optax.GradientTransformation,
     <https://arxiv.org/abs/1502.02551>`_, ICML 2015
 
     Zamirai et al., `Revisiting BFloat16 Training
-    <https://arxiv.org/abs/2010.06192>`_, 2020 (stochastic rounding of bf16
-    weight updates)
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (stochastic rounding of bf16 weight updates)
   """
   if key is None:
     raise ValueError(
@@ -438,10 +353,8 @@ def stochastic_rounding(inner: optax.GradientTransformation,
 def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
   """No compensation: ``p' = round_nearest(p + u)`` with fp32 ``u``.
 
-  The baseline the other wrappers cure: an update smaller than half a ULP of
-  ``p`` is lost. The inner transformation still sees fp32 grads and params,
-  and non-float leaves are masked like in the other wrappers. Used by
-  ``adamw_bf16(compensation="none")``.
+  The baseline the other wrappers cure (``adamw_bf16(compensation="none")``): an update
+  under half a ULP of ``p`` is lost.
 
   Args:
     inner: the transformation to run on the fp32 view of the params.
@@ -451,11 +364,9 @@ def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTrans
     ``update`` requires ``params``.
 
   Example:
-    SGD steps of ``-1e-3`` are below half a bf16 ULP at 1.0: every one of
-    them is lost (the stale weights the other wrappers cure):
+    Steps of ``-1e-3``, under half a bf16 ULP at 1.0, are all lost:
 
-    >>> import jax.numpy as jnp, optax
-    >>> import optax_half as oh
+    >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> tx = oh.round_to_nearest(optax.sgd(1e-3))
     >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
     >>> state = tx.init(params)
@@ -467,7 +378,6 @@ def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTrans
 
   References:
     Zamirai et al., `Revisiting BFloat16 Training
-    <https://arxiv.org/abs/2010.06192>`_, 2020 (why nearest rounding of bf16
-    weight updates stalls)
+    <https://arxiv.org/abs/2010.06192>`_, 2020 (why nearest rounding of bf16 updates stalls)
   """
   return wrap(COMPENSATIONS["none"], inner)
