@@ -127,3 +127,56 @@ def test_kahan_is_10x_closer_to_fp32_than_naive_over_1000_steps():
   print(f"max |error| vs fp32 after 1000 Adam steps: naive bf16 {naive_err:.3e}, "
         f"kahan {kahan_err:.3e} ({naive_err / kahan_err:.0f}x smaller)")
   assert kahan_err * 10 <= naive_err
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["kahan", "split", "stochastic", "none", "master"])
+def test_each_compensation_reads_writes_and_inits_the_same_bits_in_both_frameworks(name, dtype):
+  """The two registries' rules (optax_half.compensation, torch_bridge.compensation)
+  are one rule: per compensation and 16-bit dtype, the buffer a fresh state
+  holds, the working value read from (param, buffer) and the (param, buffer)
+  written for a new value are the same bits in JAX and torch, over values
+  that round either way, ties, fp16 subnormals, large values and signed zeros
+  (not fp32 subnormals, which XLA flushes: docs/algorithms.md#landing-exactly)."""
+  torch = pytest.importorskip("torch")
+  from optax_half.compensation import COMPENSATIONS as jax_rules  # noqa: PLC0415
+  from torch_bridge import dlpack  # noqa: PLC0415
+  from torch_bridge.compensation import COMPENSATIONS as torch_rules  # noqa: PLC0415
+
+  def as_np(x):
+    x = x.detach() if isinstance(x, torch.Tensor) else x
+    return np.asarray(dlpack.to_jax(x) if isinstance(x, torch.Tensor) else x)
+
+  jc = jax_rules[name].for_dtype(jnp.dtype(dtype))
+  tc = torch_rules[name].for_dtype(getattr(torch, dtype))
+  assert jc.name == tc.name
+  rng = np.random.default_rng(0)
+  n = 4096
+  x_new = np.concatenate([
+      rng.standard_normal(n) * np.exp2(rng.integers(-30, 12, n)),  # many binades
+      [0.0, -0.0, 1.0 + 2.0 ** -9, 1.0 + 3 * 2.0 ** -9, 6e-8, -1e-30, 60000.0]],
+  ).astype(np.float32)
+  p16 = jnp.asarray(x_new).astype(dtype)
+  p_torch = dlpack.to_torch(p16, allow_copy=True).clone()
+  # A fresh buffer, then one written for x_new: read both ways.
+  j_buf = jc.init_buffer(p16, jnp.float32)
+  t_buf = tc.init_buffer(p_torch)
+  if jc.buffer is None:
+    assert t_buf is None
+  else:
+    np.testing.assert_array_equal(as_np(j_buf).view(np.uint8), as_np(t_buf).view(np.uint8))
+  bits = jnp.asarray(rng.integers(0, 2**32, x_new.shape, dtype=np.uint32))
+  t_bits = dlpack.to_torch(bits.view(jnp.int32), allow_copy=True)
+  j_p, j_buf = jc.write(jnp.asarray(x_new), p16, j_buf, bits if jc.draws_bits else None)
+  t_p = p_torch.clone()
+  t_buf = None if t_buf is None else t_buf.clone()
+  tc.write(torch.from_numpy(x_new), t_p, t_buf, t_bits if tc.draws_bits else None)
+  np.testing.assert_array_equal(as_np(j_p).view(np.uint16), as_np(t_p).view(np.uint16))
+  if jc.buffer is not None:
+    np.testing.assert_array_equal(as_np(j_buf).view(np.uint8), as_np(t_buf).view(np.uint8))
+  j_x = jc.read(j_p, j_buf)
+  t_x = tc.read(t_p, t_buf)
+  np.testing.assert_array_equal(as_np(j_x).view(np.uint32), as_np(t_x).view(np.uint32))
+  # The master and the split master keep the value exactly: the read gets it back.
+  if jc.name in ("split", "master"):
+    np.testing.assert_array_equal(as_np(j_x), x_new)
