@@ -83,10 +83,6 @@ class Compensation(NamedTuple):
   draws_bits: bool
   fp16: str
 
-  @property
-  def kernel_mode(self) -> int:
-    return MODES[self.name]
-
 
 COMPENSATIONS = {c.name: c for c in (
     Compensation("kahan", "kahan_summation", "compensation", "param", False, True, False, False,
@@ -113,11 +109,7 @@ class Rules:
 
   def __init__(self, spec: Compensation):
     self.spec = spec
-
-  def __getattr__(self, name):
-    if name == "spec":  # not set yet (copy, pickle)
-      raise AttributeError(name)
-    return getattr(self.spec, name)
+    vars(self).update(spec._asdict())  # plain attributes: read on every step
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.spec.name!r})"
