@@ -26,6 +26,14 @@ TORCH_ONLY = {
     "lr": "torch's spelling of learning_rate (drop-in for torch.optim)",
     "betas": "torch's spelling of (b1, b2) (drop-in for torch.optim, icefall's ScaledAdam)",
     "enabled": "torch.amp.GradScaler's switch: a disabled scaler is a no-op",
+    "maximize": "torch.optim.AdamW's (drop-in): ascend; optax maximizes by negating the "
+                "gradients first (optax.scale(-1))",
+    "amsgrad": "torch.optim.AdamW's (drop-in): only False; optax_half has no AMSGrad",
+    "foreach": "torch.optim.AdamW's (drop-in): accepted and not used; fused= picks the step",
+    "capturable": "torch.optim.AdamW's (drop-in): only False (the step count is read on the "
+                  "host); XLA compiles the whole step",
+    "differentiable": "torch.optim.AdamW's (drop-in): only False (the step writes in place); "
+                      "JAX differentiates through an update as it is",
 }
 # Parameters JAX requires that torch may leave out, each with its reason.
 TORCH_OPTIONAL = {

@@ -1242,6 +1242,165 @@ def test_tensors_the_kernel_cannot_take_build_nothing(monkeypatch):
   assert not batch.add((*strided, None), "kahan", torch.tensor(0), 0, lambda: ())
 
 
+_FUZZ = r"""
+import torch
+import torch_bridge as tb
+from torch_bridge import _native
+
+B, F, H = torch.bfloat16, torch.float32, torch.float16
+SCALARS = tuple(torch.tensor(v) for v in (1e-2, 0.9, 0.999, 0.1, 0.001, 10.0, 1000.0, 1e-8, 0.1))
+
+
+def row(p=B, g=None, mu=None, nu=None, buf="param", n=8):
+  g, mu, nu = g or p, mu or p, nu or p
+  buf = p if buf == "param" else buf
+  out = [torch.ones(n, dtype=p), torch.full((n,), 0.5, dtype=g), torch.zeros(n, dtype=mu),
+         torch.zeros(n, dtype=nu), None if buf is None else torch.zeros(n, dtype=buf)]
+  return out
+
+
+def with_(k, t, base=None):
+  out = base or row()
+  out[k] = t
+  return out
+
+
+meta = lambda dtype=B: torch.zeros(8, dtype=dtype, device="meta")
+strided = lambda dtype=B: torch.zeros(16, dtype=dtype)[::2]
+empty = lambda dtype=B: torch.zeros(0, dtype=dtype)
+step = torch.tensor(0)
+cases = {
+    "kahan, no buffer": (row(buf=None), "kahan"),
+    "split, no buffer": (row(buf=None), "split"),
+    "master, no buffer": (row(buf=None), "master"),
+    "kahan, fp32 buffer": (row(buf=F), "kahan"),
+    "split, bf16 buffer": (row(), "split"),
+    "master, bf16 buffer": (row(), "master"),
+    "master, int16 buffer": (row(buf=torch.int16), "master"),
+    "none with a buffer": (row(), "none"),
+    "stochastic with a buffer": (row(), "stochastic"),
+    "direct with a buffer": (row(p=F), "direct"),
+    "fp16 param, bf16 moments": (row(p=H, mu=B, nu=B, buf=H), "kahan"),
+    "float64 param": (row(p=torch.float64, buf=None), "direct"),
+    "int grad": (with_(1, torch.ones(8, dtype=torch.int32)), "kahan"),
+    "unknown mode": (row(), "update"),
+    "no mode": (row(), None),
+    "zero-size": ([empty(), empty(), empty(), empty(), empty()], "kahan"),
+    "zero-size buffer": (with_(4, empty()), "kahan"),
+    "grad shorter": (with_(1, torch.ones(7, dtype=B)), "kahan"),
+    "mu longer": (with_(2, torch.zeros(9, dtype=B)), "kahan"),
+    "nu shorter": (with_(3, torch.zeros(1, dtype=B)), "kahan"),
+    "buffer shorter": (with_(4, torch.zeros(4, dtype=B)), "kahan"),
+    "same numel, other shape": None,  # taken: the kernel steps flat elements
+    "no param": (with_(0, None), "kahan"),
+    "no grad": (with_(1, None), "kahan"),
+    "no mu": (with_(2, None), "kahan"),
+    "a list, not a tensor": (with_(3, [0.0] * 8), "kahan"),
+    "four tensors": (row()[:4], "none"),
+    "sparse grad": (with_(1, torch.ones(8, dtype=B).to_sparse()), "kahan"),
+    "negated view": (with_(1, torch._neg_view(torch.ones(8, dtype=B))), "kahan"),
+}
+for k, name in enumerate(("param", "grad", "mu", "nu", "buffer")):
+  cases[f"{name} on meta"] = (with_(k, meta()), "kahan")
+  cases[f"{name} not contiguous"] = (with_(k, strided()), "kahan")
+bad_args = {
+    "step a number": dict(step=0), "step fp32": dict(step=torch.tensor(0.0)),
+    "step of one element": dict(step=torch.tensor([0])), "step negative": dict(step=torch.tensor(-1)),
+    "step on meta": dict(step=torch.tensor(0, device="meta")),
+    "leaf negative": dict(leaf=-1), "leaf a float": dict(leaf=1.0), "leaf a bool": dict(leaf=True),
+    "index negative": dict(index=-3), "index a tensor": dict(index=torch.arange(8)),
+    "index a float": dict(index=0.0), "index past 2^63": dict(index=2**63),
+    "maximize not a bool": dict(maximize=1),
+}
+for name, case in cases.items():
+  if case is None:
+    continue
+  tensors, mode = case
+  batch = _native.Batch(0, "stochastic")
+  assert batch.add(tuple(tensors), mode, step, 0, lambda: SCALARS) is False, name
+  batch.run()
+for name, kwargs in bad_args.items():
+  args = dict(step=torch.tensor(0), leaf=0, index=0, maximize=False)
+  args.update(kwargs)
+  batch = _native.Batch(0, "stochastic")
+  assert batch.add(tuple(row()), "kahan", args["step"], args["leaf"], lambda: SCALARS,
+                   args["index"], args["maximize"]) is False, name
+  batch.run()
+batch = _native.Batch(0, "stochastic")
+assert batch.add(tuple(row()), "kahan", torch.tensor(0), 0, lambda: SCALARS[:8]) is False
+assert batch.add(tuple(row()), "kahan", torch.tensor(0), 0, lambda: SCALARS + SCALARS[:1]) is False
+batch.run()
+
+# What fits is taken and stepped, once per param per call.
+batch = _native.Batch(0, "stochastic")
+tensors = row()
+tensors[1] = tensors[1].view(2, 4)  # the same numel in another shape
+counts = [torch.tensor(0), torch.tensor(0)]
+assert batch.add(tuple(tensors), "kahan", counts[0], 0, lambda: SCALARS)
+assert not batch.add(tuple(tensors), "kahan", counts[1], 1, lambda: SCALARS)  # twice: refused
+batch.before(tensors[0])  # runs the first
+assert int(counts[0]) == 1 and not torch.equal(tensors[0], torch.ones(8, dtype=B))
+assert batch.add(tuple(tensors), "kahan", counts[1], 1, lambda: SCALARS)
+batch.run()
+assert int(counts[1]) == 1
+for mode, buf in (("split", torch.int16), ("master", F), ("stochastic", None), ("none", None)):
+  batch = _native.Batch(0, "nearest")
+  assert batch.add(tuple(row(buf=buf)), mode, torch.tensor(0), 0, lambda: SCALARS), mode
+  assert batch.add(tuple(row(p=F, buf=None)), "direct", torch.tensor(0), 1, lambda: SCALARS, 0,
+                   True), mode
+  batch.run()
+
+# The optimizers: a model cast after the optimizer was built, state that no
+# longer fits its param, a state dict's Python-number step.
+for make in (lambda ps: tb.adamw_bf16(ps, lr=1e-2), lambda ps: tb.adam_fp32_master(ps, lr=1e-2),
+             lambda ps: tb.adamw_bf16(ps, lr=1e-2, compensation="split")):
+  for before, after in ((F, B), (F, H), (B, F), (B, H), (H, B)):
+    model = torch.nn.Linear(4, 3).to(before)
+    opt = make(model.parameters())
+    model.to(after)
+    for p in model.parameters():
+      p.grad = torch.ones_like(p)
+    opt.step()
+    model.to(before)
+    try:
+      opt.step()
+    except ValueError as e:
+      assert "param 0" in str(e) and "model.to(dtype)" in str(e), e
+    opt = make(model.parameters())
+    opt.step()
+    for p in model.parameters():
+      for key in [k for k in opt.state[p] if k != "step"]:
+        broken = make(model.parameters())
+        broken.load_state_dict(opt.state_dict())
+        del broken.state[p][key]
+        try:
+          broken.step()
+        except ValueError as e:
+          assert "changed after its state was made" in str(e), e
+        else:
+          raise AssertionError(f"state without {key} was stepped")
+print("ok")
+"""
+
+
+def test_the_torch_entry_refuses_what_it_cannot_take_and_never_crashes(tmp_path):
+  """``_native.Batch.add`` passes the kernel addresses only of what it steps:
+  a missing or mistyped buffer, dtypes with no kernel, non-contiguous,
+  zero-size, mismatched or non-CPU tensors, and bad counts are refused (the
+  eager step then runs or raises), never passed on. Also the optimizers
+  whose params changed dtype around their state (the crash this guards
+  against). In a process of its own: a failure may be a segfault."""
+  script = tmp_path / "fuzz.py"
+  script.write_text(_FUZZ)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=root)
+  assert out.returncode == 0 and out.stdout.strip() == "ok", (
+      f"exit {out.returncode}: " + out.stderr[-3000:])
+
+
 def _cpu_flags() -> set:
   try:
     with open("/proc/cpuinfo") as f:

@@ -406,6 +406,52 @@ def test_misuse_gets_clear_errors():
     tb.dynamic_loss_scale().unscale_(torch.optim.SGD(emb.parameters(), lr=0.1))
 
 
+def test_step_takes_a_none_closure_and_passes_arguments_on():
+  """``scaler.step(optimizer, None)`` (accelerate's call) and ``closure=None``
+  step as ``scaler.step(optimizer)`` does; other arguments reach
+  ``optimizer.step`` as with ``torch.amp.GradScaler``; a closure is refused
+  either way, before anything steps."""
+  class Recording(torch.optim.SGD):
+    def step(self, closure=None, *args, **kwargs):
+      self.calls.append((closure, args, kwargs))
+      return super().step(closure)
+
+  results = []
+  for call in (lambda s, o: s.step(o), lambda s, o: s.step(o, None),
+               lambda s, o: s.step(o, closure=None)):
+    ps = [torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16)) for _ in range(2)]
+    opt = tb.adamw_bf16(ps, lr=0.1)
+    scaler = tb.dynamic_loss_scale(init_scale=4.0)
+    for _ in range(2):
+      scaler.scale((ps[0] * ps[1]).sum()).backward()
+      assert call(scaler, opt) is None
+      scaler.update()
+      opt.zero_grad()
+    results.append([_bits(p) for p in ps] + [_bits(opt.state[p]["mu"]) for p in ps])
+  assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0], r))
+  assert not torch.equal(results[0][0], _bits(torch.ones(3, dtype=torch.bfloat16)))
+  p = torch.nn.Parameter(torch.ones(2))
+  opt = Recording([p], lr=0.1)
+  opt.calls = []
+  scaler = tb.dynamic_loss_scale()
+  for args, kwargs in (((None,), {}), ((None, 7), {"extra": 1}), ((), {"closure": None})):
+    scaler.scale(p.sum()).backward()
+    scaler.step(opt, *args, **kwargs)
+    scaler.update()
+    opt.zero_grad()
+  assert opt.calls == [(None, (), {}), (None, (7,), {"extra": 1}), (None, (), {})]
+  stepped = p.detach().clone()
+  assert not torch.equal(stepped, torch.ones(2))
+  scaler.scale(p.sum()).backward()
+  for refused in (lambda: scaler.step(opt, lambda: 0.0),
+                  lambda: scaler.step(opt, closure=lambda: 0.0)):
+    with pytest.raises(RuntimeError, match="closures are not supported"):
+      refused()
+  assert len(opt.calls) == 3 and torch.equal(p.detach(), stepped)
+  scaler.step(opt, None)  # the refusals left the scaler's state as it was
+  assert len(opt.calls) == 4
+
+
 def test_scale_keeps_fp16_losses_finite_and_update_accepts_new_scale():
   scaler = tb.dynamic_loss_scale()
   out = scaler.scale(torch.tensor(10.0, dtype=torch.float16))

@@ -4,7 +4,9 @@ One table (``OPTIMIZERS``) describes every torch_bridge optimizer once; the
 behavioural tests (resume, skipped params, schedulers, compile) run on all.
 """
 
+import copy
 import io
+import re
 
 import jax
 import jax.numpy as jnp
@@ -356,7 +358,9 @@ def test_bad_input_errors():
   with pytest.raises(ValueError, match="split"):
     tb.master_weights(torch.optim.SGD(_params(), lr=0.1), master_dtype=torch.float64,
                       split=True)
-  opt = tb.adamw_bf16(_params(), 1e-3, mu_dtype=torch.float32)
+  ps = _params()
+  opt = tb.adamw_bf16(ps, 1e-3, mu_dtype=torch.float32)
+  _run(opt, ps, _grads(1))  # state is made at the first step, as in torch.optim
   sd = opt.state_dict()
   fresh = tb.adamw_bf16(_params(), 1e-3)  # bf16 moments: a different layout
   with pytest.raises(ValueError, match="mu"):
@@ -523,3 +527,299 @@ def test_wrapped_torch_bridge_optimizer_keeps_its_schedule_count():
     opt.step()
   assert opt.inner.param_groups[0]["count"] == 5
   assert opt.inner.param_groups[0]["lr"] == schedule(4)
+
+
+# ---------------------------------------------------------------------------
+# State made at the first step; params whose dtype changes.
+# ---------------------------------------------------------------------------
+
+NAMED = ["adamw_bf16 kahan", "adamw_bf16 split", "adamw_bf16 stochastic", "adamw_bf16 none",
+         "adamw_bf16 fp32 moments", "adam_fp32_master", "scale_by_adamw"]
+
+
+def _module_params(dtype, seed=0):
+  """Params of a module (``model.to(dtype)`` casts them in place)."""
+  ps = [torch.nn.Parameter(p.detach()) for p in _params(dtype, seed)]
+  return ps, torch.nn.ParameterList(ps)
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_state_is_made_at_the_first_step_as_in_torch_optim(name):
+  """Like torch.optim.AdamW: no state before a param's first step, and a
+  state dict saved then holds none."""
+  params = _params()
+  opt = OPTIMIZERS[name](params)
+  ref = torch.optim.AdamW([p.detach().clone().requires_grad_() for p in params])
+  assert len(opt.state) == 0 and opt.state_dict()["state"] == ref.state_dict()["state"] == {}
+  params[1].grad = torch.ones_like(params[1])
+  opt.step()
+  assert list(opt.state) == [params[1]] and int(opt.state[params[1]]["step"]) == 1
+
+
+@pytest.mark.parametrize("cast", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                  (torch.float32, torch.float16), (torch.bfloat16, torch.float16)],
+                         ids=lambda c: str(c).replace("torch.", ""))
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_model_to_dtype_before_the_first_step_just_works(name, cast):
+  """``model.to(dtype)`` between building the optimizer and its first step:
+  the steps of an optimizer built after the cast, bit for bit (the kernel
+  path used to get no buffer for the new dtype: a segfault)."""
+  before, after = cast
+  runs = []
+  for build_first in (True, False):
+    params, model = _module_params(before)
+    if build_first:
+      opt = OPTIMIZERS[name](params)
+      model.to(after)
+    else:
+      model.to(after)
+      opt = OPTIMIZERS[name](params)
+    _run(opt, params, _grads(3, dtype=after))
+    assert all(p.dtype == after for p in params)
+    runs.append(_snapshot(opt, params))
+  assert _same(*runs)
+
+
+STALE = {
+    **{f"{name}, fused={fused}": (lambda ps, name=name, fused=fused: OPTIMIZERS[name](ps)
+                                  if fused is None else _eager(OPTIMIZERS[name](ps)))
+       for name in ("adamw_bf16 kahan", "adamw_bf16 split", "adam_fp32_master",
+                    "adamw_bf16 stochastic") for fused in (None, False)},
+    **{name: OPTIMIZERS[name] for name in (
+        "scale_by_adamw", "adamw_bf16 fp32 moments", "master_weights(Adam)",
+        "kahan_summation(Adam)", "stochastic_rounding(Adam)", "round_to_nearest(Adam)",
+        "master_weights(scaled_adam)", "scaled_adam")},
+}
+
+
+def _eager(opt):
+  opt._fused = False  # what fused=False sets: the eager per-tensor step
+  return opt
+
+
+@pytest.mark.parametrize("name", list(STALE))
+def test_a_dtype_change_after_the_state_is_made_is_named(name):
+  """A param cast after its state was made (here by a step) is an error at
+  the step naming the param, both dtypes and the fix; nothing is stepped
+  (the eager step used to fail on a missing buffer, the kernel to segfault,
+  a bf16 to fp32 cast to step with bf16 moments)."""
+  params = _params()
+  opt = STALE[name](params)
+  _run(opt, params, _grads(1))
+  with torch.no_grad():
+    params[2].data = params[2].data.float()  # what model.to(torch.float32) does
+  before = _snapshot(opt, params)
+  grads = _grads(1, seed=2)
+  grads[0][2] = grads[0][2].float()
+  with pytest.raises(ValueError, match=re.escape("param 2 is torch.float32[5, 3, 2]")) as e:
+    _run(opt, params, grads)
+  assert "torch.bfloat16" in str(e.value) and "after model.to(dtype)" in str(e.value)
+  assert _same(before, _snapshot(opt, params))  # params 0 and 1 were not stepped either
+  with torch.no_grad():
+    params[2].data = torch.zeros(6, 5, dtype=torch.bfloat16)  # another shape
+  grads[0][2] = torch.ones(6, 5, dtype=torch.bfloat16)
+  with pytest.raises(ValueError, match=re.escape("param 2 is torch.bfloat16[6, 5]")):
+    _run(opt, params, grads)
+
+
+@pytest.mark.parametrize("into", ["a fresh optimizer", "a stepped optimizer", "state set by hand"])
+@pytest.mark.parametrize("how", ["int", "float", "numpy int", "numpy 0-dim"])
+def test_a_number_as_step_resumes_bitwise_on_the_kernel_path(how, into, monkeypatch):
+  """A state dict whose ``step`` is a number (torch's older format; tools
+  that save ints) loads as a CPU int64 tensor and the kernel path (bf16
+  params on the CPU, fused=None) continues bit for bit as from the saved
+  tensors (the kernel path used to fail advancing a number)."""
+  from torch_bridge import _native, adam  # noqa: PLC0415
+  if not _native.available():
+    pytest.skip("no native kernel here")
+  number = {"int": int, "float": lambda t: float(int(t)), "numpy int": lambda t: np.int64(t),
+            "numpy 0-dim": lambda t: np.array(int(t))}[how]
+  grads = _grads(6)
+  params = _params()
+  opt = tb.adamw_bf16(params, 1e-2, weight_decay=0.1)
+  _run(opt, params, grads[:3])
+  saved = [p.detach().clone() for p in params]
+  state_dict = copy.deepcopy(opt.state_dict())  # state_dict() shares the live tensors
+  _run(opt, params, grads[3:])
+  full = _snapshot(opt, params)
+  for s in state_dict["state"].values():
+    s["step"] = number(s["step"])
+  params = [p.clone().requires_grad_() for p in saved]
+  opt = tb.adamw_bf16(params, 1e-2, weight_decay=0.1)
+  if into == "a stepped optimizer":
+    _run(opt, params, _grads(1, seed=7))
+    with torch.no_grad():
+      for p, s in zip(params, saved):
+        p.copy_(s)
+  if into == "state set by hand":
+    opt.load_state_dict({**state_dict, "state": {
+        k: {**v, "step": torch.tensor(0)} for k, v in state_dict["state"].items()}})
+    for p, s in zip(params, state_dict["state"].values()):
+      opt.state[p]["step"] = s["step"]
+  else:
+    opt.load_state_dict(state_dict)
+    for p in params:
+      step = opt.state[p]["step"]
+      assert torch.is_tensor(step) and step.dtype == torch.int64 and step.device.type == "cpu"
+  monkeypatch.setattr(adam, "adamw_step", None)  # the kernel steps every param
+  _run(opt, params, grads[3:])
+  assert _same(full, _snapshot(opt, params))
+
+
+def test_a_param_listed_twice_steps_twice_in_order_on_the_kernel_path():
+  """The kernel steps a param listed twice once per listing, in order, as the
+  eager step does (one kernel call took both listings at the same step count)."""
+  runs = []
+  for fused in (None, False):
+    params = _params()
+    with pytest.warns(UserWarning):
+      opt = tb.adamw_bf16(params + params[:1], 1e-2, compensation="stochastic", key=4,
+                          fused=fused)
+    _run(opt, params, _grads(2))
+    assert int(opt.state[params[0]]["step"]) == 4
+    runs.append(_snapshot(opt, params))
+  assert _same(*runs)
+
+
+# ---------------------------------------------------------------------------
+# torch.optim.AdamW's other keywords.
+# ---------------------------------------------------------------------------
+
+ADAMW_FACTORIES = {
+    "adamw_bf16": lambda ps, **k: tb.adamw_bf16(ps, 1e-2, **k),
+    "adam_fp32_master": lambda ps, **k: tb.adam_fp32_master(ps, 1e-2, **k),
+    "scale_by_adamw": lambda ps, **k: tb.scale_by_adamw(ps, 1e-2, **k),
+    "LowPrecisionAdamW": lambda ps, **k: tb.LowPrecisionAdamW(ps, 1e-2, **k),
+}
+
+
+@pytest.mark.parametrize("name", list(ADAMW_FACTORIES))
+def test_torch_adamw_keywords_are_taken_and_refused_with_the_fix(name):
+  make = ADAMW_FACTORIES[name]
+  for foreach in (None, True, False):
+    make(_params(), amsgrad=False, foreach=foreach, maximize=False, capturable=False,
+         differentiable=False)
+  for key, fix in (("amsgrad", "tb.master_weights(torch.optim.AdamW(params, amsgrad=True))"),
+                   ("capturable", "torch.optim.AdamW(capturable=True)"),
+                   ("differentiable", "torch.optim.AdamW(differentiable=True)")):
+    with pytest.raises(ValueError, match=re.escape(f"{key}=True is not supported")) as e:
+      make(_params(), **{key: True})
+    assert fix in str(e.value) and f"Pass {key}=False" in str(e.value)
+    with pytest.raises(ValueError, match=re.escape(f"param group: {key}=True")):
+      make([{"params": _params(), key: True}])
+  with pytest.raises(TypeError, match="maximize must be True or False"):
+    make(_params(), maximize="yes")
+  with pytest.raises(TypeError, match="foreach must be None, True or False"):
+    make(_params(), foreach=1)
+  # The fix named for amsgrad works.
+  ps = _params()
+  _run(tb.master_weights(torch.optim.AdamW(ps, lr=1e-2, amsgrad=True)), ps, _grads(2))
+
+
+def test_param_groups_copied_from_torch_optimizers_are_taken():
+  """torch.optim.AdamW's and Adam's group keys (amsgrad, foreach, fused,
+  capturable, differentiable, decoupled_weight_decay) are taken as the
+  keywords are; maximize stays a group key, saved with the group."""
+  ps = _params()
+  groups = [dict(torch.optim.AdamW(ps[:1], lr=1e-2, weight_decay=0.1).param_groups[0]),
+            dict(torch.optim.Adam(ps[1:2], lr=1e-2).param_groups[0]),
+            {**torch.optim.AdamW(ps[2:], lr=1e-2, maximize=True).param_groups[0]}]
+  assert {"fused", "foreach", "capturable", "differentiable", "amsgrad",
+          "decoupled_weight_decay"} <= set(groups[0])
+  opt = tb.adamw_bf16(groups, 1e-2)
+  assert [g["maximize"] for g in opt.param_groups] == [False, False, True]
+  assert all(set(g) == set(opt.param_groups[0]) for g in opt.param_groups)
+  ref = [p.detach().clone().requires_grad_() for p in ps]
+  ref_opt = tb.adamw_bf16([{"params": ref[:1], "weight_decay": 0.1},
+                           {"params": ref[1:2], "weight_decay": 0.0},
+                           {"params": ref[2:], "maximize": True}], 1e-2)
+  grads = _grads(3)
+  _run(opt, ps, grads)
+  _run(ref_opt, ref, grads)
+  assert _same(_snapshot(opt, ps), _snapshot(ref_opt, ref))
+  assert opt.state_dict()["param_groups"][2]["maximize"] is True
+  with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
+    tb.adamw_bf16([dict(torch.optim.Adam(_params(), weight_decay=0.1).param_groups[0])], 1e-2)
+  with pytest.raises(ValueError, match="amsgrad=True"):
+    tb.adamw_bf16([dict(torch.optim.AdamW(_params(), amsgrad=True).param_groups[0])], 1e-2)
+
+
+MAXIMIZE = {
+    "adamw_bf16 kahan": lambda ps, f, m: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, fused=f,
+                                                       maximize=m),
+    "adamw_bf16 split": lambda ps, f, m: tb.adamw_bf16(ps, 1e-2, compensation="split",
+                                                       fused=f, maximize=m),
+    "adamw_bf16 stochastic, fp32 nu": lambda ps, f, m: tb.adamw_bf16(
+        ps, 1e-2, compensation="stochastic", key=2, nu_dtype=torch.float32, fused=f, maximize=m),
+    "adamw_bf16 none": lambda ps, f, m: tb.adamw_bf16(ps, 1e-2, compensation="none", fused=f,
+                                                      maximize=m),
+    "adam_fp32_master": lambda ps, f, m: tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1,
+                                                             fused=f, maximize=m),
+    "scale_by_adamw": lambda ps, f, m: tb.scale_by_adamw(ps, 1e-2, fused=f, maximize=m),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("path", ["kernel", "eager", "grouped"])
+@pytest.mark.parametrize("name", list(MAXIMIZE))
+def test_maximize_is_the_step_on_the_negated_gradient(name, path, dtype, monkeypatch):
+  """``maximize=True`` reads the gradient negated: the bits (params and
+  every state tensor) of the same optimizer stepped on ``-grad``, on every
+  path: the kernel (CPU, fused=None), the eager per-tensor step
+  (fused=False) and the grouped eager step (the default off the CPU)."""
+  from torch_bridge import _native, adam  # noqa: PLC0415
+  if path == "grouped":
+    monkeypatch.setattr(_native.Batch, "add", lambda *a, **k: False)
+    monkeypatch.setattr(adam, "_groups_on", lambda device: True)
+  make, fused = MAXIMIZE[name], (False if path == "eager" else None)
+  runs = []
+  for maximize in (True, False):
+    params = _params(dtype)
+    opt = make(params, fused, maximize)
+    grads = _grads(3, dtype)
+    _run(opt, params, grads if maximize else [[-g for g in gs] for gs in grads])
+    runs.append(_snapshot(opt, params))
+  assert _same(*runs)
+  params = _params(dtype)
+  _run(make(params, fused, False), params, _grads(3, dtype))  # descent: other params
+  assert not _same(runs[0][:len(params)], [_bits(p) for p in params])
+
+
+def test_maximize_follows_torch_adamw_in_fp32():
+  """fp32 params, ``maximize=True``: as close to torch.optim.AdamW(maximize=True)
+  in float64 as torch's own fp32 run, as test_fp32_params_as_accurate_as_torch_adamw
+  finds for descent; and the params ascend."""
+  params, grads = _params(torch.float32), _grads(300, torch.float32)
+  ref32 = [p.detach().clone().requires_grad_() for p in params]
+  ref64 = [p.detach().double().requires_grad_() for p in params]
+  start = [p.detach().clone() for p in params]
+  opt = tb.adamw_bf16(params, 1e-3, weight_decay=0.1, maximize=True)
+  opt32 = torch.optim.AdamW(ref32, lr=1e-3, weight_decay=0.1, maximize=True)
+  opt64 = torch.optim.AdamW(ref64, lr=1e-3, weight_decay=0.1, maximize=True)
+  for g in grads:
+    for p, r, q, x in zip(params, ref32, ref64, g):
+      p.grad, r.grad, q.grad = x, x.clone(), x.double()
+    for o in (opt, opt32, opt64):
+      o.step()
+  ours = max((p.double() - q).abs().max().item() for p, q in zip(params, ref64))
+  torch32 = max((r.double() - q).abs().max().item() for r, q in zip(ref32, ref64))
+  assert ours <= torch32 and ours <= 1e-5
+  # Against the gradients' mean direction: the params moved up it.
+  mean = [sum(g[k] for g in grads) for k in range(len(params))]
+  assert all(((p.detach() - s) * m).sum() > 0 for p, s, m in zip(params, start, mean))
+
+
+def test_maximize_compiled_step_equals_eager():
+  """fused=True compiles the per-tensor step of what the kernel does not
+  take (here: non-contiguous params); with maximize it is the eager step's
+  bits too."""
+  out = []
+  for fused in (False, True):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(17, 9, generator=gen).to(torch.bfloat16).t().requires_grad_()]
+    opt = tb.adamw_bf16(params, 1e-2, weight_decay=0.1, fused=fused, maximize=True)
+    _run(opt, params, [[(torch.randn(9, 17, generator=gen) * 0.1).to(torch.bfloat16)]
+                       for _ in range(3)])
+    out.append(_snapshot(opt, params))
+  assert _same(*out)

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import optax_half_native as native
+from torch_bridge import _dist
 
 __all__ = ["Batch", "available"]
 
@@ -32,6 +33,32 @@ def available() -> bool:
   return native.library() is not None
 
 
+# What each mode reads as the buffer: its dtype ("param": the param's), or
+# None where the mode reads no buffer.
+_BUFFERS = {"direct": None, "stochastic": None, "none": None, "kahan": "param",
+            "split": torch.int16, "master": torch.float32}
+_GRAD_SCALE = native.ADAMW_SCALARS.index("grad_scale")  # the AdamW scalars come before it
+_MAX_INDEX = 2**63  # the counter of element 0, and the counts, fit in int64
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_cpu(t) -> bool:
+  """Whether the kernel may step ``t`` through its address: a dense,
+  contiguous CPU tensor, not a lazily negated view, not a DTensor (a
+  conjugate view is complex: no kernel takes its dtype)."""
+  if type(t) not in _PLAIN and not (isinstance(t, torch.Tensor) and not _dist.is_dtensor(t)):
+    return False
+  return t.is_cpu and t.layout is torch.strided and t.is_contiguous() and not t.is_neg()
+
+
+def _count(value) -> bool:
+  """Whether ``value`` is a non-negative Python or numpy integer below 2^63."""
+  return (isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+          and 0 <= value < _MAX_INDEX)
+
+
 class Batch:
   """The native part of one optimizer step: ``add`` each tensor, then ``run``."""
 
@@ -40,18 +67,51 @@ class Batch:
     self._stochastic = state_rounding == "stochastic"
     self._configs: dict = {}  # kernel name -> (kernel, [(tensors, step tensor, leaf, scalars)])
     self._scalars: dict = {}  # id of the scalar tensors -> the fp32 values as floats
+    self._taken: set = set()  # addresses of the params added since the last run
 
   def add(self, tensors, mode: str, step: torch.Tensor, leaf: int,
-          scalars: Callable[[], tuple], index=0) -> bool:
+          scalars: Callable[[], tuple], index=0, maximize: bool = False) -> bool:
     """Takes ``(param, grad, mu, nu, buffer)`` for the kernel; False if it cannot.
 
-    ``index``: the random-bit counter of element 0 (a shard's offset in the
-    whole tensor); a tensor of counters (a strided shard) is not taken.
+    ``scalars()``: the AdamW scalars (``ADAMW_SCALARS`` up to the gradient
+    read's); ``index``: the random-bit counter of element 0 (a shard's offset
+    in the whole tensor); a tensor of counters (a strided shard) is not
+    taken. ``maximize``: the gradient is read negated (``grad_scale`` -1,
+    an exact negation).
+    Everything the kernel reads through an address is checked here (tensors,
+    dtypes, sizes, the buffer the mode reads, the step count): what does not
+    fit is not taken (the eager step then runs, or raises), never passed on.
     """
+    if not (isinstance(tensors, (tuple, list)) and len(tensors) == 5):
+      return False
     p, grad, mu, nu, buffer = tensors
-    if torch.is_tensor(index) or not all(
-        t is None or (t.is_cpu and t.is_contiguous()) for t in tensors):
+    wants = _BUFFERS.get(mode, False) if isinstance(mode, str) else False
+    if wants is False or not _count(index) or not _count(leaf) or not isinstance(maximize, bool):
+      return False
+    if not (_plain_cpu(p) and _plain_cpu(grad) and _plain_cpu(mu) and _plain_cpu(nu)):
       return False  # checked first: no CPU tensor, no build
+    numel = p.numel()
+    if numel == 0:
+      return False
+    if wants is None:
+      if buffer is not None:
+        return False
+    elif not (_plain_cpu(buffer) and buffer.dtype == (p.dtype if wants == "param" else wants)):
+      return False
+    if not (grad.numel() == mu.numel() == nu.numel() == numel
+            and (buffer is None or buffer.numel() == numel)):
+      return False
+    if numel >= _MAX_INDEX - index:
+      return False
+    if not (torch.is_tensor(step) and step.is_cpu and step.dim() == 0
+            and step.dtype == torch.int64 and int(step) >= 0):
+      return False  # advanced in place by run (a number is the eager step's)
+    try:
+      address = p.data_ptr()
+    except RuntimeError:  # a tensor without storage (fake, functional)
+      return False
+    if address in self._taken:
+      return False  # the same param twice in one call: the caller runs the first (before)
     config = (p.dtype, grad.dtype, mu.dtype, nu.dtype, mode)
     fn = _KERNELS.get((config, self._stochastic), False)
     if fn is False:  # looked up once per configuration
@@ -63,16 +123,30 @@ class Batch:
     values = scalars()
     host = self._scalars.get(id(values))
     if host is None:
-      host = self._scalars[id(values)] = (values, [float(v) for v in values])
+      floats = [float(v) for v in values]
+      if len(floats) != _GRAD_SCALE:
+        return False
+      host = self._scalars[id(values)] = (values, floats)
+    self._taken.add(address)
     self._configs.setdefault(fn.__name__, (fn, []))[1].append(
-        (tensors, step, leaf, host[1], index))
+        (tuple(tensors), step, leaf, host[1], index, -1.0 if maximize else 1.0))
     return True
+
+  def before(self, p: torch.Tensor) -> None:
+    """Called before ``p``'s step count is read: a param listed twice in the
+    optimizer steps twice, in order (its first step is run here)."""
+    if self._taken:
+      p = _dist.local(p)
+      if p.is_cpu and p.layout == torch.strided and p.data_ptr() in self._taken:
+        self.run()
 
   def run(self) -> None:
     """Steps every tensor added, then advances their step counts."""
+    configs, self._configs = self._configs, {}
+    self._taken.clear()
     threads = torch.get_num_threads()
     steps = []
-    for fn, rows in self._configs.values():
+    for fn, rows in configs.values():
       table = np.zeros(len(rows), native.TENSOR_DTYPE)
       tensors = [r[0] for r in rows]
       table["numel"] = [t[0].numel() for t in tensors]
@@ -80,8 +154,10 @@ class Batch:
         table[name] = [t[k].data_ptr() for t in tensors]
       table["p_out"] = table["p"]  # in place
       table["buffer"] = [0 if t[4] is None else t[4].data_ptr() for t in tensors]
-      # The AdamW scalars, then the gradient read's: no unscaling, no clipping here.
-      table["scalars"] = [r[3] + [1.0] * (len(native.ADAMW_SCALARS) - len(r[3])) for r in rows]
+      # The AdamW scalars, then the gradient read's: no unscaling (a sign for
+      # maximize), no clipping here.
+      table["scalars"] = [r[3] + [r[5]] + [1.0] * (len(native.ADAMW_SCALARS) - _GRAD_SCALE - 1)
+                          for r in rows]
       table["keys"] = native.leaf_keys(self._seed, [int(r[1]) for r in rows],
                                        [r[2] for r in rows])
       table["index"] = [r[4] for r in rows]

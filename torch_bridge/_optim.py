@@ -30,7 +30,8 @@ from optax_half_native.checks import f32, float64_message
 from torch_bridge import _dist
 
 __all__ = ["f32", "seed_from_key",
-           "prepare_load", "check_kind", "optimizer_kind", "check_param", "check_grad",
+           "prepare_load", "check_kind", "stale_state_message", "step_count",
+           "TORCH_ADAMW_KEYS", "check_torch_keys", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
            "stepping_params", "torch_spellings", "LowPrecisionOptimizer"]
 
@@ -64,6 +65,41 @@ def check_grad(grad: torch.Tensor, position: int) -> None:
     raise RuntimeError(
         f"param {position} has a sparse gradient; torch_bridge optimizers need dense "
         "gradients (use torch.optim.SparseAdam for sparse embeddings).")
+
+
+def stale_state_message(p: torch.Tensor, position: int, state: dict, layout_of,
+                        shaped=("mu", "nu")) -> str:
+  """The error for a param whose dtype or shape changed after its state was
+  made (``model.to(dtype)`` after a step or a load). ``layout_of(dtype)``:
+  the dtype of each state tensor (``step`` aside) a param of ``dtype`` gets,
+  which names the dtype(s) the state was made for; ``shaped``: the keys of
+  tensors shaped like the param."""
+  held = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v)}
+  dtypes = {k: v.dtype for k, v in held.items()}
+  made = [str(d) for d in (torch.float32, torch.bfloat16, torch.float16)
+          if layout_of(d) == dtypes]
+  was = " or ".join(made) if made else "another dtype's"
+  shapes = sorted({tuple(held[k].shape) for k in shaped if k in held})
+  if shapes and shapes != [tuple(p.shape)]:
+    was += f" param of shape {' or '.join(str(list(s)) for s in shapes)}"
+  else:
+    was += " param"
+  listed = ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in held.items()) or "no buffers"
+  return (f"param {position} is {p.dtype}{list(p.shape)}, but its optimizer state "
+          f"({listed}) was made for a {was}: the param's dtype or shape changed after its "
+          "state was made (e.g. model.to(dtype) after a step or a load_state_dict). Build "
+          "the optimizer after model.to(dtype), or load a state dict saved for "
+          f"{p.dtype} params.")
+
+
+def step_count(state: dict) -> torch.Tensor:
+  """``state["step"]`` as the CPU int64 0-dim tensor the steps advance in
+  place (a number set from outside, or a tensor elsewhere, replaced by one)."""
+  step = state["step"]
+  if not (torch.is_tensor(step) and step.dtype == torch.int64 and step.is_cpu
+          and step.dim() == 0):
+    step = state["step"] = torch.tensor(int(step), dtype=torch.int64)
+  return step
 
 
 def step_grad(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.Tensor:
@@ -109,6 +145,8 @@ def _as_tensor_like(name: str, value, current):
   """A Python number saved where the optimizer holds a 0-dim tensor (a
   ``step`` in older torch formats) as a tensor of the live one's dtype (a
   ``step`` with no live tensor yet: int64); anything else as it is."""
+  if name == "step" and isinstance(value, np.ndarray) and value.ndim == 0:
+    value = value.item()
   if not isinstance(value, (int, float, np.number)) or isinstance(value, bool):
     return value
   if torch.is_tensor(current) and current.dim() == 0:
@@ -185,7 +223,8 @@ def prepare_load(optimizer: torch.optim.Optimizer, state_dict: dict, template=No
         if torch.is_tensor(value) and torch.is_tensor(current):
           current.copy_(value)
         elif torch.is_tensor(value):
-          device = value.device if name == "step" else p.device
+          # Step counts on the CPU (read on the host every step), as saved by torch.optim.
+          device = torch.device("cpu") if name == "step" else p.device
           state[name] = value.to(device=device, copy=True)
         else:
           state[name] = copy.deepcopy(value)
@@ -303,6 +342,42 @@ def torch_spellings(name: str, learning_rate, lr, b1, b2, betas, default_betas) 
       raise TypeError(f"{name}: pass b1/b2 or torch's betas, not both.")
     b1, b2 = pair
   return learning_rate, b1, b2
+
+
+# torch.optim.AdamW's keywords and group keys besides the hyperparameters,
+# with the values the AdamW optimizers honour (maximize: both).
+TORCH_ADAMW_KEYS = ("maximize", "amsgrad", "foreach", "capturable", "differentiable", "fused",
+                    "decoupled_weight_decay")
+_REFUSED = {
+    "amsgrad": "AMSGrad (the running max of nu) is not implemented; for it wrap torch's: "
+               "tb.master_weights(torch.optim.AdamW(params, amsgrad=True))",
+    "differentiable": "the step writes params and state in place under torch.no_grad(); for a "
+                      "differentiable step use torch.optim.AdamW(differentiable=True)",
+    "capturable": "the step reads each param's step count on the host, which a CUDA graph "
+                  "cannot capture; for that use torch.optim.AdamW(capturable=True)",
+}
+
+
+def check_torch_keys(where: str, values: dict, weight_decay=0.0) -> None:
+  """torch.optim.AdamW's ``values`` (keywords or group keys, ``TORCH_ADAMW_KEYS``):
+  ``foreach`` and ``fused`` None or a bool (how torch would run the step; a
+  group's are not used: the optimizer's ``fused=`` picks the step), the others
+  bools, True only for ``maximize`` and ``decoupled_weight_decay`` (False,
+  torch.optim.Adam's, only where ``weight_decay`` is 0)."""
+  for key, value in values.items():
+    if key in ("foreach", "fused"):
+      if value is not None and not isinstance(value, bool):
+        raise TypeError(f"{where}: {key} must be None, True or False; got {value!r}.")
+    elif not isinstance(value, bool):
+      raise TypeError(f"{where}: {key} must be True or False; got {value!r}.")
+    elif key == "decoupled_weight_decay" and not value and weight_decay:
+      raise ValueError(
+          f"{where}: decoupled_weight_decay=False (torch.optim.Adam's weight decay, added to "
+          "the gradient) is not supported: these optimizers decay weights as AdamW does. Pass "
+          "decoupled_weight_decay=True (AdamW's), or weight_decay=0.")
+    elif value and key in _REFUSED:
+      raise ValueError(f"{where}: {key}=True is not supported: {_REFUSED[key]}. Pass "
+                       f"{key}=False (the default).")
 
 
 def _mark(p: torch.Tensor) -> tuple:
@@ -503,9 +578,14 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         out = result
     return out
 
+  def _template(self, group: dict, p: torch.Tensor) -> Optional[dict]:
+    """The state ``p`` would get at its first step, for checking a load into
+    an optimizer that holds none for it yet (None: no such state, no check)."""
+    return None
+
   def _load(self, state_dict: dict) -> None:
     """Checks ``state_dict`` and loads it (nothing is written if a check fails)."""
-    prepare_load(self, state_dict)()
+    prepare_load(self, state_dict, template=self._template)()
     if hasattr(self, "nonfinite"):
       load_nonfinite(self, state_dict)
 
@@ -537,6 +617,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     state["_unscaled_grads"] = {}
     state.pop("_grads_checked_finite", None)
     state.pop("_grouped_cache", None)  # LowPrecisionAdamW's device-side index cache
+    state.pop("_state_fits", None)  # and its marks of checked states (made again)
     return state
 
   def __setstate__(self, state: dict) -> None:

@@ -29,10 +29,10 @@ import optax_half_native as native_lib
 from optax_half_native import checks
 from torch_bridge import _dist, _native, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
-from torch_bridge._optim import (LowPrecisionOptimizer, check_grad,
-                                 check_no_float64, check_param, grad_of, init_skip_nonfinite,
-                                 seed_from_key, step_grad,
-                                 torch_spellings)
+from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_grad,
+                                 check_no_float64, check_param, check_torch_keys, grad_of,
+                                 init_skip_nonfinite, seed_from_key, stale_state_message,
+                                 step_count, step_grad, torch_spellings)
 
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
@@ -51,8 +51,21 @@ def _kernel_mode(compensation: Optional[Compensation]) -> str:
   return "direct" if compensation is None else compensation.name
 
 
+@functools.lru_cache(maxsize=None)
+def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.dtype) -> dict:
+  """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
+  param: name -> dtype (the buffer's by its own ``init_buffer``)."""
+  layout = {"mu": mu_dtype or dtype, "nu": nu_dtype or dtype}
+  rules = _param_compensation(compensation, dtype)
+  buffer = None if rules is None else rules.init_buffer(torch.empty(0, dtype=dtype))
+  if buffer is not None:
+    layout[rules.buffer] = buffer.dtype
+  return layout
+
+
 def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
-               compensation: Optional[Compensation], state_rounding: str, index=0) -> None:
+               compensation: Optional[Compensation], state_rounding: str, index=0,
+               maximize: bool = False) -> None:
   """One AdamW step on one tensor, in place, in fp32 (the core + compensation).
 
   ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
@@ -61,9 +74,11 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
   of the param and moments streams; ``index``: the random-bit counter of the
   elements (``rounding.bits_from_key``: 0 for a whole tensor, a shard's
   offset, or every element's); ``compensation``: the param's
-  (``_param_compensation``), None for a wide param. Written with tensor scalars only, so that
-  ``torch.compile`` turns it into one loop without recompiling when the
-  learning rate or the step change. Every op rounds to fp32 (no FMA: Inductor's
+  (``_param_compensation``), None for a wide param; ``maximize``: the
+  gradient is negated as it is read (exact: the bits of a step on
+  ``-grad``). Written with tensor scalars only, so that ``torch.compile``
+  turns it into one loop without recompiling when the learning rate or the
+  step change. Every op rounds to fp32 (no FMA: Inductor's
   CPU backend compiles with ``-ffp-contract=off``); the JAX side matches with
   ``no_fma``. Compiled for CUDA (Triton) the step may differ from the eager one
   by a few ULP (docs/algorithms.md#on-gpu).
@@ -71,6 +86,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
   key_p, key_m = keys
   g = rounding.widen(grad)
+  if maximize:
+    g = -g
   x = rounding.widen(param) if compensation is None else compensation.read(param, buffer)
   m32 = b1 * rounding.widen(mu) + one_minus_b1 * g
   v32 = b2 * rounding.widen(nu) + one_minus_b2 * (g * g)
@@ -163,7 +180,7 @@ class _Grouped:
     self._taken: set = set()  # ids of the params taken since the last run
 
   def add(self, tensors, compensation: Optional[Compensation], step: int, leaf: int, scalars,
-          state: dict, index=0) -> bool:
+          state: dict, index=0, maximize: bool = False) -> bool:
     """Takes ``(param, grad, mu, nu, buffer)`` for a grouped step; False if
     it does not (the CPU, a shard's counters, a non-contiguous tensor, a
     tensor of ``_GROUP_ELEMENTS`` or more: its own step costs no more)."""
@@ -173,7 +190,7 @@ class _Grouped:
         or not all(t is None or t.is_contiguous() for t in tensors)):
       return False
     self._taken.add(id(p))
-    config = (p.device, compensation, step, id(scalars),
+    config = (p.device, compensation, step, id(scalars), maximize,
               *(None if t is None else t.dtype for t in tensors))
     entry = self._configs.get(config)
     if entry is not None and entry[2] + p.numel() > _GROUP_ELEMENTS:
@@ -220,12 +237,12 @@ class _Grouped:
 
   @torch.no_grad()
   def _step(self, config, entry) -> None:
-    device, compensation, step = config[:3]
+    device, compensation, step, _, maximize = config[:5]
     scalars, rows, total = entry
     if len(rows) == 1:  # nothing to concatenate
       tensors, leaf, _ = rows[0]
       adamw_step(*tensors, scalars, _leaf_keys(self._seed, step, leaf, device), compensation,
-                 self._state_rounding)
+                 self._state_rounding, 0, maximize)
     else:
       columns = list(zip(*(tensors for tensors, _, _ in rows)))
       sizes = tuple(t.numel() for t in columns[0])
@@ -241,7 +258,7 @@ class _Grouped:
         keys = tuple(torch.repeat_interleave(rounding.mix32(
             rounding._key_tensor_of(rounding._stream_key(self._seed, step, s), device)
             ^ leaves), counts, output_size=total) for s in _STREAMS)
-      adamw_step(*flat, scalars, keys, compensation, self._state_rounding, index)
+      adamw_step(*flat, scalars, keys, compensation, self._state_rounding, index, maximize)
       for k, (col, values) in enumerate(zip(columns, flat)):
         if k != 1 and values is not None:  # the gradient is only read
           torch._foreach_copy_([t.view(-1) for t in col], list(values.split(list(sizes))))
@@ -266,14 +283,17 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
      p, buffer = write(x')                  # per compensation
      mu, nu = round(m), round(v)            # nearest or stochastic
 
-  Param groups carry torch's keys ``lr``, ``betas``, ``eps`` and
-  ``weight_decay`` (so ``torch.optim.lr_scheduler``, ``OneCycleLR`` with
-  momentum cycling included, works), ``lr_schedule`` (the group's schedule,
-  or None) and a host-side ``count`` of steps. State per param: ``step``
-  (CPU int64), ``mu``, ``nu``, and ``master`` (fp32 copy, or the int16 low
-  half with ``compensation="split"``) or ``compensation`` (Kahan buffer in
-  the param dtype). ``learning_rate``/``lr`` defaults to 1e-3 here, as in
-  ``torch.optim.AdamW``; the factories ask for it.
+  Param groups carry torch's keys ``lr``, ``betas``, ``eps``,
+  ``weight_decay`` and ``maximize`` (so ``torch.optim.lr_scheduler``,
+  ``OneCycleLR`` with momentum cycling included, works), ``lr_schedule`` (the
+  group's schedule, or None) and a host-side ``count`` of steps; a group
+  copied from a ``torch.optim.AdamW`` (with ``amsgrad``, ``foreach``,
+  ``fused``, ``capturable``, ``differentiable``) is taken as the keywords
+  are. State per param, made at its first step as in ``torch.optim``:
+  ``step`` (CPU int64), ``mu``, ``nu``, and ``master`` (fp32 copy, or the
+  int16 low half with ``compensation="split"``) or ``compensation`` (Kahan
+  buffer in the param dtype). ``learning_rate``/``lr`` defaults to 1e-3
+  here, as in ``torch.optim.AdamW``; the factories ask for it.
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -296,11 +316,15 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                compensation: str = "kahan", mu_dtype: Optional[torch.dtype] = None,
                nu_dtype: Optional[torch.dtype] = None, state_rounding: str = "nearest",
                key=None, skip_nonfinite: bool = False, fused: Optional[bool] = None,
-               lr=None, betas=None, _factory: str = "LowPrecisionAdamW"):
+               lr=None, betas=None, maximize: bool = False, amsgrad: bool = False,
+               foreach: Optional[bool] = None, capturable: bool = False,
+               differentiable: bool = False, _factory: str = "LowPrecisionAdamW"):
     if learning_rate is None and lr is None and _factory == "LowPrecisionAdamW":
       lr = 1e-3  # torch.optim.AdamW's default; the factories ask for it
     learning_rate, b1, b2 = torch_spellings(_factory, learning_rate, lr, b1, b2, betas,
                                             (0.9, 0.999))
+    check_torch_keys(_factory, dict(maximize=maximize, amsgrad=amsgrad, foreach=foreach,
+                                    capturable=capturable, differentiable=differentiable))
     if compensation != "master":  # adam_fp32_master's, not an adamw_bf16 choice
       native_lib.check_compensation(compensation)
     checks.check_state_rounding(state_rounding)
@@ -320,10 +344,22 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     # accept scale_by_adamw (the bare core) but refuse adamw_bf16.
     self._factory = _factory
     defaults = dict(lr=lr0, lr_schedule=schedule, betas=(b1, b2), eps=eps,
-                    weight_decay=weight_decay, count=0)
+                    weight_decay=weight_decay, maximize=maximize, count=0)
     super().__init__(params, defaults)
 
   # -- construction ----------------------------------------------------------
+
+  def _normalize_group(self, param_group: dict) -> dict:
+    # torch.optim.AdamW's other group keys (a group copied from a torch
+    # optimizer): checked as the keywords are, then dropped (maximize is kept).
+    # Called by torch.optim.Optimizer.__init__ after self.defaults is set.
+    if isinstance(param_group, dict):
+      check_torch_keys("param group", {k: v for k, v in param_group.items()
+                                       if k in TORCH_ADAMW_KEYS},
+                       param_group.get("weight_decay", self.defaults["weight_decay"]))
+      param_group = {k: v for k, v in param_group.items()
+                     if k not in TORCH_ADAMW_KEYS or k == "maximize"}
+    return super()._normalize_group(param_group)
 
   def _check_group(self, group: dict, first: int) -> None:
     b1, b2 = group["betas"]
@@ -333,20 +369,54 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
       check_no_float64(p, position, _CORE_NAME)
 
   def _init_group(self, group: dict) -> None:
-    for p in group["params"]:
-      self._init_state(p)
+    # A param's state is made at its first step (_state_of), as in torch.optim,
+    # so a model.to(dtype) between construction and that step just works.
     self._remember(group["params"])
 
   @torch.no_grad()
-  def _init_state(self, p: torch.Tensor) -> None:
-    state = self.state[p]
-    state["step"] = torch.tensor(0, dtype=torch.int64)
-    state["mu"] = torch.zeros_like(p, dtype=self._mu_dtype or p.dtype)
-    state["nu"] = torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)
+  def _new_state(self, p: torch.Tensor) -> dict:
+    """The state of ``p`` before its first step (for its dtype and shape now)."""
+    state = {"step": torch.tensor(0, dtype=torch.int64),
+             "mu": torch.zeros_like(p, dtype=self._mu_dtype or p.dtype),
+             "nu": torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)}
     compensation = _param_compensation(self._compensation, p.dtype)
     buffer = None if compensation is None else compensation.init_buffer(p)
     if buffer is not None:
       state[compensation.buffer] = buffer
+    return state
+
+  def _layout(self, dtype: torch.dtype) -> dict:
+    """The dtype of each state tensor (``step`` aside) of a param of ``dtype``."""
+    return _state_layout(self._compensation, self._mu_dtype, self._nu_dtype, dtype)
+
+  def _state_of(self, p: torch.Tensor, position: int) -> dict:
+    """``p``'s state: made now if ``p`` has none yet, else checked against
+    ``p``'s dtype and shape (a ``model.to(dtype)`` after the state was made
+    would have the step read buffers of another dtype, or none)."""
+    state = self.state[p]
+    # Checked once per param while its dtype, shape and keys stay (a load
+    # clears these marks); a step count set from outside is still taken up.
+    fits = self.__dict__.setdefault("_state_fits", {})
+    mark = (p.dtype, p.shape, len(state))
+    if fits.get(p) == mark and type(state["step"]) is torch.Tensor:
+      return state
+    if not state:
+      check_param(p, position)
+      check_no_float64(p, position, _CORE_NAME)
+      state.update(self._new_state(p))
+      fits[p] = (p.dtype, p.shape, len(state))
+      return state
+    layout = self._layout(p.dtype)
+    ok = len(state) == len(layout) + 1 and "step" in state
+    for k, dtype in layout.items():
+      t = state.get(k)
+      ok = ok and torch.is_tensor(t) and t.dtype == dtype and t.shape == p.shape
+    if not ok:
+      raise ValueError(stale_state_message(p, position, state, self._layout,
+                                           shaped=tuple(layout)))
+    step_count(state)
+    self._state_fits[p] = mark
+    return state
 
   # -- checkpoints -----------------------------------------------------------
   # The buffers (master, split low half, Kahan buffer or none) are checked by
@@ -355,8 +425,14 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   def _extra_state(self) -> dict:
     return {**super()._extra_state(), "seed": self._seed}
 
+  def _template(self, group: dict, p: torch.Tensor) -> Optional[dict]:
+    # A param with no state yet is checked against the state its first step
+    # makes; a wrapper's stand-in between steps (no elements) is not checked.
+    return self._new_state(p) if p.numel() else None
+
   def _load(self, state_dict: dict) -> None:
     super()._load(state_dict)
+    self.__dict__.pop("_state_fits", None)  # loaded state is checked at its next step
     self._seed = int(state_dict.get("seed", self._seed))
 
   # -- the step --------------------------------------------------------------
@@ -377,6 +453,14 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     return cache[key]
 
   def _step_all(self) -> None:
+    # Every state made or checked first: a param whose dtype changed since
+    # its state was made is an error before anything is stepped.
+    position = 0
+    for group in self.param_groups:
+      for p in group["params"]:
+        if grad_of(p) is not None:
+          self._state_of(p, position)
+        position += 1
     # CPU tensors go to the native kernel, one call per configuration, after the loop.
     native = _native.Batch(self._seed, self._state_rounding) if self._fused is not False else None
     # Off the CPU, the default step groups tensors (_Grouped); fused=True
@@ -399,6 +483,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     for group in self.param_groups:
       count = group["count"]
       lr = self._group_lr(group, count)
+      maximize = group["maximize"]
       cache: dict = {}
       for p in group["params"]:
         leaf = position
@@ -406,8 +491,9 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         if grad_of(p) is None:
           continue
         check_grad(grad_of(p), leaf)
-        if grouped is not None:
-          grouped.before(p)
+        for batch in (grouped, native):  # a param listed twice: its first step first
+          if batch is not None:
+            batch.before(p)
         grad = step_grad(self, p)
         state = self.state[p]
         step = int(state["step"])
@@ -427,12 +513,13 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           index = _dist.index(p)
         if native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
-            lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index):
+            lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index,
+            maximize):
           continue
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache)
         if grouped is not None and grouped.add(tensors, compensation, step, leaf, scalars, state,
-                                               index):
+                                               index, maximize):
           continue
         keys = _leaf_keys(self._seed, step, leaf, device)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
@@ -443,8 +530,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         kernel = adamw_step
         if self._fused:
           kernel = _compiled_step((_kernel_mode(compensation), self._state_rounding, p.dtype,
-                                   grad.dtype, state["mu"].dtype, state["nu"].dtype))
-        kernel(*tensors, scalars, keys, compensation, self._state_rounding, index)
+                                   grad.dtype, state["mu"].dtype, state["nu"].dtype, maximize))
+        kernel(*tensors, scalars, keys, compensation, self._state_rounding, index, maximize)
         state["step"] += 1
       group["count"] = count + 1
 
@@ -464,6 +551,11 @@ def scale_by_adamw(
     fused: Optional[bool] = None,
     lr=None,
     betas=None,
+    maximize: bool = False,
+    amsgrad: bool = False,
+    foreach: Optional[bool] = None,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> LowPrecisionAdamW:
   """The AdamW core applied directly: ``p = round_nearest(p + u)``.
 
@@ -471,7 +563,8 @@ def scale_by_adamw(
   optimizer: fp32 math, moments in ``mu_dtype``/``nu_dtype`` (default: the
   param dtype) written by ``state_rounding``; no compensation of the params.
   This is the optimizer to wrap (``kahan_summation(scale_by_adamw(...))``);
-  ``lr=`` and ``betas=`` are torch's spellings of ``learning_rate``, ``b1``, ``b2``.
+  ``lr=`` and ``betas=`` are torch's spellings of ``learning_rate``, ``b1``, ``b2``,
+  and torch.optim.AdamW's other keywords are taken as in ``adam_fp32_master``.
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -490,7 +583,9 @@ def scale_by_adamw(
                            0.0 if weight_decay is None else weight_decay,
                            compensation="none", mu_dtype=mu_dtype, nu_dtype=nu_dtype,
                            state_rounding=state_rounding, key=key, fused=fused, lr=lr,
-                           betas=betas, _factory="scale_by_adamw")
+                           betas=betas, maximize=maximize, amsgrad=amsgrad, foreach=foreach,
+                           capturable=capturable, differentiable=differentiable,
+                           _factory="scale_by_adamw")
 
 
 def adam_fp32_master(
@@ -505,6 +600,11 @@ def adam_fp32_master(
     fused: Optional[bool] = None,
     lr=None,
     betas=None,
+    maximize: bool = False,
+    amsgrad: bool = False,
+    foreach: Optional[bool] = None,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> LowPrecisionAdamW:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
 
@@ -537,6 +637,10 @@ def adam_fp32_master(
       same bits on any device; on CPU all three do (on CUDA see
       docs/algorithms.md#on-gpu).
     lr, betas: torch's spellings of ``learning_rate`` and ``(b1, b2)``.
+    maximize, amsgrad, foreach, capturable, differentiable: torch.optim.AdamW's
+      (also as param-group keys). ``maximize=True`` ascends (the gradient is
+      negated as it is read); ``foreach`` is accepted and not used;
+      ``amsgrad``, ``capturable`` and ``differentiable`` must be False.
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -556,6 +660,8 @@ def adam_fp32_master(
                            compensation="master", mu_dtype=torch.float32,
                            nu_dtype=torch.float32, state_rounding="nearest",
                            skip_nonfinite=skip_nonfinite, fused=fused, lr=lr, betas=betas,
+                           maximize=maximize, amsgrad=amsgrad, foreach=foreach,
+                           capturable=capturable, differentiable=differentiable,
                            _factory="adam_fp32_master")
 
 
@@ -576,6 +682,11 @@ def adamw_bf16(
     fused: Optional[bool] = None,
     lr=None,
     betas=None,
+    maximize: bool = False,
+    amsgrad: bool = False,
+    foreach: Optional[bool] = None,
+    capturable: bool = False,
+    differentiable: bool = False,
 ) -> LowPrecisionAdamW:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
@@ -601,6 +712,8 @@ def adamw_bf16(
       Inf, as in ``adam_fp32_master``.
     fused: how the step runs (torch only), as in ``adam_fp32_master``.
     lr, betas: torch's spellings of ``learning_rate`` and ``(b1, b2)``.
+    maximize, amsgrad, foreach, capturable, differentiable: torch.optim.AdamW's,
+      as in ``adam_fp32_master``.
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -626,4 +739,6 @@ def adamw_bf16(
                            compensation=compensation, mu_dtype=mu_dtype,
                            nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
                            skip_nonfinite=skip_nonfinite, fused=fused, lr=lr, betas=betas,
+                           maximize=maximize, amsgrad=amsgrad, foreach=foreach,
+                           capturable=capturable, differentiable=differentiable,
                            _factory="adamw_bf16")

@@ -248,14 +248,17 @@ class DynamicLossScaler:
     return total
 
   def step(self, optimizer: torch.optim.Optimizer, *args, **kwargs):
-    """``optimizer.step()`` unless its unscaled gradients hold an inf or NaN.
+    """``optimizer.step(*args, **kwargs)`` unless its unscaled gradients hold an inf or NaN.
 
+    As ``torch.amp.GradScaler.step``: extra arguments go to ``optimizer.step``
+    (a ``None`` closure, as accelerate passes, included); a closure is refused.
     The decision reads one bool from the device (a host sync, as in
     ``torch.amp.GradScaler`` for optimizers without in-kernel skipping).
     """
     if not self._enabled:
       return optimizer.step(*args, **kwargs)
-    if "closure" in kwargs or args:
+    closure = kwargs["closure"] if "closure" in kwargs else (args[0] if args else None)
+    if closure is not None:
       raise RuntimeError("closures are not supported with dynamic_loss_scale: compute the "
                          "loss, scale it and call backward() before step().")
     state = self._opt_state(optimizer)
@@ -276,7 +279,7 @@ class DynamicLossScaler:
         # Every gradient the step uses was just found finite: an optimizer
         # with skip_nonfinite need not read that again (one host read a step).
         optimizer._grads_checked_finite = True
-        retval = optimizer.step(**kwargs)
+        retval = optimizer.step(*args, **kwargs)
     finally:
       optimizer.__dict__.pop("_grads_checked_finite", None)
       if takes_fp32_grads(optimizer):

@@ -28,7 +28,7 @@ from optax_half_native.checks import QUARTILES, check_scaled_adam_args, quartile
 from torch_bridge import _dist, _native, rounding
 from torch_bridge._optim import (LowPrecisionOptimizer, check_grad, check_no_float64, check_param,
                                  f32, grad_of, init_skip_nonfinite, load_nonfinite, prepare_load,
-                                 step_grad, torch_spellings)
+                                 stale_state_message, step_count, step_grad, torch_spellings)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdam"]
 
@@ -193,7 +193,37 @@ class ScaledAdam(LowPrecisionOptimizer):
 
   # -- the step --------------------------------------------------------------
 
+  @staticmethod
+  def _layout(dtype: torch.dtype, scalar: bool) -> dict:
+    """The dtype of each state tensor (``step`` aside) of a param of ``dtype``
+    (``_new_state``'s)."""
+    sq = torch.float32 if dtype == torch.float16 else dtype
+    layout = {"delta": dtype, "exp_avg_sq": sq}
+    if not scalar:
+      layout.update(param_rms=dtype, scale_exp_avg_sq=sq, scale_grads=dtype)
+    return layout
+
+  def _check_states(self) -> None:
+    """Before anything is stepped: the state of every param a step reads
+    fits the param's dtype and shape now (not so after a model.to(dtype))."""
+    position = 0
+    for group in self.param_groups:
+      for p in group["params"]:
+        state = self.state.get(p)
+        if state and grad_of(p) is not None:
+          layout = self._layout(p.dtype, _is_scalar(p))
+          if len(state) != len(layout) + 1 or "step" not in state or any(
+              not torch.is_tensor(state.get(k)) or state[k].dtype != d
+              or (k in ("delta", "exp_avg_sq") and state[k].shape != p.shape)
+              for k, d in layout.items()):
+            raise ValueError(stale_state_message(
+                p, position, state, lambda d, p=p: self._layout(d, _is_scalar(p)),
+                shaped=("delta", "exp_avg_sq")))
+          step_count(state)
+        position += 1
+
   def _step_all(self) -> None:
+    self._check_states()
     position = 0
     for group, gstate in zip(self.param_groups, self.group_state):
       self._step_group(group, gstate, position)

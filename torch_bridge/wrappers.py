@@ -100,6 +100,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     self._master_dtype = master_dtype
     self._seed = seed
     self._work: dict = {}  # model param -> the tensor the inner optimizer steps
+    self._adopted: dict = {}  # model param -> (dtype, shape) when it was taken up
     # The inner optimizer's groups (and defaults) are the wrapper's: add_param_group
     # below adopts each of them instead of copying it.
     super().__init__(inner.param_groups, inner.defaults)
@@ -123,14 +124,43 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     self._adopt_all()
 
   def _adopt_all(self) -> None:
-    """Makes the buffers and the stand-in of every param that has none yet."""
+    """Makes the buffers and the stand-in of every param that has none yet,
+    and again for one whose dtype or shape changed since (``_readopt``)."""
     position = 0
     for group in self.param_groups:
       for p in group["params"]:
         if p not in self._work:
           check_param(p, position)
           self._adopt(p)
+        elif self._adopted.get(p, (p.dtype, p.shape)) != (p.dtype, p.shape):
+          check_param(p, position)
+          self._readopt(p, position)
         position += 1
+
+  @torch.no_grad()
+  def _readopt(self, p: torch.Tensor, position: int) -> None:
+    """``p`` changed dtype or shape (``model.to(dtype)``) after it was taken
+    up: taken up afresh if nothing was stepped or loaded for it since, as if
+    the wrapper were built now; else an error (its buffers and the wrapped
+    optimizer's state belong to the old dtype)."""
+    work = self._work[p]
+    dtype, shape = self._adopted[p]
+    step = self.state.get(p, {}).get("step")
+    held = (self.inner.state.get(work) or self.inner.state.get(p)
+            or (step is not None and int(step) > 0))
+    if held or isinstance(self.inner, LowPrecisionWrapper):
+      raise ValueError(
+          f"param {position} is {p.dtype}{list(p.shape)}, but {self._compensation.wrapper} "
+          f"took it up as {dtype}{list(shape)} and holds state made for that (its buffers "
+          "and the wrapped optimizer's): the param's dtype or shape changed after its "
+          "state was made (e.g. model.to(dtype) after a step or a load_state_dict). Build "
+          f"the optimizer and the wrapper after model.to(dtype), or load a state dict saved "
+          f"for {p.dtype} params.")
+    del self._work[p], self._adopted[p]
+    self.state.pop(p, None)
+    self._marks.pop(p, None)
+    self.inner.state.pop(work, None)
+    self._adopt(p)
 
   def _takes_fp32_grad(self, p: torch.Tensor) -> bool:
     """Params it widens get their gradient in fp32 (``step_grad``); the others
@@ -148,6 +178,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     """The buffers of ``p``, its stand-in, and the inner state moved to the stand-in."""
     if self._compensation.draws_bits:  # the random bits' step count
       self.state[p]["step"] = torch.tensor(0, dtype=torch.int64)
+    self._adopted[p] = (p.dtype, p.shape)
     if not self._is_low(p):
       self._work[p] = p
       return
@@ -168,6 +199,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     if isinstance(self.inner, LowPrecisionWrapper):  # bf16 masters of fp8 params
       inner_work = self.inner._work.pop(p)
       self.inner._work[work] = work if inner_work is p else inner_work
+      self.inner._adopted.pop(p, None)  # checked here: a stand-in's shape varies
       self.inner._marks.pop(p, None)
     self._work[p] = work
     self._remember([p])
