@@ -24,7 +24,6 @@ import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
