@@ -35,8 +35,9 @@ def available() -> bool:
 
 # What each mode reads as the buffer: its dtype ("param": the param's), or
 # None where the mode reads no buffer.
-_BUFFERS = {"direct": None, "stochastic": None, "none": None, "kahan": "param",
-            "split": torch.int16, "master": torch.float32}
+_BUFFERS = {"direct": None, **{
+    c.name: {"param": "param", "int16": torch.int16, "float32": torch.float32, None: None}[
+        c.buffer_dtype] for c in native.COMPENSATIONS.values()}}
 _GRAD_SCALE = native.ADAMW_SCALARS.index("grad_scale")  # the AdamW scalars come before it
 _MAX_INDEX = 2**63  # the counter of element 0, and the counts, fit in int64
 
