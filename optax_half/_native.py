@@ -203,8 +203,8 @@ def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
   elif any(d not in (jnp.bfloat16, jnp.float32) for d in moments):
     return False
   # The buffer the kernel reads (buffer_type in adamw_ffi.cc).
-  buffer_dtype = compensation.for_dtype(dtype).buffer_dtype
-  want = [] if buffer_dtype is None else [dtype if buffer_dtype == "param" else buffer_dtype]
+  buffer_dtype = compensation.for_dtype(dtype).buffer_dtype_of(dtype)
+  want = [] if buffer_dtype is None else [buffer_dtype]
   buffer = dtypes(compensation.buffers(state)) if compensation.buffer else []
   return buffer == want
 

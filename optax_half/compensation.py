@@ -102,6 +102,12 @@ class Compensation(native_lib.Rules):
     """The compensation a 16-bit param of ``dtype`` takes (not bf16: ``spec.fp16``)."""
     return self if jnp.dtype(dtype) == jnp.bfloat16 else COMPENSATIONS[self.spec.fp16]
 
+  def buffer_dtype_of(self, dtype, master_dtype=jnp.float32):
+    """The dtype of the buffer a 16-bit param of ``dtype`` keeps, or None."""
+    kind = self.spec.buffer_dtype
+    return None if kind is None else jnp.dtype(
+        {"param": dtype, "int16": jnp.int16, "float32": master_dtype}[kind])
+
   def init_buffer(self, p, master_dtype):
     """The buffer of a fresh state for 16-bit ``p``, or ``MaskedNode()``."""
     return MaskedNode()

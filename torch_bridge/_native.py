@@ -19,6 +19,7 @@ import torch
 
 import optax_half_native as native
 from torch_bridge import _dist
+from torch_bridge.compensation import COMPENSATIONS
 
 __all__ = ["Batch", "available"]
 
@@ -33,11 +34,6 @@ def available() -> bool:
   return native.library() is not None
 
 
-# What each mode reads as the buffer: its dtype ("param": the param's), or
-# None where the mode reads no buffer.
-_BUFFERS = {"direct": None, **{
-    c.name: {"param": "param", "int16": torch.int16, "float32": torch.float32, None: None}[
-        c.buffer_dtype] for c in native.COMPENSATIONS.values()}}
 _GRAD_SCALE = native.ADAMW_SCALARS.index("grad_scale")  # the AdamW scalars come before it
 _MAX_INDEX = 2**63  # the counter of element 0, and the counts, fit in int64
 
@@ -86,18 +82,20 @@ class Batch:
     if not (isinstance(tensors, (tuple, list)) and len(tensors) == 5):
       return False
     p, grad, mu, nu, buffer = tensors
-    wants = _BUFFERS.get(mode, False) if isinstance(mode, str) else False
-    if wants is False or not _count(index) or not _count(leaf) or not isinstance(maximize, bool):
+    known = isinstance(mode, str) and (mode == "direct" or mode in COMPENSATIONS)
+    if not known or not _count(index) or not _count(leaf) or not isinstance(maximize, bool):
       return False
     if not (_plain_cpu(p) and _plain_cpu(grad) and _plain_cpu(mu) and _plain_cpu(nu)):
       return False  # checked first: no CPU tensor, no build
     numel = p.numel()
     if numel == 0:
       return False
+    # The buffer the mode reads (the master: fp32 here), or none.
+    wants = None if mode == "direct" else COMPENSATIONS[mode].buffer_dtype_of(p.dtype)
     if wants is None:
       if buffer is not None:
         return False
-    elif not (_plain_cpu(buffer) and buffer.dtype == (p.dtype if wants == "param" else wants)):
+    elif not (_plain_cpu(buffer) and buffer.dtype == wants):
       return False
     if not (grad.numel() == mu.numel() == nu.numel() == numel
             and (buffer is None or buffer.numel() == numel)):

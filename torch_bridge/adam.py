@@ -54,12 +54,11 @@ def _kernel_mode(compensation: Optional[Compensation]) -> str:
 @functools.lru_cache(maxsize=None)
 def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.dtype) -> dict:
   """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
-  param: name -> dtype (the buffer's by its own ``init_buffer``)."""
+  param: name -> dtype."""
   layout = {"mu": mu_dtype or dtype, "nu": nu_dtype or dtype}
   rules = _param_compensation(compensation, dtype)
-  buffer = None if rules is None else rules.init_buffer(torch.empty(0, dtype=dtype))
-  if buffer is not None:
-    layout[rules.buffer] = buffer.dtype
+  if rules is not None and rules.buffer:
+    layout[rules.buffer] = rules.buffer_dtype_of(dtype)
   return layout
 
 

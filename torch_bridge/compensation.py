@@ -49,6 +49,13 @@ class Compensation(native_lib.Rules):
     where it is not bf16)."""
     return self if dtype == torch.bfloat16 else COMPENSATIONS[self.spec.fp16]
 
+  def buffer_dtype_of(self, dtype: torch.dtype,
+                      master_dtype=torch.float32) -> Optional[torch.dtype]:
+    """The dtype of the buffer a 16-bit param of ``dtype`` keeps, or None."""
+    kind = self.spec.buffer_dtype
+    return None if kind is None else {"param": dtype, "int16": torch.int16,
+                                      "float32": master_dtype}[kind]
+
   def init_buffer(self, p: torch.Tensor, master_dtype=torch.float32) -> Optional[torch.Tensor]:
     """The buffer of a fresh optimizer for ``p``, or None."""
     return None
