@@ -66,7 +66,8 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
           in_place: bool):
   """One call of ``target`` (``TARGET``: state arrays per leaf, ``FLAT_TARGET``: per field) over
   leaves sharing dtypes; ``states``: (mu, nu, buffer or None) lists. Returns the new params
-  (mode ``"update"``: fp32 updates; with ``in_place`` in their buffers) and state (in place)."""
+  (mode ``"update"``: fp32 updates; 16-bit params: updates in their dtype, or with ``in_place``
+  the landed params in their buffers) and state (in place)."""
   n = len(leaves)
   sr = rounding._stochastic_moments(states[0][0].dtype, states[1][0].dtype, state_rounding)
   states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
@@ -87,7 +88,7 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
   call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(scalars, keys, *leaves, *grads, *state_arrays, mode=np.int32(native.MODES[mode]),
-             sr=bool(sr), nthreads=np.int32(_threads()))
+             sr=bool(sr), update=not in_place, nthreads=np.int32(_threads()))
   per_field = len(states[0])
   new_states = tuple(list(out[n + f * per_field:n + (f + 1) * per_field]) for f in range(3))
   return list(out[:n]), new_states
@@ -308,12 +309,6 @@ def _keys(compensation: Compensation, state, leaf) -> jax.Array:
                    axis=-1)
 
 
-def _fp32_update(p_out, p) -> jax.Array:
-  """The wrappers' fp32 update from the kernel's new param: optax.apply_updates(p, u)
-  lands on p_out exactly."""
-  return rounding.widen(p_out).astype(jnp.float32) - rounding.widen(p).astype(jnp.float32)
-
-
 def _stepped(compensation: Compensation, state, mu, nu, buffers):
   """``state`` after one step: the new moments and buffers, the counts advanced."""
   core = state.inner_state
@@ -334,10 +329,7 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
   scalars = _scalars(hyperparams, core.count, grad_scale, clip, grads[0].dtype)
   p_out, new = _call(FLAT_TARGET, _mode(compensation, leaves[0].dtype), state_rounding, scalars, keys,
                      leaves, grads, states, in_place)
-  if in_place:
-    result = jax.tree.unflatten(treedef, p_out)
-  else:
-    result = jax.tree.unflatten(treedef, [_fp32_update(q, p) for q, p in zip(p_out, leaves)])
+  result = jax.tree.unflatten(treedef, p_out)  # landed params, or updates in their dtype
   mu, nu, buffer = (None if f is None else _flat.Flat(dict(zip(f.arrays, x)))
                     for f, x in zip(flats, new))
   return result, _stepped(compensation, state, mu, nu, buffer)
@@ -377,8 +369,8 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
       p = leaves[k]
       if mode == "update":  # p_out is the fp32 update; in place, what apply_updates does
         out[k] = (p + p_out[j]).astype(p.dtype) if in_place else p_out[j]
-      else:
-        out[k] = p_out[j] if in_place else _fp32_update(p_out[j], p)
+      else:  # the landed param, or the update in its dtype
+        out[k] = p_out[j]
       new_mu[k], new_nu[k] = m[j], v[j]
       if has_buffer:
         new_buffers[k] = b[j]

@@ -117,8 +117,10 @@ class Compensation(native_lib.Rules):
     return rounding.widen(p)
 
   def write(self, x_new, p, buf, bits):
-    """``(p', buf')`` holding ``x_new``; ``bits`` where ``draws_bits``, else None."""
-    return x_new.astype(p.dtype), buf
+    """``(u, p_land, buf')``: the update in ``p``'s dtype towards this compensation's
+    rounding of ``x_new``, the param it lands on, and the buffer written against that
+    param (docs/algorithms.md#landing-exactly); ``bits`` where ``draws_bits``, else None."""
+    return (*rounding.land(p, x_new.astype(p.dtype)), buf)
 
   def init_state(self, buffers, inner_state, seed: Optional[jax.Array]):
     fields = {"inner_state": inner_state}
@@ -159,7 +161,12 @@ class _Master(Compensation):
                      buf, p_wide)
 
   def write(self, x_new, p, buf, bits):
-    return x_new.astype(p.dtype), x_new
+    target = x_new.astype(p.dtype)
+    u, p_land = rounding.land(p, target)
+    # Where the param did not land on x_new's rounding, the master is the param (the
+    # read rule would take it up next step anyway): the param stays the master's rounding.
+    landed = rounding.widen(p_land)
+    return u, p_land, jnp.where(landed == rounding.widen(target), x_new, landed.astype(x_new.dtype))
 
 
 class _Split(Compensation):
@@ -172,7 +179,11 @@ class _Split(Compensation):
     return rounding.join_f32(p, buf)
 
   def write(self, x_new, p, buf, bits):
-    return rounding.split_f32(x_new)
+    hi, _ = rounding.split_f32(x_new)
+    u, p_land = rounding.land(p, hi)
+    # As the full master: where the param landed elsewhere, the master is the param (lo = 0).
+    landed = rounding.widen(p_land)
+    return u, p_land, rounding.split_f32(jnp.where(landed == rounding.widen(hi), x_new, landed))[1]
 
 
 class _Kahan(Compensation):
@@ -185,16 +196,16 @@ class _Kahan(Compensation):
     return rounding.widen(p) + rounding.widen(buf)
 
   def write(self, x_new, p, buf, bits):
-    new_p = x_new.astype(p.dtype)
-    # `widen`, not astype: an excess-precision rewrite would make this 0.
-    return new_p, (x_new - rounding.widen(new_p)).astype(p.dtype)
+    u, p_land = rounding.land(p, x_new.astype(p.dtype))
+    # Against what landed: `widen`, not astype (an excess-precision rewrite would make this 0).
+    return u, p_land, (x_new - rounding.widen(p_land)).astype(p.dtype)
 
 
 class _Stochastic(Compensation):
   state_type = StochasticRoundingState
 
   def write(self, x_new, p, buf, bits):
-    return rounding.stochastic_round(x_new, p.dtype, bits), buf
+    return (*rounding.land(p, rounding.stochastic_round(x_new, p.dtype, bits)), buf)
 
 
 class _Nearest(Compensation):

@@ -181,16 +181,6 @@ def dynamic_loss_scale(
 
     # lax.cond on CPU, a select elsewhere: docs/algorithms.md#dynamic-loss-scaling.
     branch_on_cpu = not _native._maybe_sharded(updates)
-    if not in_place and scaled is not None and _all_16_bit(params):
-      # The branch returns p'; f32(p') - f32(p) after it fuses into apply_updates.
-      def apply_new():
-        return scaled(True, updates, inv_scale, state.inner_state, params, **extra_args)
-      new_params, new_inner = if_finite(
-          finite, apply_new, lambda: skipped(apply_new, state.inner_state, params),
-          elsewhere="select", branch_on_cpu=branch_on_cpu)
-      first = jax.tree.map(lambda n, p: jnp.where(finite, _native._fp32_update(n, p),
-                                                  jnp.float32(-0.0)), new_params, params)
-      return first, next_state(state, finite, new_inner)
     first, new_inner = if_finite(finite, apply,
                                  lambda: skipped(apply, state.inner_state,
                                                  params if in_place else None),
@@ -208,12 +198,6 @@ def dynamic_loss_scale(
     return step(True, updates, state, params, extra_args)
 
   return _in_place.register(tx, update_and_apply_fn)
-
-
-def _all_16_bit(params) -> bool:
-  """Whether every leaf of ``params`` is a float narrower than 32 bits."""
-  leaves = jax.tree.leaves(params)
-  return bool(leaves) and all(is_float(x) and jnp.asarray(x).dtype.itemsize < 4 for x in leaves)
 
 
 def _value(x):

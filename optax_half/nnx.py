@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from optax_half._in_place import update_and_apply
-from optax_half._native import _fp32_update
+from optax_half import rounding
 from optax_half.policy import Policy, get_policy
 
 __all__ = ["Optimizer", "apply_policy", "NORMS"]
@@ -20,11 +20,11 @@ def _pure(tree):
 
 
 def _changes(new, old):
-  """``new - old`` per leaf, in fp32 for 16-bit leaves (``_fp32_update``: exact,
-  also where XLA would fold the rounding of ``new`` away)."""
+  """``new - old`` per leaf, in fp32 for 16-bit leaves (exact; ``widen``: also where XLA
+  would fold the rounding of ``new`` away)."""
   def change(n, o):
     if jnp.issubdtype(n.dtype, jnp.floating) and jnp.finfo(n.dtype).bits < 32:
-      return _fp32_update(n, o)
+      return rounding.widen(n) - rounding.widen(o)
     return n - o
   return jax.tree.map(change, new, old)
 

@@ -13,6 +13,7 @@ import optax_half_native as native_lib
 
 __all__ = [
     "widen",
+    "land",
     "opaque_zero",
     "no_fma",
     "one_minus_pow",
@@ -121,6 +122,25 @@ def widen(p: jax.Array) -> jax.Array:
   if p.dtype.itemsize >= 4:
     return p.astype(jnp.float32)
   return lax.optimization_barrier(p).astype(jnp.float32)
+
+
+def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(u, p_land)``: the update from ``p`` to ``t`` in ``p``'s dtype, ``round(f32(t) - f32(p))``,
+  and where it lands, ``round(f32(p) + f32(u))`` (what ``optax.apply_updates(p, u)``
+  computes); ``p_land == t`` unless the step crosses binades far
+  (docs/algorithms.md#landing-exactly).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> u, p_land = rounding.land(jnp.bfloat16(1.0), jnp.bfloat16(1.0078125))
+    >>> print(u.dtype, float(u), float(p_land))
+    bfloat16 0.0078125 1.0078125
+  """
+  p = jnp.asarray(p)
+  pw = widen(p)
+  u = (widen(t) - pw).astype(p.dtype)
+  return u, (pw + widen(u)).astype(p.dtype)
 
 
 def opaque_zero(count: jax.Array) -> jax.Array:

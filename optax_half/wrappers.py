@@ -1,8 +1,8 @@
 """Low-precision wrappers: any optax transformation, trained on 16-bit params.
 
 Each runs ``inner`` on an fp32 (or ``master_dtype``) view of the params, keeps what
-16 bits cannot hold in a per-leaf buffer, and returns fp32 updates on which
-``optax.apply_updates`` lands bit for bit. Spec: ``docs/algorithms.md#wrappers``.
+16 bits cannot hold in a per-leaf buffer, and returns updates in the param dtype, which
+``optax.apply_updates`` (or ``p + u``) adds bit for bit as the wrapper's own step does. Spec: ``docs/algorithms.md#wrappers``.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
     def finish(p, buf, xi, ui, i):
       """A 16-bit leaf's ``x' = x + u`` (rounded as optax.apply_updates
-      rounds it) stored back as ``(new param, new buffer)``."""
+      rounds it) stored back: ``(update, landed param, new buffer)``."""
       x_new = jnp.asarray(xi + ui).astype(xi.dtype)
       c = rules(p)
       bits = (rounding.random_bits(*stream, rounding.STREAM_PARAMS, i, x_new.shape)
@@ -117,12 +117,8 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
     def one(p, buf, xi, ui, r, i):
       if r == _LOW:
-        new_p, buf = done[i] if i in done else finish(p, buf, xi, ui, i)
-        if in_place:
-          return new_p, buf
-        # `widen`: XLA must not fold f32(round(x_new)) back into x_new.
-        dtype = xi.dtype
-        return rounding.widen(new_p).astype(dtype) - rounding.widen(p).astype(dtype), buf
+        u, p_land, buf = done[i] if i in done else finish(p, buf, xi, ui, i)
+        return (p_land if in_place else u), buf
       u = jnp.zeros_like(p) if r == _FROZEN else ui
       return (optax.apply_updates(p, u) if in_place else u), buf
 
@@ -214,7 +210,8 @@ def master_weights(
      (u, s') = \mathrm{inner}(g_m, s, m),\quad
      m' = m + u,\quad p' = \mathrm{round}(m')
 
-  returning ``p' - p`` in ``master_dtype``, on which ``optax.apply_updates`` lands exactly. Leaves
+  returning ``round(p' - p)`` in the param dtype, on which ``optax.apply_updates`` lands
+  (docs/algorithms.md#landing-exactly). Leaves
   in ``master_dtype`` have no copy. The master follows params written from outside
   after ``init`` (docs/algorithms.md#wrappers).
 
@@ -351,7 +348,7 @@ def stochastic_rounding(inner: optax.GradientTransformation,
 
 
 def round_to_nearest(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-  """No compensation: ``p' = round_nearest(p + u)`` with fp32 ``u``.
+  """No compensation: ``p' = round_nearest(p + u)`` with the inner's fp32 ``u``.
 
   The baseline the other wrappers cure (``adamw_bf16(compensation="none")``): an update
   under half a ULP of ``p`` is lost.

@@ -334,25 +334,6 @@ struct Lanes16 {
     put(mu, i, _mm512_castsi512_si256(both));
     put(nu, i, _mm512_extracti64x4_epi64(both, 1));
   }
-  // adamw_write's Kahan write of the new fp32 param x to a bf16 param and
-  // buffer, p_out = round(x), comp = round(x - widen(p_out)), with one
-  // vfpclassps for the two: the residual is a NaN where x is a NaN or an Inf
-  // (Inf - Inf), and a subnormal where x is one (vcvtneps2bf16 read it as 0)
-  // or where it is one itself; a normal x rounds exactly, to an Inf where it
-  // overflows, and its residual (finite, or the opposite Inf) too. A block
-  // with such a residual writes nothing here (false) and takes the two
-  // roundings of `to` (adamw_write). x is the sum x + u: where fp32 results
-  // flush to zero (FTZ, with DAZ in XLA's threads) neither it nor the
-  // residual is ever subnormal, and without FTZ (torch) the residual x - 0
-  // of a subnormal x is x.
-  static bool put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
-    const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(x);
-    const F residual = x - widen(rounded);
-    if (__builtin_expect(_mm512_fpclass_ps_mask(residual, kNanOrSubnormal) != 0, 0)) return false;
-    put(comp, i, (__m256i)_mm512_cvtneps_pbh(residual));
-    put(p_out, i, rounded);
-    return true;
-  }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
     U h = split_high(b);
@@ -633,22 +614,6 @@ struct Pairs8 {
     put(mu, i, high_words(bits(m32) + (w >> 16)));
     put(nu, i, high_words(bits(v32) + (w & 0xFFFFu)));
   }
-  // adamw_write's Kahan write of the new fp32 param x to a bf16 param and
-  // buffer: p_out = round(x), comp = round(x - widen(p_out)), each rounded
-  // to nearest even, with one NaN check for both. The residual x - widen(p_out)
-  // is a NaN exactly where x is a NaN or an Inf (Inf - Inf); a finite x
-  // gives a finite residual or, where its rounding overflows to an Inf, the
-  // opposite Inf, whose integer rounding is that Inf: neither rounding then
-  // meets a NaN. A block with a NaN residual writes nothing here (false) and
-  // takes the two roundings of `to` (adamw_write).
-  static bool put_kahan(bf16* p_out, bf16* comp, int64_t i, F x) {
-    const U high = nearest_even_high(bits(x));
-    const F residual = x - floats(high & 0xFFFF0000u);
-    if (__builtin_expect(any_nan(residual), 0)) return false;
-    put(comp, i, high_words(nearest_even_high(bits(residual))));
-    put(p_out, i, high_words(high));
-    return true;
-  }
   static void split_put(bf16* hi, int16_t* lo, int64_t i, F x) {
     const U b = bits(x);
     U h = split_high(b);
@@ -827,17 +792,14 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   else return x + u;
 }
 
-// Whether lanes L have a Kahan write for bf16 params with one check for its
-// two roundings (put_kahan: Lanes16, Pairs8; false where a block needs the
-// roundings' fix-ups, which adamw_write's own Kahan write then makes).
-template <typename L, typename = void>
-struct kahan_put : std::false_type {};
-template <typename L>
-struct kahan_put<L, std::void_t<decltype(L::put_kahan(nullptr, nullptr, 0, typename L::F{}))>>
-    : std::true_type {};
-
-// y: adamw_math's value (x + u; u for kDirect and kUpdate).
-template <typename L, typename P, int MODE>
+// y: adamw_math's value (x + u; u for kDirect and kUpdate). A 16-bit param
+// lands (docs/algorithms.md#landing-exactly): the mode rounds x' = y to its
+// target t (nearest, stochastic, split's high half), the update is
+// u = round(f32(t) - f32(p)), the param lands on round(f32(p) + f32(u))
+// (what optax.apply_updates, p + u and torch's add_ compute), and the buffer
+// is written against the landed param. p_out takes u (UPDATE: JAX's
+// tx.update) or the landed param.
+template <typename L, typename P, int MODE, bool UPDATE = false>
 inline __attribute__((always_inline)) void adamw_write(
     int64_t i, uint64_t index0, const P* p, P* p_out, typename L::F y, float* __restrict master,
     int16_t* __restrict low, P* __restrict comp, uint32_t key_p) {
@@ -848,22 +810,44 @@ inline __attribute__((always_inline)) void adamw_write(
     L::put(p_out, i, L::to(y, P{}));
   } else {
     const F x_new = y;
+    const F pw = L::get(p, i);  // before p_out's element is written (p_out may be p)
+    const auto update_to = [&](F t32) { return L::to(t32 - pw, P{}); };
+    const auto landing = [&](auto u) { return L::to(pw + L::widen(u, P{}), P{}); };
+    const auto put_out = [&](auto u, auto landed) {
+      if constexpr (UPDATE) L::put(p_out, i, u);
+      else L::put(p_out, i, landed);
+    };
+    // Writes u or the landed param; returns the landed param widened.
+    const auto land = [&](F t32) {
+      const auto u = update_to(t32);
+      const auto landed = landing(u);
+      put_out(u, landed);
+      return L::widen(landed, P{});
+    };
     if constexpr (MODE == kMaster) {
-      L::put(master, i, x_new);
-      L::put(p_out, i, L::to(x_new, P{}));
+      const F t32 = L::widen(L::to(x_new, P{}), P{});
+      const F landed = land(t32);
+      // Where the param landed elsewhere, the master is the param (it stays its rounding).
+      L::put(master, i, L::where_equal(landed, t32, x_new, landed));
     } else if constexpr (MODE == kSplit) {
+      // split's high half through p_out (read back); the master, split again, against what
+      // landed; then u or the landed param over the high half.
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
+      const F t32 = L::get(p_out, i);
+      const auto u = update_to(t32);
+      const auto landed = landing(u);
+      const F landed32 = L::widen(landed, P{});
+      L::split_put(reinterpret_cast<bf16*>(p_out), low, i,
+                   L::where_equal(landed32, t32, x_new, landed32));
+      put_out(u, landed);
     } else if constexpr (MODE == kKahan) {
-      if constexpr (kahan_put<L>::value && std::is_same_v<P, bf16>) {
-        if (__builtin_expect(L::put_kahan(p_out, comp, i, x_new), 1)) return;
-      }
-      const auto new_p = L::to(x_new, P{});
-      L::put(comp, i, L::to(x_new - L::widen(new_p, P{}), P{}));
-      L::put(p_out, i, new_p);
+      const F landed = land(L::widen(L::to(x_new, P{}), P{}));
+      L::put(comp, i, L::to(x_new - landed, P{}));
     } else if constexpr (MODE == kStochastic) {
-      L::put(p_out, i, L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}));
+      land(L::widen(
+          L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}), P{}));
     } else {
-      L::put(p_out, i, L::to(x_new, P{}));
+      land(L::widen(L::to(x_new, P{}), P{}));
     }
   }
 }
@@ -888,7 +872,8 @@ inline __attribute__((always_inline)) void adamw_write(
 // and Lanes8 take one stage with the gradients read one block ahead. Every
 // element of p and g is read before p_out's same element is written (reads
 // only run ahead).
-template <typename P, typename G, typename M, typename V, int MODE, bool SR, int READ = kPlain>
+template <typename P, typename G, typename M, typename V, int MODE, bool SR, int READ = kPlain,
+          bool UPDATE = false>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
                  uint32_t key_p, uint32_t key_m) {
@@ -912,14 +897,14 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
                                             key_m);
   };
   const auto write = [&](int64_t j, F y) {
-    adamw_write<L, P, MODE>(j, index0, p, p_out, y, master, low, comp, key_p);
+    adamw_write<L, P, MODE, UPDATE>(j, index0, p, p_out, y, master, low, comp, key_p);
   };
   if constexpr (mixes_counter<L>::value && (SR || MODE == kStochastic)) {  // even counters
     if (i < end && ((index0 + uint64_t(i)) & 1u)) {  // that element alone, as the tail's
       const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
           i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low,
           comp, s, key_m);
-      adamw_write<Scalar, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
+      adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p);
       ++i;
     }
   }
@@ -961,7 +946,7 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
         i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low, comp,
         s, key_m);
-    adamw_write<Scalar, P, MODE>(i, index0, p, p_out, y, master, low, comp, key_p);
+    adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p);
   }
 }
 

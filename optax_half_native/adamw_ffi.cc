@@ -13,7 +13,8 @@
 // (flat_state=True): the same with one mu, one nu and one buffer holding all
 // leaves, leaf k's elements at the sum of the sizes of leaves 0..k-1.
 // Attributes: mode (oh::Mode; kUpdate for fp32 params: p_out is the update),
-// sr (stochastic moment writes), nthreads.
+// sr (stochastic moment writes), update (16-bit params: p_out is the update
+// in the param dtype, not the landed param), nthreads.
 //
 // optax_half_scaled_adam_sums and optax_half_scaled_adam_step
 // (OhScaledAdamSums, OhScaledAdamStep): ScaledAdam's two passes
@@ -35,22 +36,30 @@ using oh::bf16;
 
 namespace {
 
-template <typename P, typename G, typename M, typename V, int MODE>
-bool run_sr(bool sr, const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
+template <typename P, typename G, typename M, typename V, int MODE, bool UPDATE>
+bool run_out(bool sr, const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
   if (sr) {
     if constexpr (std::is_same_v<M, float> && std::is_same_v<V, float>) {
       return false;
     } else {
-      oh::step_all<P, G, M, V, MODE, true, true>(ts, n, 1, &parallel);
+      oh::step_all<P, G, M, V, MODE, true, true, UPDATE>(ts, n, 1, &parallel);
       return true;
     }
   }
-  oh::step_all<P, G, M, V, MODE, false, true>(ts, n, 1, &parallel);
+  oh::step_all<P, G, M, V, MODE, false, true, UPDATE>(ts, n, 1, &parallel);
   return true;
 }
 
+// update: p_out takes the 16-bit update (tx.update), else the landed param.
+template <typename P, typename G, typename M, typename V, int MODE>
+bool run_sr(bool sr, bool update, const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
+  return update ? run_out<P, G, M, V, MODE, true>(sr, ts, n, parallel)
+                : run_out<P, G, M, V, MODE, false>(sr, ts, n, parallel);
+}
+
 template <typename P, typename G, typename M, typename V>
-bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
+bool run_mode(int mode, bool sr, bool update, const oh::Tensor* ts, int n,
+              const oh::ParallelFor& parallel) {
   if constexpr (std::is_same_v<P, float>) {
     if (sr || !(std::is_same_v<G, float> && std::is_same_v<M, float> && std::is_same_v<V, float>))
       return false;
@@ -65,15 +74,15 @@ bool run_mode(int mode, bool sr, const oh::Tensor* ts, int n, const oh::Parallel
     return false;
   } else {
     switch (mode) {
-      case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, ts, n, parallel);
+      case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, update, ts, n, parallel);
       case oh::kSplit:  // a bf16 high half: fp16 params keep a full fp32 master (kMaster)
         if constexpr (std::is_same_v<P, bf16>) {
-          return run_sr<P, G, M, V, oh::kSplit>(sr, ts, n, parallel);
+          return run_sr<P, G, M, V, oh::kSplit>(sr, update, ts, n, parallel);
         }
         return false;
-      case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, ts, n, parallel);
-      case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, ts, n, parallel);
-      case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, ts, n, parallel);
+      case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, update, ts, n, parallel);
+      case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, update, ts, n, parallel);
+      case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, update, ts, n, parallel);
       default: return false;
     }
   }
@@ -124,14 +133,14 @@ bool with_type(ffi::DataType d, F&& f) {
 
 // dispatch for params, gradients and moments each of type H or fp32.
 template <typename H>
-bool dispatch_with(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts,
-                   int n, const oh::ParallelFor& parallel) {
+bool dispatch_with(const ffi::DataType (&types)[4], int mode, bool sr, bool update,
+                   const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
   return with_type<H>(types[0], [&](auto pt) {
     return with_type<H>(types[1], [&](auto gt) {
       return with_type<H>(types[2], [&](auto mt) {
         return with_type<H>(types[3], [&](auto vt) {
           return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
-              mode, sr, ts, n, parallel);
+              mode, sr, update, ts, n, parallel);
         });
       });
     });
@@ -146,14 +155,14 @@ void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 
 // Runs the step over ts[0..n) with the dtypes (p, g, mu, nu); false for an
 // unsupported combination or mode.
-bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts, int n,
-              const oh::ParallelFor& parallel) {
+bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, bool update,
+              const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
 #if defined(OH_F16)
   if (types[0] == ffi::DataType::F16) {  // fp16 params: fp16 or fp32 gradients and moments
-    return dispatch_with<oh::f16>(types, mode, sr, ts, n, parallel);
+    return dispatch_with<oh::f16>(types, mode, sr, update, ts, n, parallel);
   }
 #endif
-  return dispatch_with<bf16>(types, mode, sr, ts, n, parallel);
+  return dispatch_with<bf16>(types, mode, sr, update, ts, n, parallel);
 }
 
 // The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
@@ -174,7 +183,8 @@ void set_scalars(oh::Tensor& t, const ffi::Buffer<ffi::F32>& scalars, const uint
 template <bool kFlat>
 ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                            ffi::Buffer<ffi::U32> keys, ffi::RemainingArgs args,
-                           ffi::RemainingRets rets, int32_t mode, bool sr, int32_t nthreads) {
+                           ffi::RemainingRets rets, int32_t mode, bool sr, bool update,
+                           int32_t nthreads) {
   const char* name = kFlat ? "oh_adamw_flat" : "oh_adamw";
   auto invalid = [name](const std::string& what) {
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
@@ -277,7 +287,7 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   }
   // Checked: the moments and the buffers into their results (in place when aliased).
   for (size_t j = 0; j < st.size(); ++j) same_or_copy(st[j], st_out[j]);
-  if (!dispatch(types, mode, sr, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
+  if (!dispatch(types, mode, sr, update, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
     return invalid("unsupported dtypes or mode");
   }
   return ffi::Error::Success();
@@ -568,6 +578,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,
                                     .RemainingRets()          \
                                     .Attr<int32_t>("mode")    \
                                     .Attr<bool>("sr")         \
+                                    .Attr<bool>("update")     \
                                     .Attr<int32_t>("nthreads"));
 
 OH_LEAVES_HANDLER(OhAdamw, false)

@@ -76,7 +76,10 @@ void split_evenly(int64_t total, int nthreads, const Fn& fn) {
 // clip (clip_read: the JAX entry's optax_half.chain with
 // clip_by_global_norm); without it (the torch library, whose callers never
 // clip) only the plain read is compiled.
-template <typename P, typename G, typename M, typename V, int MODE, bool SR, bool kClipRead>
+// kUpdateOut: p_out takes the 16-bit update u, not the landed param (adamw_write's UPDATE:
+// the JAX entry's tx.update).
+template <typename P, typename G, typename M, typename V, int MODE, bool SR, bool kClipRead,
+          bool kUpdateOut = false>
 void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
   int64_t start = 0;
   for (int k = 0; k < n && start < hi; ++k) {
@@ -85,7 +88,7 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
     const int64_t b = std::max(lo, start), e = std::min(hi, end);
     if (b < e) {
       auto range = [&](auto read) {
-        adamw_range<P, G, M, V, MODE, SR, decltype(read)::value>(
+        adamw_range<P, G, M, V, MODE, SR, decltype(read)::value, kUpdateOut>(
             b - start, e - start, t.index, reinterpret_cast<const P*>(t.p),
             reinterpret_cast<P*>(t.p_out), reinterpret_cast<const G*>(t.g),
             reinterpret_cast<M*>(t.mu), reinterpret_cast<V*>(t.nu),
@@ -127,12 +130,12 @@ void for_spans(int64_t total, int nthreads, const ParallelFor* parallel, const F
 }
 
 template <typename P, typename G, typename M, typename V, int MODE, bool SR,
-          bool kClipRead = false>
+          bool kClipRead = false, bool kUpdateOut = false>
 void step_all(const Tensor* ts, int n, int nthreads, const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
   for (int k = 0; k < n; ++k) total += ts[k].numel;
   for_spans(total, nthreads, parallel, [&](int64_t lo, int64_t hi) {
-    step_span<P, G, M, V, MODE, SR, kClipRead>(ts, n, lo, hi);
+    step_span<P, G, M, V, MODE, SR, kClipRead, kUpdateOut>(ts, n, lo, hi);
   });
 }
 

@@ -167,7 +167,8 @@ def test_each_compensation_reads_writes_and_inits_the_same_bits_in_both_framewor
     np.testing.assert_array_equal(as_np(j_buf).view(np.uint8), as_np(t_buf).view(np.uint8))
   bits = jnp.asarray(rng.integers(0, 2**32, x_new.shape, dtype=np.uint32))
   t_bits = dlpack.to_torch(bits.view(jnp.int32), allow_copy=True)
-  j_p, j_buf = jc.write(jnp.asarray(x_new), p16, j_buf, bits if jc.draws_bits else None)
+  j_u, j_p, j_buf = jc.write(jnp.asarray(x_new), p16, j_buf, bits if jc.draws_bits else None)
+  assert j_u.dtype == p16.dtype
   t_p = p_torch.clone()
   t_buf = None if t_buf is None else t_buf.clone()
   tc.write(torch.from_numpy(x_new), t_p, t_buf, t_bits if tc.draws_bits else None)

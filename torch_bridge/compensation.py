@@ -65,10 +65,13 @@ class Compensation(native_lib.Rules):
     return rounding.widen(p)
 
   def write(self, x_new: torch.Tensor, p: torch.Tensor, buf, bits) -> None:
-    """Stores ``x_new`` into ``p`` and ``buf``; ``bits``: the random bits
-    where ``draws_bits``, else None. For a compensation whose buffer
+    """Stores ``x_new`` into ``p`` and ``buf``: ``p`` takes where ``p + u``
+    lands (``u`` the update towards this compensation's rounding of
+    ``x_new``, in ``p``'s dtype), ``buf`` is written against it
+    (docs/algorithms.md#landing-exactly); ``bits``: the random bits where
+    ``draws_bits``, else None. For a compensation whose buffer
     ``holds_value``, ``buf`` None means the buffer was stepped in place."""
-    p.copy_(x_new)
+    p.copy_(rounding.land(p, x_new.to(p.dtype))[1])
 
   def follow(self, p: torch.Tensor, buf: torch.Tensor) -> None:
     """Re-seeds ``buf`` where ``p`` was written from outside (``follows``)."""
@@ -85,9 +88,13 @@ class _Master(Compensation):
     return torch.where(rounding.widen(buf.to(p.dtype)) == p32, buf, p32)
 
   def write(self, x_new, p, buf, bits):
+    target = x_new.to(p.dtype)
+    landed = rounding.land(p, target)[1]
     if buf is not None:
-      buf.copy_(x_new)
-    p.copy_(x_new)
+      # Where the param landed elsewhere, the master is the param (it stays its rounding).
+      landed32 = rounding.widen(landed)
+      buf.copy_(torch.where(landed32 == rounding.widen(target), x_new, landed32.to(x_new.dtype)))
+    p.copy_(landed)
 
   def follow(self, p, buf):
     # Kept where the master rounds to the param, else the param widened.
@@ -102,9 +109,12 @@ class _Split(Compensation):
     return rounding.join_f32(p, buf)
 
   def write(self, x_new, p, buf, bits):
-    hi, lo = rounding.split_f32(x_new)
-    p.copy_(hi)
-    buf.copy_(lo)
+    hi, _ = rounding.split_f32(x_new)
+    landed = rounding.land(p, hi)[1]
+    # As the full master: where the param landed elsewhere, the master is the param (lo = 0).
+    landed32 = rounding.widen(landed)
+    buf.copy_(rounding.split_f32(torch.where(landed32 == rounding.widen(hi), x_new, landed32))[1])
+    p.copy_(landed)
 
 
 class _Kahan(Compensation):
@@ -115,9 +125,9 @@ class _Kahan(Compensation):
     return rounding.widen(p) + rounding.widen(buf)
 
   def write(self, x_new, p, buf, bits):
-    new_p = x_new.to(p.dtype)
-    buf.copy_(x_new - rounding.widen(new_p))
-    p.copy_(new_p)
+    landed = rounding.land(p, x_new.to(p.dtype))[1]
+    buf.copy_(x_new - rounding.widen(landed))  # against what landed
+    p.copy_(landed)
 
   def follow(self, p, buf):
     # Kept where it is still a remainder of the param, else 0.
@@ -126,7 +136,7 @@ class _Kahan(Compensation):
 
 class _Stochastic(Compensation):
   def write(self, x_new, p, buf, bits):
-    p.copy_(rounding.stochastic_round(x_new, p.dtype, bits))
+    p.copy_(rounding.land(p, rounding.stochastic_round(x_new, p.dtype, bits))[1])
 
 
 class _Nearest(Compensation):

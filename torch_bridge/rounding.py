@@ -18,6 +18,7 @@ import optax_half_native as native_lib
 
 __all__ = [
     "widen",
+    "land",
     "sqrt",
     "one_minus_pow",
     "split_f32",
@@ -230,6 +231,15 @@ def widen(t: torch.Tensor) -> torch.Tensor:
     [0.10009765625, 3.0]
   """
   return t.float()
+
+
+def land(p: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+  """``(u, p_land)``: ``optax_half.rounding.land``, the update from ``p`` to
+  ``t`` in ``p``'s dtype and where ``p + u`` lands (``p_land == t`` unless the
+  step crosses binades far)."""
+  pw = widen(p)
+  u = (widen(t) - pw).to(p.dtype)
+  return u, (pw + widen(u)).to(p.dtype)
 
 
 def sqrt(x: torch.Tensor) -> torch.Tensor:
