@@ -440,7 +440,8 @@ def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
 class ScaledAdamStep(NamedTuple):
   """What ``scaled_adam_step`` returns, per leaf: the new deltas and second
   moments, with ``comps`` the new compensations (else None), and with
-  ``comps`` or ``in_place`` the new params (else None)."""
+  ``in_place`` the new params, with ``comps`` and not ``in_place`` the updates in the
+  param dtype (else None)."""
   deltas: list
   vs: list
   comps: Optional[list]
@@ -478,7 +479,7 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
     call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
                             vmap_method="sequential")
     out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands, kahan=kahan,
-               nthreads=np.int32(_threads()))
+               update=kahan and not in_place, nthreads=np.int32(_threads()))
     for r, f in enumerate(fields):
       for j, k in enumerate(ks):
         new[f][k] = out[r * m + j]

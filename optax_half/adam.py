@@ -99,10 +99,11 @@ def scale_by_adamw(
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the stochastic writes' seed.
 
   Returns:
-    An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; fp32 updates.
+    An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; updates in the param
+    dtype (the gradient's without ``params``), computed in fp32 and rounded once.
 
   Example:
-    Adam's first step is ``-lr * sign(g)``, in fp32 for bf16 params:
+    Adam's first step is ``-lr * sign(g)``, in the params' dtype:
 
     >>> import jax.numpy as jnp, optax_half as oh
     >>> tx = oh.scale_by_adamw(learning_rate=0.1)
@@ -110,8 +111,8 @@ def scale_by_adamw(
     >>> state = tx.init(params)
     >>> grads = {"w": jnp.array([0.5, -4.0], jnp.bfloat16)}
     >>> updates, state = tx.update(grads, state, params)
-    >>> print(updates["w"].dtype, [round(u, 6) for u in updates["w"].tolist()])
-    float32 [-0.1, 0.1]
+    >>> print(updates["w"].dtype, updates["w"].tolist())
+    bfloat16 [-0.10009765625, 0.10009765625]
 
   References:
     Kingma & Ba, `Adam: A Method for Stochastic Optimization
@@ -170,7 +171,9 @@ def scale_by_adamw(
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
       if not _is_zero(weight_decay):
         u = u + rounded(wd_ * rounding.widen(x))
-      u = rounded(-lr * u)  # the caller adds it to the params
+      # The caller adds it to the params; in their dtype (optax's convention: fp32 inside
+      # the wrappers, which hand the core fp32 params).
+      u = rounded(-lr * u).astype(jnp.asarray(x).dtype)
       m_new, v_new = rounding.round_moments(m32, v32, m.dtype, v.dtype, state_rounding,
                                             state.seed, state.count, i)
       return u, m_new, v_new

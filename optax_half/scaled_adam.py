@@ -544,8 +544,9 @@ def _step_one(h: _Hyper, c: _Coefficients, p, g, d, v, rms, w, sg) -> tuple:
     delta = (delta + lr_s * (g / denom)).astype(d.dtype)
     clamped = jnp.abs(p32) > _f32(h.scalar_max)
     p_clamped = jnp.clip(p32, -_f32(h.scalar_max), _f32(h.scalar_max))
-    # An fp32 update even for a 16-bit p: apply_updates then lands on clip(p) + delta.
-    u = jnp.where(clamped, (p_clamped + rounding.widen(delta)) - p32, rounding.widen(delta))
+    # In p's dtype (docs/algorithms.md#landing-exactly): apply_updates lands on clip(p) + delta.
+    to_clamped = rounding.land(p, (p_clamped + rounding.widen(delta)).astype(p.dtype))[0]
+    u = jnp.where(clamped, to_clamped, delta.astype(p.dtype))
     return u, delta, v_new, MaskedNode(), MaskedNode(), MaskedNode()
   sg_new, rms_new, w_new, scale_step, alpha, _ = _size_updates(
       h, c, sg, w, rms, jnp.sum(p32 * g), jnp.mean(p32 * p32))
@@ -589,8 +590,8 @@ def _native_step(c: _Coefficients, calls, rows: dict, deltas, vs, in_place: bool
         [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps, in_place=in_place)
     for j, k in enumerate(ks):
       stepped[k] = (out.deltas[j], out.deltas[j], out.vs[j])
-      if comps is not None:
-        done[k] = (out.params[j], out.comps[j])
+      if comps is not None:  # (update, landed param, compensation): one of the first two
+        done[k] = ((None, out.params[j]) if in_place else (out.params[j], None)) + (out.comps[j],)
       elif in_place:
         done[k] = out.params[j]
   return stepped, done

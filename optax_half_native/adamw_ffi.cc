@@ -425,12 +425,13 @@ ffi::Error ScaledAdamSumsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> rms,
 // with kahan the compensations c... (delta and v fp32). Results: delta...,
 // v... (aliased to their operands: updated in place), with kahan c... (the
 // same) and the new params p'... (param dtype; aliased to p for the in-place
-// step, else new buffers). Without kahan, with results delta..., v... the
+// step), or with update the updates in the param dtype (new buffers). Without kahan, with results delta..., v... the
 // params are only read (JAX's update is the new delta); with a third group
 // p'... (aliased to p: JAX's in-place step) the step writes the new params.
 ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                               ffi::Buffer<ffi::S32> size, ffi::RemainingArgs args,
-                              ffi::RemainingRets rets, bool kahan, int32_t nthreads) {
+                              ffi::RemainingRets rets, bool kahan, bool update,
+                              int32_t nthreads) {
   auto invalid = [](const std::string& what) {
     return ffi::Error::InvalidArgument("oh_scaled_adam_step: " + what);
   };
@@ -520,8 +521,13 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
         return false;
       } else {
         if (types[2] != ffi::DataType::F32) return false;
-        oh::scaled_adam_step_all<P, G, float, false, float, true>(ts.data(), int(n), 1,
-                                                                  &parallel);
+        if (update) {
+          oh::scaled_adam_step_all<P, G, float, false, float, true, true>(ts.data(), int(n), 1,
+                                                                          &parallel);
+        } else {
+          oh::scaled_adam_step_all<P, G, float, false, float, true>(ts.data(), int(n), 1,
+                                                                    &parallel);
+        }
         return true;
       }
     }
@@ -558,6 +564,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamStep, ScaledAdamStepImpl,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<bool>("kahan")
+                                  .Attr<bool>("update")
                                   .Attr<int32_t>("nthreads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,

@@ -19,9 +19,10 @@
 // wrapper optax_half.kahan_summation around ScaledAdam): both passes read
 // x = p + c in fp32 where they read the param, delta and v are fp32 (the
 // state ScaledAdam keeps for the fp32 x), and the step ends as the wrapper
-// does: x' = x + delta, p' = round(x'), c' = round(x' - p'); p' is written
-// to `p_out` (param dtype: the param's own buffer in place; through JAX's
-// tx.update the gradient's, from which JAX forms its fp32 update p' - p).
+// does: x' = x + delta, u = round(round(x') - p), p' = round(p + u),
+// c' = round(x' - p') (docs/algorithms.md#landing-exactly); p' is written to
+// `p_out` (param dtype: the param's own buffer in place), or u with UPDATE
+// (JAX's tx.update, into the gradient's buffer).
 #pragma once
 
 #include <vector>
@@ -149,8 +150,10 @@ void scaled_adam_block_sums(const P* p, const P* c, const G* g, int64_t begin, i
 // The step of one tensor's elements [begin, end), as ScaledAdam._step_one.
 // WRITE_P: p takes the new param (torch, and JAX in place); otherwise only
 // delta and v are written (JAX's update is the new delta).
+// UPDATE (KAHAN only): p_out takes the update in the param dtype (JAX's tx.update), not the
+// landed param.
 template <typename L, typename P, typename G, typename V, typename D, bool SIZE, bool WRITE_P,
-          bool KAHAN>
+          bool KAHAN, bool UPDATE = false>
 inline __attribute__((always_inline)) void scaled_adam_lanes(
     int64_t i, P* p, P* __restrict c, const G* g, D* __restrict delta_buf, V* __restrict v_buf,
     P* p_out, const ScaledAdamScalars& s) {
@@ -168,31 +171,36 @@ inline __attribute__((always_inline)) void scaled_adam_lanes(
   L::put(delta_buf, i, delta_new);
   if constexpr (KAHAN) {  // kahan_summation's end of the step: p' into p_out (may be p)
     static_assert(!WRITE_P, "the Kahan step writes p' to p_out");
+    // It lands as adamw.h's adamw_write: u = round(t - p), p + u, c against what landed.
     const F x_new = p32 + L::widen(delta_new, D{});
-    const auto p_new = L::to(x_new, P{});
-    L::put(c, i, L::to(x_new - L::widen(p_new, P{}), P{}));
-    L::put(p_out, i, p_new);
+    const F pw = L::get(p, i);
+    const auto u = L::to(L::widen(L::to(x_new, P{}), P{}) - pw, P{});
+    const auto landed = L::to(pw + L::widen(u, P{}), P{});
+    L::put(c, i, L::to(x_new - L::widen(landed, P{}), P{}));
+    if constexpr (UPDATE) L::put(p_out, i, u);
+    else L::put(p_out, i, landed);
   } else if constexpr (WRITE_P) {
     L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));
   }
 }
 
-template <typename P, typename G, typename V, typename D, bool SIZE, bool WRITE_P, bool KAHAN>
+template <typename P, typename G, typename V, typename D, bool SIZE, bool WRITE_P, bool KAHAN,
+          bool UPDATE = false>
 void scaled_adam_range(int64_t begin, int64_t end, P* p, P* c, const G* g, D* __restrict delta,
                        V* __restrict v, P* p_out, const ScaledAdamScalars& scalars) {
   const ScaledAdamScalars s = scalars;  // a local copy: stays in registers
   int64_t i = begin;
 #if defined(OH_LANES16)
   for (; i + Lanes16::kWidth <= end; i += Lanes16::kWidth) {
-    scaled_adam_lanes<Lanes16, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, p_out, s);
+    scaled_adam_lanes<Lanes16, P, G, V, D, SIZE, WRITE_P, KAHAN, UPDATE>(i, p, c, g, delta, v, p_out, s);
   }
 #elif defined(OH_LANES8)
   for (; i + Lanes8::kWidth <= end; i += Lanes8::kWidth) {
-    scaled_adam_lanes<Lanes8, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, p_out, s);
+    scaled_adam_lanes<Lanes8, P, G, V, D, SIZE, WRITE_P, KAHAN, UPDATE>(i, p, c, g, delta, v, p_out, s);
   }
 #endif
   for (; i < end; ++i) {
-    scaled_adam_lanes<Scalar, P, G, V, D, SIZE, WRITE_P, KAHAN>(i, p, c, g, delta, v, p_out, s);
+    scaled_adam_lanes<Scalar, P, G, V, D, SIZE, WRITE_P, KAHAN, UPDATE>(i, p, c, g, delta, v, p_out, s);
   }
 }
 
@@ -239,7 +247,7 @@ void scaled_adam_sums_all(const ScaledAdamTensor* ts, int n, int nthreads,
 
 // The steps of every tensor of a call, their elements split over threads.
 template <typename P, typename G, typename V, bool WRITE_P = true, typename D = P,
-          bool KAHAN = false>
+          bool KAHAN = false, bool UPDATE = false>
 void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
                           const ParallelFor* parallel = nullptr) {
   int64_t total = 0;
@@ -258,10 +266,10 @@ void scaled_adam_step_all(const ScaledAdamTensor* ts, int n, int nthreads,
         V* v = reinterpret_cast<V*>(t.v);
         P* p_out = reinterpret_cast<P*>(t.p_out);
         if (t.size) {
-          scaled_adam_range<P, G, V, D, true, WRITE_P, KAHAN>(b - start, e - start, p, c, g, delta,
+          scaled_adam_range<P, G, V, D, true, WRITE_P, KAHAN, UPDATE>(b - start, e - start, p, c, g, delta,
                                                              v, p_out, t.s);
         } else {
-          scaled_adam_range<P, G, V, D, false, WRITE_P, KAHAN>(b - start, e - start, p, c, g,
+          scaled_adam_range<P, G, V, D, false, WRITE_P, KAHAN, UPDATE>(b - start, e - start, p, c, g,
                                                               delta, v, p_out, t.s);
         }
       }

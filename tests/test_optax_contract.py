@@ -158,3 +158,61 @@ def test_inject_hyperparams_learning_rate_changes_the_step_as_a_fixed_one(name):
   fixed = factory(3e-2)
   want, _ = fixed.update(grads, fixed.init(params), params)
   np.testing.assert_array_equal(updates["w"], want["w"])
+
+
+_DTYPES = ["bfloat16", "float16", "float32"]
+
+
+def _params_grads(dtype):
+  params = {"w": jnp.linspace(-1.0, 1.0, 24).reshape(4, 6).astype(dtype),
+            "b": jnp.full((6,), 0.25, dtype), "s": jnp.asarray(0.5, dtype)}
+  grads = jax.tree.map(lambda p: (jnp.cos(jnp.arange(p.size) * 0.7).reshape(p.shape) * 0.1
+                                  ).astype(dtype), params)
+  return params, grads
+
+
+@pytest.mark.parametrize("dtype", _DTYPES)
+@pytest.mark.parametrize("name", list(TXS))
+def test_updates_have_the_param_dtype(name, dtype):
+  """optax's test_preserve_dtype: update.dtype == param.dtype, bf16/fp16/fp32 params."""
+  params, grads = _params_grads(dtype)
+  tx = TXS[name]()
+  state = tx.init(params)
+  updates, _ = jax.jit(tx.update)(grads, state, params)
+  for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates)):
+    assert u.dtype == p.dtype, (name, dtype, u.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(TXS))
+def test_cond_over_update_or_no_update_compiles(name, dtype):
+  """optax's test_state_shape_dtype_shard_stability: lax.cond over (update, state) or
+  (zero updates, state) needs equal output types."""
+  params, grads = _params_grads(dtype)
+  tx = TXS[name]()
+  state = tx.init(params)
+
+  def step(flag, grads, state, params):
+    return jax.lax.cond(flag, lambda: tx.update(grads, state, params),
+                        lambda: (jax.tree.map(jnp.zeros_like, params), state))
+
+  updates, new_state = jax.jit(step)(True, grads, state, params)
+  assert jax.tree.map(lambda x: x.dtype, new_state) == jax.tree.map(lambda x: x.dtype, state)
+  assert all(np.isfinite(np.asarray(u, np.float32)).all() for u in jax.tree.leaves(updates))
+
+
+def test_apply_if_finite_of_adamw_bf16_steps_and_skips_a_nan_step():
+  params = {"w": jnp.full((5,), 1.0, jnp.bfloat16)}
+  tx = optax.apply_if_finite(oh.adamw_bf16(0.1), max_consecutive_errors=3)
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  good = {"w": jnp.full((5,), 0.5, jnp.bfloat16)}
+  updates, state = step(good, state, params)
+  params = optax.apply_updates(params, updates)
+  assert params["w"].dtype == jnp.bfloat16 and float(params["w"][0]) == 0.8984375
+  before = params["w"]
+  updates, state = step({"w": good["w"].at[0].set(jnp.nan)}, state, params)
+  params = optax.apply_updates(params, updates)
+  np.testing.assert_array_equal(np.asarray(params["w"]).view(np.uint16),
+                                np.asarray(before).view(np.uint16))
+  assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 1
