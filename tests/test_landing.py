@@ -60,15 +60,17 @@ def test_updates_land_the_same_bits_every_way_and_in_torch(name, dtype):
   else:
     target = x_new.astype(p.dtype)
   jumped = np.asarray(rounding.widen(p_land) != rounding.widen(target))
-  assert 5 < jumped.sum() < 0.2 * jumped.size, jumped.sum()
-  np.testing.assert_array_equal(_bits(p_land)[~jumped], _bits(target)[~jumped])
+  assert 5 < jumped.sum() < 0.5 * jumped.size, jumped.sum()
+  nonzero = ~jumped & (np.asarray(rounding.widen(target)) != 0)  # zeros land on +0.0
+  np.testing.assert_array_equal(_bits(p_land)[nonzero], _bits(target)[nonzero])
   x32, land32 = np.asarray(x_new), np.asarray(rounding.widen(p_land))
   if rules.name == "kahan":
     # p_land + c' holds x' to c's own rounding; where the target landed, as before.
     c32 = np.asarray(rounding.widen(new_buf))
     eps = 2.0 ** (-8 if dtype == "bfloat16" else -11)
     err = np.abs(land32.astype(np.float64) + c32 - x32)
-    assert (err <= eps * np.abs(x32 - land32) + 1e-37).all()
+    tiny = 2.0 ** -25 if dtype == "float16" else 1e-37  # half of fp16's subnormal spacing
+    assert (err <= eps * np.abs(x32 - land32) + tiny).all()
     old = np.asarray(rounding.widen((x_new - rounding.widen(target)).astype(p.dtype)))
     np.testing.assert_array_equal(c32[~jumped], old[~jumped])
   if rules.name in ("master", "split"):
@@ -132,7 +134,7 @@ def test_equinox_style_loop_keeps_bf16_and_kahan_beats_nearest():
   target = 1.0 + 0.5 * x
 
   def loss(params):
-    w = rounding.widen(params["w"]) if params["w"].dtype != jnp.float32 else params["w"]
+    w = params["w"].astype(jnp.float32)
     pred = w[0] + w[1] * x
     return jnp.mean((pred - target) ** 2)
 
