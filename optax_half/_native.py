@@ -48,6 +48,53 @@ def available() -> bool:
   return _registered["ok"]
 
 
+_NO_DERIVATIVE = (
+    "optax_half: the native CPU kernel ({target}) has no derivative, and this step was "
+    "traced before JAX differentiated it (a jitted step or lax.scan traced outside "
+    "jax.grad, then differentiated). optax_half takes the differentiable composed path "
+    "when the step is traced under jax.grad/jvp/vjp: call jax.grad outside the jit or "
+    "scan, or turn the kernel off with OPTAX_HALF_NATIVE=0 (set before importing "
+    "optax_half). docs/algorithms.md#the-jax-entry")
+
+
+def differentiating() -> bool:
+  """Whether JAX is differentiating what is being traced now (``jax.grad``, ``jvp``, ``vjp``,
+  ``linearize``, also around the jit or scan being traced): the kernel, which has no
+  derivative, is then not taken (docs/algorithms.md#the-jax-entry)."""
+  try:
+    from jax._src import core as jax_core  # noqa: PLC0415 (JAX's internals, read only here)
+    from jax._src.interpreters import ad  # noqa: PLC0415
+    trace = jax_core.trace_ctx.trace
+  except (ImportError, AttributeError):  # another JAX: the custom calls' own error guards
+    return False
+  kinds = tuple(k for k in (getattr(ad, "JVPTrace", None), getattr(ad, "LinearizeTrace", None))
+                if k is not None)
+  while trace is not None:
+    if isinstance(trace, kinds):
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
+def _ffi_call(target, results, **kwargs):
+  """``jax.ffi.ffi_call(target, results, **kwargs)`` whose derivative is a clear error
+  naming the fix, not JAX's generic one."""
+  call = jax.ffi.ffi_call(target, results, **kwargs)
+
+  def bound(*args, **attrs):
+    @jax.custom_jvp
+    def run(*operands):
+      return call(*operands, **attrs)
+
+    @run.defjvp
+    def _no_jvp(primals, tangents):
+      raise ValueError(_NO_DERIVATIVE.format(target=target))
+
+    return run(*args)
+
+  return bound
+
+
 def _threads() -> int:
   try:
     return len(os.sched_getaffinity(0))
@@ -84,7 +131,7 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
       aliases[2 + n + k] = k
   results = ([jax.ShapeDtypeStruct(p.shape, out_dtype) for p in leaves]
              + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_arrays])
-  call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases,
+  call = _ffi_call(target, results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(scalars, keys, *leaves, *grads, *state_arrays, mode=np.int32(native.MODES[mode]),
              sr=bool(sr), nthreads=np.int32(_threads()))
@@ -106,8 +153,10 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
     return framework()
   scale = jnp.ones((1,), jnp.float32) if inv_scale is None else jnp.reshape(
       jnp.asarray(inv_scale, jnp.float32), (1,))
-  call = jax.ffi.ffi_call(FINITE_TARGET, jax.ShapeDtypeStruct((), jnp.bool_),
-                          vmap_method="sequential")
+  # A bool of the gradients: no derivative to pass on (the kernel has none).
+  floats, scale = jax.lax.stop_gradient((floats, scale))
+  call = _ffi_call(FINITE_TARGET, jax.ShapeDtypeStruct((), jnp.bool_),
+                   vmap_method="sequential")
 
   def kernel():
     checks = [call(x, scale, nthreads=np.int32(_threads())) for x in floats]
@@ -162,10 +211,11 @@ def _takes_f16(grad_dtype, moment_dtypes) -> bool:
 
 
 def on_cpu(params) -> bool:
-  """Whether a step over ``params`` may call the kernel: on the CPU backend, and unsharded
-  (the custom calls have no partitioning rule; docs/algorithms.md#the-jax-entry)."""
+  """Whether a step over ``params`` may call the kernel: on the CPU backend, unsharded (the
+  custom calls have no partitioning rule) and not differentiated (they have no derivative;
+  docs/algorithms.md#the-jax-entry)."""
   return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
-              or not available())
+              or not available() or differentiating())
 
 
 def _maybe_sharded(params) -> bool:
@@ -434,7 +484,7 @@ def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
   ``comps`` (Kahan compensations) the param is ``p + c``."""
   rows = [None] * len(leaves)
   for ks in _groups(leaves, grads):
-    call = jax.ffi.ffi_call(SCALED_SUMS_TARGET, jax.ShapeDtypeStruct((len(ks), 3), jnp.float32),
+    call = _ffi_call(SCALED_SUMS_TARGET, jax.ShapeDtypeStruct((len(ks), 3), jnp.float32),
                             vmap_method="sequential")
     extra = [comps[k] for k in ks] if comps is not None else []
     out = call(jnp.stack([rms[k] for k in ks]), jnp.stack([want[k] for k in ks]),
@@ -483,7 +533,7 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
           aliases[2 + m + j] = r * m + j
         results.append(jax.ShapeDtypeStruct(operands[source[f] + j].shape,
                                             operands[source[f] + j].dtype))
-    call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
+    call = _ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
                             vmap_method="sequential")
     out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands, kahan=kahan,
                nthreads=np.int32(_threads()))

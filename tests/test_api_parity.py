@@ -59,6 +59,8 @@ JAX_ONLY = {
     "cast_to_full": "a policy helper; torch: module.float()",
     "cast_to_half": "a policy helper; torch: module.half()",
     "half_dtype": "a policy helper; torch: the dtype of torch.autocast",
+    "all_finite": "jmp's loss-scale helper; torch: the scaler's found_inf check",
+    "select_tree": "jmp's loss-scale helper; torch: the scaler skips optimizer.step()",
 }
 # torch helpers with no JAX counterpart, each with its reason.
 TORCH_ONLY_FUNCTIONS = {
