@@ -291,5 +291,6 @@ def print_memory(rows: dict) -> None:
     if "error" in r:
       print(f"{name:{width}s} error: {r['error']}")
       continue
-    print(f"{name:{width}s} {r['resident']:8.2f} {r['state']:6.2f} {r['init_peak']:7.2f} "
-          f"{r['init_kept']:6.2f} {r['step_peak']:7.2f}")
+    shown = {k: max(v, 0.0) for k, v in r.items()}  # a peak below resident: freed memory
+    print(f"{name:{width}s} {shown['resident']:8.2f} {shown['state']:6.2f} "
+          f"{shown['init_peak']:7.2f} {shown['init_kept']:6.2f} {shown['step_peak']:7.2f}")

@@ -336,6 +336,8 @@ MEMORY_ROWS = ("optax.adamw fp32 (reference)", "optax.adamw bf16 (naive)", "adam
                "kahan_summation(scaled_adam clip 2.0) (update_and_apply)",
                "oh.nnx.Optimizer adamw_bf16 kahan (jit_partial)",
                "oh.TrainState adamw_bf16 kahan")
+QUICK_MEMORY_ROWS = ("optax.adamw fp32 (reference)", "adamw_bf16 kahan",
+                     "adamw_bf16 kahan (update_and_apply)")
 
 
 def memory_row(name: str, tree_name: str) -> dict:
@@ -355,12 +357,17 @@ def memory_row(name: str, tree_name: str) -> dict:
   flax_mode = mode in FLAX_MODES
   base = common.resident_bytes()
   common.reset_peak()
-  if flax_mode:
-    made = flax_step(mode, tx, params, grads)
-    jax.block_until_ready(jax.tree.leaves((made[0], made[1])))
+  if mode in ("oh.nnx jit_partial", "oh.nnx", "nnx", "nnx jit_partial"):
+    made = (oh.nnx.Optimizer if mode.startswith("oh.") else nnx.Optimizer)(
+        _Tree(params), tx, wrt=nnx.Param)
+  elif flax_mode:
+    made = (oh.train_state.TrainState if mode.startswith("oh.") else train_state.TrainState
+            ).create(apply_fn=None, params=params, tx=tx)
   else:
-    state = jax.block_until_ready(tx.init(params))
+    state = made = tx.init(params)
+  jax.block_until_ready(jax.tree.leaves(made))
   init_peak, kept = common.peak_bytes() - base, common.resident_bytes() - base
+  del made
 
   def step(p, s, g):
     if mode:
@@ -371,7 +378,7 @@ def memory_row(name: str, tree_name: str) -> dict:
   with warnings.catch_warnings():
     warnings.filterwarnings("ignore", "Some donated buffers were not usable")
     if flax_mode:
-      a, b, g, fn, lowered, ready = made
+      a, b, g, fn, lowered, ready = flax_step(mode, tx, params, grads)
       del params
     else:
       a, b, g = params, state, grads
@@ -494,7 +501,7 @@ def main(argv=None):
 
   memory = {}
   if args.memory == "on" and common.memory_supported():
-    names = [k for k in MEMORY_ROWS if k in chosen]
+    names = [k for k in (QUICK_MEMORY_ROWS if args.quick else MEMORY_ROWS) if k in chosen]
     memory = common.memory_rows("benchmarks.step", names, ["--tree", tree_name])
   out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}"
                       f"{', heap-only malloc' if heap_malloc else ''}"
