@@ -15,8 +15,8 @@ import optax
 import optax_half_native as native
 from optax_half import _flat, _in_place, rounding
 from optax_half._coefficients import coefficients
-from optax_half._util import (is_float, leaf_indices, transformation, unscaled,
-                              unscaled_all_finite)
+from optax_half._util import (compiled_init, is_float, leaf_indices, transformation,
+                              unscaled, unscaled_all_finite)
 from optax_half.compensation import Compensation
 
 __all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
@@ -309,6 +309,7 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
     raise TypeError(f"flat_state must be True or False; got {flat_state!r}.")
   run = flat_step if flat_state else step
 
+  @compiled_init
   def init(params):
     return _flat.pack(tx_init(params)) if flat_state else tx_init(params)
 

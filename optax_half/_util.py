@@ -37,6 +37,22 @@ def transformation(init, update,
     return jax.eval_shape(init, params) if is_abstract(params) else init(params)
   return optax.GradientTransformationExtraArgs(init_any, update)
 
+def compiled_init(init):
+  """``init`` run as one jitted computation on concrete params, so no full-tree temporary
+  (an fp32 view, fp32 zeros cast down, a concatenation's pieces) is ever allocated: the
+  state is made in place in its own buffers (docs/algorithms.md#memory). Traced or
+  abstract params, or leaves JAX cannot take as arrays, go to ``init`` itself."""
+  jitted = jax.jit(init)
+
+  def run(params):
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float))
+                             and not isinstance(x, jax.core.Tracer) for x in leaves):
+      return init(params)
+    return jitted(params)
+  return run
+
+
 try:
   from jax.experimental.shard_alike import shard_alike
 except ImportError:  # JAX 0.11 has no shard_alike: state then takes XLA's own sharding

@@ -15,7 +15,7 @@ import optax_half_native as native_lib
 from optax_half_native import checks
 from optax_half import _native, rounding, wrappers
 from optax_half._coefficients import Coefficients, _f32, coefficients  # noqa: F401
-from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_param,
+from optax_half._util import (check_no_float64, check_trees, leaf_indices,
                               maybe_skip_nonfinite, seed_from_key, transformation, unzip,
                               zeros_like_param)
 from optax_half.compensation import COMPENSATIONS
@@ -328,7 +328,8 @@ def adamw_bf16(
   wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key)
 
   def init(params):
-    # The core was initialised on the fp32 view: default moments take the param's dtype.
+    # The core was initialised on the fp32 view: default moments take the param's dtype,
+    # as zeros made in it (not fp32 zeros cast down: docs/algorithms.md#memory).
     state = wrapped.init(params)
     core_state = state.inner_state
     def param_dtype(moments, override):
@@ -336,7 +337,7 @@ def adamw_bf16(
         return moments
       return jax.tree.map(
           lambda p, m: m if isinstance(m, optax.MaskedNode)
-          else like_param(p, m.astype(jnp.asarray(p).dtype)), params, moments)
+          else zeros_like_param(p, jnp.asarray(p).dtype), params, moments)
     core_state = core_state._replace(mu=param_dtype(core_state.mu, mu_dtype),
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)

@@ -13,8 +13,8 @@ import optax
 from optax import MaskedNode
 
 from optax_half import _in_place, rounding
-from optax_half._util import (check_trees, is_float, leaf_indices, like_param, seed_from_key,
-                              transformation, unzip)
+from optax_half._util import (check_trees, compiled_init, is_float, leaf_indices, like_param,
+                              seed_from_key, transformation, unzip)
 from optax_half.compensation import (COMPENSATIONS, Compensation, KahanSummationState,
                                      MasterWeightsState, RoundToNearestState,
                                      StochasticRoundingState)
@@ -156,7 +156,7 @@ def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key
   def update(updates, state, params=None, **extra_args):
     return run(updates, state, params, False, extra_args)
 
-  tx = transformation(init, update, compensation.wrapper)
+  tx = transformation(compiled_init(init), update, compensation.wrapper)
   if fused is None:
     return tx
 
