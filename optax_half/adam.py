@@ -45,6 +45,11 @@ class ScaleByAdamWState(NamedTuple):
   seed: jax.Array
 
 
+def moment_dtype(param_dtype) -> jnp.dtype:
+  """The moments' default dtype for a param of ``param_dtype`` (fp16: fp32)."""
+  return jnp.dtype(native_lib.moment_dtype_of(jnp.dtype(param_dtype).name))
+
+
 def _is_zero(v) -> bool:
   return isinstance(v, (int, float)) and v == 0
 
@@ -130,7 +135,7 @@ def scale_by_adamw(
   checks.check_state_rounding(state_rounding)
 
   def state_dtype(override, p):
-    return jnp.dtype(override) if override is not None else jnp.dtype(p.dtype)
+    return jnp.dtype(override) if override is not None else moment_dtype(p.dtype)
 
   def init(params):
     check_no_float64("scale_by_adamw (the fp32 AdamW core of adamw_bf16 and "
@@ -336,7 +341,7 @@ def adamw_bf16(
         return moments
       return jax.tree.map(
           lambda p, m: m if isinstance(m, optax.MaskedNode)
-          else like_param(p, m.astype(jnp.asarray(p).dtype)), params, moments)
+          else like_param(p, m.astype(moment_dtype(jnp.asarray(p).dtype))), params, moments)
     core_state = core_state._replace(mu=param_dtype(core_state.mu, mu_dtype),
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)

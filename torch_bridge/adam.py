@@ -46,6 +46,11 @@ def _param_compensation(compensation: Compensation,
   return None if dtype.itemsize >= 4 else compensation.for_dtype(dtype)
 
 
+def moment_dtype(dtype: torch.dtype) -> torch.dtype:
+  """The moments' default dtype for a param of ``dtype`` (fp16: fp32), as in optax_half."""
+  return getattr(torch, native_lib.moment_dtype_of(str(dtype).removeprefix("torch.")))
+
+
 def _kernel_mode(compensation: Optional[Compensation]) -> str:
   """The kernel's mode (an ``optax_half_native.MODES`` key)."""
   return "direct" if compensation is None else compensation.name
@@ -55,7 +60,7 @@ def _kernel_mode(compensation: Optional[Compensation]) -> str:
 def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.dtype) -> dict:
   """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
   param: name -> dtype."""
-  layout = {"mu": mu_dtype or dtype, "nu": nu_dtype or dtype}
+  layout = {"mu": mu_dtype or moment_dtype(dtype), "nu": nu_dtype or moment_dtype(dtype)}
   rules = _param_compensation(compensation, dtype)
   if rules is not None and rules.buffer:
     layout[rules.buffer] = rules.buffer_dtype_of(dtype)
@@ -376,8 +381,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   def _new_state(self, p: torch.Tensor) -> dict:
     """The state of ``p`` before its first step (for its dtype and shape now)."""
     state = {"step": torch.tensor(0, dtype=torch.int64),
-             "mu": torch.zeros_like(p, dtype=self._mu_dtype or p.dtype),
-             "nu": torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)}
+             "mu": torch.zeros_like(p, dtype=self._mu_dtype or moment_dtype(p.dtype)),
+             "nu": torch.zeros_like(p, dtype=self._nu_dtype or moment_dtype(p.dtype))}
     compensation = _param_compensation(self._compensation, p.dtype)
     buffer = None if compensation is None else compensation.init_buffer(p)
     if buffer is not None:
