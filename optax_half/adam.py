@@ -29,7 +29,8 @@ class ScaleByAdamWState(NamedTuple):
 
   Attributes:
     count: int32 number of updates taken.
-    mu, nu: first and second moments (``mu_dtype``, ``nu_dtype`` or the param dtype).
+    mu, nu: first and second moments (``mu_dtype``, ``nu_dtype`` or the param dtype;
+      fp32 for fp16 params).
     seed: uint32 seed of the stochastic moment writes.
 
   Example:
@@ -99,7 +100,8 @@ def scale_by_adamw(
     weight_decay: decoupled weight decay, multiplied by the lr; ``update`` then needs
       ``params`` (an injected value, 0 included, is traced). ``None``: neither, also
       under ``optax.inject_hyperparams``.
-    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
+      params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "nearest" or "stochastic", for 16-bit moment writes.
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the stochastic writes' seed.
 
@@ -271,8 +273,8 @@ def adamw_bf16(
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
-  Moments default to the param dtype, written stochastically so that bf16 ``nu`` does not
-  go stale (docs/algorithms.md#adamw-core).
+  Moments default to the param dtype (fp32 for fp16 params), 16-bit ones written
+  stochastically so that bf16 ``nu`` does not go stale (docs/algorithms.md#adamw-core).
 
   Args:
     learning_rate: a float or an optax schedule.
@@ -280,7 +282,8 @@ def adamw_bf16(
     weight_decay: decoupled weight decay, multiplied by the lr.
     compensation: "kahan" (``kahan_summation``), "split" (``master_weights(split=True)``),
       "stochastic" (``stochastic_rounding``) or "none" (round to nearest: updates stall).
-    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
+      params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the seed of every random bit.
     skip_nonfinite: as in ``adam_fp32_master``.

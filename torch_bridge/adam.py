@@ -565,7 +565,7 @@ def scale_by_adamw(
 
   ``optax.apply_updates(params, optax_half.scale_by_adamw(...))`` as a torch
   optimizer: fp32 math, moments in ``mu_dtype``/``nu_dtype`` (default: the
-  param dtype) written by ``state_rounding``; no compensation of the params.
+  param dtype; fp32 for fp16 params) written by ``state_rounding``; no compensation of the params.
   This is the optimizer to wrap (``kahan_summation(scale_by_adamw(...))``);
   ``lr=`` and ``betas=`` are torch's spellings of ``learning_rate``, ``b1``, ``b2``,
   and torch.optim.AdamW's other keywords are taken as in ``adam_fp32_master``.
@@ -700,7 +700,7 @@ def adamw_bf16(
   ``compensation``: "kahan" (a buffer in the param dtype, 10 bytes/param in
   bf16 with bf16 moments), "split" (the exact fp32 master as param + int16
   low half), "stochastic" (no buffer), or "none" (nearest). Moments default
-  to the param dtype, written with stochastic rounding.
+  to the param dtype (fp32 for fp16 params), written with stochastic rounding.
 
   Args:
     params: an iterable of tensors or of param-group dicts.
@@ -708,7 +708,8 @@ def adamw_bf16(
     b1, b2, eps: Adam coefficients (torch's ``betas=(b1, b2)`` also works).
     weight_decay: decoupled weight decay, multiplied by the lr.
     compensation: one of "kahan", "split", "stochastic", "none".
-    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
+      params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
     key: ``None`` (seed 0) or an integer seed; the same seed as an integer key
       in ``optax_half`` gives the same random bits.
