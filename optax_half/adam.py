@@ -55,10 +55,22 @@ def _is_zero(v) -> bool:
   return isinstance(v, (int, float)) and v == 0
 
 
-def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
+def decay_mask(mask, updates):
+  """Per leaf of ``updates``, whether weight decay applies (a tree of Python bools), or
+  None for all: optax's ``masked`` semantics, ``mask`` a tree of bools (a prefix of
+  ``updates``) or a callable ``updates -> such a tree``."""
+  if mask is None:
+    return None
+  tree = mask(updates) if callable(mask) else mask
+  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, updates)
+
+
+def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay, eps_root=0.0):
   # Arrays (optax.inject_hyperparams) by dtype only: reading a value could be a host sync.
+  if isinstance(eps_root, (int, float)) and eps_root < 0:
+    raise ValueError(f"eps_root must be >= 0; got {eps_root}.")
   for name, v in (("learning_rate", learning_rate), ("b1", b1), ("b2", b2),
-                  ("eps", eps), ("weight_decay", weight_decay)):
+                  ("eps", eps), ("eps_root", eps_root), ("weight_decay", weight_decay)):
     dtype = getattr(v, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
       raise ValueError(
@@ -78,6 +90,10 @@ def scale_by_adamw(
     nu_dtype=None,
     state_rounding: str = "nearest",
     key=None,
+    *,
+    eps_root: float = 0.0,
+    mask=None,
+    nesterov: bool = False,
 ) -> optax.GradientTransformation:
   r"""The AdamW update, in fp32, as one transformation.
 
@@ -104,6 +120,9 @@ def scale_by_adamw(
       params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "nearest" or "stochastic", for 16-bit moment writes.
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the stochastic writes' seed.
+    eps_root, mask, nesterov: as in ``optax.adamw``: ``sqrt(v_hat + eps_root)``; weight
+      decay only where ``mask`` (a tree of bools or a callable ``updates -> bools``) is
+      True; Nesterov momentum (Dozat 2016) with optax's formula.
 
   Returns:
     An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; fp32 updates.
@@ -132,7 +151,9 @@ def scale_by_adamw(
   """
   if weight_decay is None:
     weight_decay = 0.0
-  _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
+  _check_hyperparams(learning_rate, b1, b2, eps, weight_decay, eps_root)
+  if not isinstance(nesterov, bool):
+    raise TypeError(f"nesterov must be True or False; got {nesterov!r}.")
   seed_from_key(key)  # a bad key fails here, not at init
   checks.check_state_rounding(state_rounding)
 
@@ -163,30 +184,46 @@ def scale_by_adamw(
     leaf_index = leaf_indices(updates)
     # Without weight decay the params are not read: any tree of the same shape will do.
     params_ = params if params is not None else updates
+    decays = decay_mask(mask, updates)
+    if decays is None:
+      decays = jax.tree.map(lambda _: True, updates)
+    if nesterov:  # optax's mu_hat reads m at the next step's bias correction
+      inv_bc1_next = coefficients(learning_rate, b1, b2, eps, weight_decay, count).inv_bc1
 
     def rounded(product):
       return rounding.no_fma(product, zero)
 
-    def one(g, m, v, x, i):
+    def one(g, m, v, x, i, decay):
       # rounding.widen: exact upcasts that XLA cannot fold into excess precision.
       g = rounding.widen(g)
       m32 = rounded(b1_ * rounding.widen(m)) + rounded(one_minus_b1 * g)
       v32 = rounded(b2_ * rounding.widen(v)) + rounded(one_minus_b2 * (g * g))
-      m_hat = m32 * inv_bc1
+      if nesterov:
+        m_hat = rounded(b1_ * (m32 * inv_bc1_next)) + rounded(one_minus_b1 * (g * inv_bc1))
+      else:
+        m_hat = m32 * inv_bc1
       v_hat = v32 * inv_bc2
+      if not _is_zero(eps_root):
+        v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
-      if not _is_zero(weight_decay):
+      if decay and not _is_zero(weight_decay):
         u = u + rounded(wd_ * rounding.widen(x))
       u = rounded(-lr * u)  # the caller adds it to the params
       m_new, v_new = rounding.round_moments(m32, v32, m.dtype, v.dtype, state_rounding,
                                             state.seed, state.count, i)
       return u, m_new, v_new
 
-    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index)
+    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index, decays)
     u, mu, nu = unzip(updates, out, 3)
     return u, ScaleByAdamWState(count, mu, nu, state.seed)
 
   return transformation(init, update, "scale_by_adamw")
+
+
+def _kernel_has(eps_root, nesterov) -> bool:
+  """Whether the kernel steps these options: it has no eps_root and no Nesterov term, so
+  those run in XLA (the same code that gives the kernel's bits where both step)."""
+  return _is_zero(eps_root) and not nesterov
 
 
 def adam_fp32_master(
@@ -194,9 +231,12 @@ def adam_fp32_master(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
     weight_decay: float = 0.0,
-    skip_nonfinite: bool = False,
+    mask=None,
     *,
+    nesterov: bool = False,
+    skip_nonfinite: bool = False,
     flat_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
@@ -206,8 +246,12 @@ def adam_fp32_master(
 
   Args:
     learning_rate: a float or an optax schedule (``count -> lr``).
-    b1, b2, eps: Adam coefficients.
-    weight_decay: decoupled weight decay (AdamW), multiplied by the lr.
+    b1, b2, eps, eps_root: Adam coefficients (``eps_root``: inside the square root).
+    weight_decay: decoupled weight decay (AdamW), multiplied by the lr; 0 (Adam) by
+      default, as ``torch_bridge``'s.
+    mask: where weight decay applies, as in ``optax.adamw``: a tree of bools (or a prefix
+      of the params tree) or a callable ``params -> bools``; ``None``: everywhere.
+    nesterov: Nesterov momentum, as in ``optax.adamw`` (not in the kernel: XLA steps it).
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or Inf
       (docs/algorithms.md#non-finite-gradients).
     flat_state: the master and moments of all leaves as one 1-D array per dtype: the same
@@ -248,11 +292,13 @@ def adam_fp32_master(
   """
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
-                        state_rounding="nearest")
+                        state_rounding="nearest", eps_root=eps_root, mask=mask,
+                        nesterov=nesterov)
   compensation = COMPENSATIONS["master"]
   tx = wrappers.wrap(compensation, core)
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), "nearest",
-                     tx.init, tx.update, flat_state, "adam_fp32_master")
+                     tx.init, tx.update, flat_state, "adam_fp32_master",
+                     mask=mask, kernel=_kernel_has(eps_root, nesterov))
   return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)
 
 
@@ -261,14 +307,17 @@ def adamw_bf16(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    compensation: str = "kahan",
+    eps_root: float = 0.0,
     mu_dtype=None,
+    weight_decay: float = 1e-4,
+    mask=None,
+    *,
+    nesterov: bool = False,
+    compensation: str = "kahan",
     nu_dtype=None,
     state_rounding: str = "stochastic",
     key=None,
     skip_nonfinite: bool = False,
-    *,
     flat_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
@@ -276,10 +325,16 @@ def adamw_bf16(
   Moments default to the param dtype (fp32 for fp16 params), 16-bit ones written
   stochastically so that bf16 ``nu`` does not go stale (docs/algorithms.md#adamw-core).
 
+  ``optax.adamw``'s parameters, defaults and order (``weight_decay=1e-4``;
+  ``torch_bridge.adamw_bf16`` keeps ``torch.optim.AdamW``'s 1e-2), then our keywords.
+
   Args:
     learning_rate: a float or an optax schedule.
-    b1, b2, eps: Adam coefficients.
+    b1, b2, eps, eps_root: Adam coefficients (``eps_root``: inside the square root).
     weight_decay: decoupled weight decay, multiplied by the lr.
+    mask: where weight decay applies, as in ``optax.adamw``: a tree of bools (or a prefix
+      of the params tree) or a callable ``params -> bools``; ``None``: everywhere.
+    nesterov: Nesterov momentum, as in ``optax.adamw`` (not in the kernel: XLA steps it).
     compensation: "kahan" (``kahan_summation``), "split" (``master_weights(split=True)``),
       "stochastic" (``stochastic_rounding``) or "none" (round to nearest: updates stall).
     mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
@@ -332,7 +387,8 @@ def adamw_bf16(
   """
   compensation = COMPENSATIONS[native_lib.check_compensation(compensation).name]
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay, mu_dtype=mu_dtype,
-                        nu_dtype=nu_dtype, state_rounding=state_rounding, key=key)
+                        nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
+                        eps_root=eps_root, mask=mask, nesterov=nesterov)
   wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key)
 
   def init(params):
@@ -350,5 +406,6 @@ def adamw_bf16(
     return state._replace(inner_state=core_state)
 
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding,
-                     init, wrapped.update, flat_state, "adamw_bf16")
+                     init, wrapped.update, flat_state, "adamw_bf16",
+                     mask=mask, kernel=_kernel_has(eps_root, nesterov))
   return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)
