@@ -15,8 +15,8 @@ import optax
 import optax_half_native as native
 from optax_half import _flat, _in_place, rounding
 from optax_half._coefficients import coefficients
-from optax_half._util import (is_float, leaf_indices, transformation, unscaled,
-                              unscaled_all_finite)
+from optax_half._util import (check_state_fits, is_float, leaf_indices, transformation,
+                              unscaled, unscaled_all_finite)
 from optax_half.compensation import Compensation
 
 __all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
@@ -271,10 +271,15 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
 
   if not isinstance(flat_state, bool):
     raise TypeError(f"flat_state must be True or False; got {flat_state!r}.")
-  run = flat_step if flat_state else step
 
   def init(params):
     return _flat.pack(tx_init(params)) if flat_state else tx_init(params)
+
+  def run(in_place, updates, state, params, extra_args, *args, **kwargs):
+    # Trace time: a state made for params of other dtypes is refused, naming the leaf.
+    check_state_fits(name, init, state, params)
+    return (flat_step if flat_state else step)(in_place, updates, state, params, extra_args,
+                                               *args, **kwargs)
 
   def update(updates, state, params=None, **extra_args):
     return run(False, updates, state, params, extra_args)

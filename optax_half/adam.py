@@ -295,7 +295,7 @@ def adam_fp32_master(
                         state_rounding="nearest", eps_root=eps_root, mask=mask,
                         nesterov=nesterov)
   compensation = COMPENSATIONS["master"]
-  tx = wrappers.wrap(compensation, core)
+  tx = wrappers.wrap(compensation, core, check_state=False)  # fused checks it
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), "nearest",
                      tx.init, tx.update, flat_state, "adam_fp32_master",
                      mask=mask, kernel=_kernel_has(eps_root, nesterov))
@@ -389,7 +389,8 @@ def adamw_bf16(
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay, mu_dtype=mu_dtype,
                         nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
                         eps_root=eps_root, mask=mask, nesterov=nesterov)
-  wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key)
+  wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key,
+                         check_state=False)  # its init recasts the moments; fused checks
 
   def init(params):
     # The core was initialised on the fp32 view: default moments take the param's dtype.

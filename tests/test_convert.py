@@ -39,15 +39,15 @@ PAIRS = {
     # weight_decay: torch's default (JAX's is optax.adamw's 1e-4)
     "adamw_bf16/kahan": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2),
                          lambda ps: tb.adamw_bf16(ps, 1e-3), False, True),
-    "adamw_bf16/split": (lambda: oh.adamw_bf16(1e-3, compensation="split"),
+    "adamw_bf16/split": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="split"),
                          lambda ps: tb.adamw_bf16(ps, 1e-3, compensation="split"), False, True),
     "adamw_bf16/stochastic": (
-        lambda: oh.adamw_bf16(1e-3, compensation="stochastic", key=11),
+        lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="stochastic", key=11),
         lambda ps: tb.adamw_bf16(ps, 1e-3, compensation="stochastic", key=11), False, True),
-    "adamw_bf16/none": (lambda: oh.adamw_bf16(1e-3, compensation="none"),
+    "adamw_bf16/none": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="none"),
                         lambda ps: tb.adamw_bf16(ps, 1e-3, compensation="none"), False, True),
     "adamw_bf16/fp32-moments": (
-        lambda: oh.adamw_bf16(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+        lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
         lambda ps: tb.adamw_bf16(ps, 1e-3, mu_dtype=torch.float32, nu_dtype=torch.float32),
         False, True),
     "adam_fp32_master+skip": (
