@@ -15,8 +15,8 @@ import optax
 import optax_half_native as native
 from optax_half import _flat, _in_place, rounding
 from optax_half._coefficients import coefficients
-from optax_half._util import (compiled_init, is_float, leaf_indices, transformation,
-                              unscaled, unscaled_all_finite)
+from optax_half._util import (check_state_fits, compiled_init, is_float, leaf_indices,
+                              transformation, unscaled, unscaled_all_finite)
 from optax_half.compensation import Compensation
 
 __all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
@@ -260,13 +260,23 @@ def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
 
 
 def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, tx_init,
-          tx_update, flat_state: bool, name: str) -> _in_place.InPlaceTransformation:
+          tx_update, flat_state: bool, name: str, mask=None,
+          kernel: bool = True) -> _in_place.InPlaceTransformation:
   """``adamw_bf16`` or ``adam_fp32_master`` (``tx_init``, ``tx_update``) with the kernel on CPU:
   an ``InPlaceTransformation`` with ``tx_update``'s bits; with ``flat_state`` in ``_flat``'s
-  layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state)."""
+  layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state). ``mask``: the
+  weight-decay mask (``adam.decay_mask``), a kernel call per setting; ``kernel=False``:
+  options the kernel lacks (eps_root, nesterov), always ``tx_update``."""
+  from optax_half.adam import decay_mask  # noqa: PLC0415 (adam imports this module)
 
   def native(updates, state, params) -> bool:
-    return on_cpu(params) and _takes(compensation, params, updates, state.inner_state)
+    return kernel and on_cpu(params) and _takes(compensation, params, updates,
+                                                state.inner_state)
+
+  def decays(updates, params):
+    """Per leaf of ``params`` (flattened), whether weight decay applies, or None (all)."""
+    tree = decay_mask(mask, updates)
+    return None if tree is None else jax.tree.structure(params).flatten_up_to(tree)
 
   def step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
     if (inv_scale is not None or clip is not None) and not native(updates, state, params):
@@ -284,7 +294,8 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
       return elsewhere()
     return jax.lax.platform_dependent(
         cpu=lambda: _native_update(compensation, hyperparams, state_rounding, updates, state, params,
-                                   in_place=in_place, grad_scale=inv_scale, clip=clip),
+                                   in_place=in_place, grad_scale=inv_scale, clip=clip,
+                                   decays=decays(updates, params)),
         default=elsewhere)
 
   def flat_step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
@@ -298,7 +309,10 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
                             inv_scale, clip)
       return out, _flat.pack(new_state)
 
-    if not (on_cpu(params) and _takes_flat(compensation, params, updates, state)):
+    # One flat call has one weight decay: a mask with a leaf off goes leaf by leaf.
+    flags = decays(updates, params) if kernel and mask is not None else None
+    if not (kernel and on_cpu(params) and _takes_flat(compensation, params, updates, state)
+            and (flags is None or all(flags))):
       return via_tree()
     return jax.lax.platform_dependent(
         cpu=lambda: _flat_update(compensation, hyperparams, state_rounding, updates, state, params,
@@ -307,11 +321,16 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
 
   if not isinstance(flat_state, bool):
     raise TypeError(f"flat_state must be True or False; got {flat_state!r}.")
-  run = flat_step if flat_state else step
 
   @compiled_init
   def init(params):
     return _flat.pack(tx_init(params)) if flat_state else tx_init(params)
+
+  def run(in_place, updates, state, params, extra_args, *args, **kwargs):
+    # Trace time: a state made for params of other dtypes is refused, naming the leaf.
+    check_state_fits(name, init, state, params)
+    return (flat_step if flat_state else step)(in_place, updates, state, params, extra_args,
+                                               *args, **kwargs)
 
   def update(updates, state, params=None, **extra_args):
     return run(False, updates, state, params, extra_args)
@@ -395,10 +414,11 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
 
 
 def _native_update(compensation, hyperparams, state_rounding, updates, state, params,
-                   in_place=False, grad_scale=None, clip=None):
+                   in_place=False, grad_scale=None, clip=None, decays=None):
   """(updates, state), or with ``in_place`` (new params, state), of the gradients read
   ``unscaled(updates, grad_scale)`` or ``clip.apply(updates)``; one ``TARGET`` call per group
-  of up to ``_LEAVES_PER_CALL`` leaves sharing dtypes (docs/algorithms.md#the-jax-entry)."""
+  of up to ``_LEAVES_PER_CALL`` leaves sharing dtypes and, with ``decays`` (per leaf: whether
+  weight decay applies), that flag (docs/algorithms.md#the-jax-entry)."""
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads, mus, nus, index = (treedef.flatten_up_to(t) for t in (
       updates, state.inner_state.mu, state.inner_state.nu, leaf_indices(params)))
@@ -412,13 +432,18 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
     # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
     mode = _mode(compensation, p.dtype)
     buffer_dtype = None if mode == "update" or isinstance(b, optax.MaskedNode) else b.dtype
-    groups.setdefault((mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype), []).append(k)
+    decay = True if decays is None else decays[k]
+    groups.setdefault((decay, mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype),
+                      []).append(k)
   out, new_mu, new_nu, new_buffers = [None] * len(leaves), list(mus), list(nus), list(buffers)
   calls = [(key, ks[i:i + _LEAVES_PER_CALL]) for key, ks in groups.items()
            for i in range(0, len(ks), _LEAVES_PER_CALL)]
-  for (mode, _, grad_dtype, *_, buffer_dtype), ks in calls:
+  for (decay, mode, _, grad_dtype, *_, buffer_dtype), ks in calls:
     pick = lambda xs: [xs[k] for k in ks]  # noqa: E731
-    scalars = _scalars(hyperparams, core.count, grad_scale, clip, grad_dtype)
+    # Masked-out leaves: weight decay 0 (the core skips the term: u + 0 * x is u, as for
+    # weight_decay=0).
+    step_hyperparams = hyperparams if decay else (*hyperparams[:4], 0.0)
+    scalars = _scalars(step_hyperparams, core.count, grad_scale, clip, grad_dtype)
     has_buffer = buffer_dtype is not None
     states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
     keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32))

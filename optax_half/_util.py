@@ -53,6 +53,46 @@ def compiled_init(init):
   return run
 
 
+def _layout(tree) -> dict:
+  """key path -> (shape, dtype) of each array leaf, None where a MaskedNode or None is."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+  return {jax.tree_util.keystr(k): None if v is None or isinstance(v, optax.MaskedNode)
+          else (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in leaves}
+
+
+def check_state_fits(name: str, init, state, params) -> None:
+  """Trace time (shapes and dtypes only): refuse a state that ``init`` did not make for
+  params of these dtypes (a state made for fp32 params stepped with bf16 ones, or back),
+  naming the param leaf, both dtypes and the fix."""
+  if params is None:
+    return
+  try:
+    want = _layout(jax.eval_shape(init, params))
+  except Exception:  # noqa: BLE001 (params init refuses: update reports them itself)
+    return
+  got = _layout(state)
+  if got.keys() != want.keys():
+    return  # another layout altogether (not a dtype change): left to the update's own checks
+  for path in want:
+    if got[path] == want[path]:
+      continue
+    have = got[path]
+    param_paths = {jax.tree_util.keystr(k): v for k, v in
+                   jax.tree_util.tree_flatten_with_path(params)[0]}
+    leaf = next((k for k in sorted(param_paths, key=len, reverse=True)
+                 if k and path.endswith(k)), None)
+    what = (f"params{leaf} is {jnp.dtype(param_paths[leaf].dtype)}" if leaf is not None
+            else "the params")
+    def show(x):
+      return "nothing" if x is None else f"{x[1]}{list(x[0])}"
+    raise ValueError(
+        f"{name}: the optimizer state was made for params of another dtype or shape: "
+        f"{what}, and the state's {path.lstrip('.') or 'leaf'} is {show(have)} where a "
+        f"state made for these params has {show(want[path])}. Re-make the state for the "
+        "new params (tx.init(params)), or cast the params back to the dtype the state was "
+        "made for.")
+
 try:
   from jax.experimental.shard_alike import shard_alike
 except ImportError:  # JAX 0.11 has no shard_alike: state then takes XLA's own sharding
