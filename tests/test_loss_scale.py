@@ -204,13 +204,17 @@ def test_clipping_inside_sees_unscaled_gradients():
 
   def run(tx, gscale, dtype=jnp.bfloat16):
     params, state = params0, tx.init(params0)
-    update = jax.jit(tx.update)
-    for t in range(20):
+
+    @jax.jit  # the gradients and the whole step: one compile, not an op at a time
+    def step(params, state, t):
       g = jax.tree.map(lambda p: (jnp.cos(jnp.arange(p.size, dtype=jnp.float32) * (t + 1))
                                   .reshape(p.shape) * 3 * gscale).astype(jnp.bfloat16)
                        .astype(dtype), params)
-      updates, state = update(g, state, params)
-      params = optax.apply_updates(params, updates)
+      updates, state = tx.update(g, state, params)
+      return optax.apply_updates(params, updates), state
+
+    for t in range(20):
+      params, state = step(params, state, t)
     return params
 
   reference = run(inner(), 1.0, jnp.float32)
@@ -286,11 +290,12 @@ def test_multisteps_inside_drops_only_the_bad_microbatch():
   p, p_ref = params, params
   good = [_accumulation_grads(t, params) for t in range(10)]
   feed = good[:1] + [{"w": good[1]["w"].at[0].set(jnp.inf)}] + good[1:]
+  update, ref_update = jax.jit(tx.update), jax.jit(ref.update)
   for g in feed:
-    u, s = jax.jit(tx.update)(_scaled(g, float(oh.loss_scale(s))), s, p)
+    u, s = update(_scaled(g, float(oh.loss_scale(s))), s, p)
     p = optax.apply_updates(p, u)
   for g in good:
-    u, s_ref = jax.jit(ref.update)(g, s_ref, p_ref)
+    u, s_ref = ref_update(g, s_ref, p_ref)
     p_ref = optax.apply_updates(p_ref, u)
   assert _leaves_equal(p, p_ref)
   assert int(s.skipped_steps) == 1 and float(s.scale) == scale / 2
