@@ -9,6 +9,8 @@ analysis counts no bytes for the custom call, where the parent's
 apply_updates pass reads and writes every param).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,13 +89,20 @@ def _nnx_run(optimizer_cls, make_tx, dtype):
   return model, optimizer, changes, train_step
 
 
+@functools.cache
+def _our_run(name, dtype):
+  """``_nnx_run(oh.nnx.Optimizer, TXS[name], dtype)``, once per module: the
+  reference of every test here that runs it (they only read it)."""
+  return _nnx_run(oh.nnx.Optimizer, TXS[name], dtype)
+
+
 @pytest.mark.parametrize("name", default_or_slow(list(TXS), [
     "adamw_bf16 kahan", "dynamic_loss_scale(adamw_bf16)", "oh.chain(clip, adamw_bf16)",
     "kahan_summation(scaled_adam)", "optax.adam (no kernel)"]))
 def test_nnx_optimizer_equals_flax_optimizer(name):
   dtype = jnp.float16 if name.startswith("dynamic") else jnp.bfloat16
   ref_model, ref_opt, ref_updates, _ = _nnx_run(nnx.Optimizer, TXS[name], dtype)
-  model, opt, changes, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], dtype)
+  model, opt, changes, _ = _our_run(name, dtype)
   assert isinstance(opt, nnx.Optimizer)
   _same(nnx.state(model), nnx.state(ref_model))
   _same(nnx.state(opt), nnx.state(ref_opt))
@@ -175,7 +184,7 @@ def test_nnx_optimizer_in_flax_fast_loops_steps_in_place_same_bits(name, how):
     pytest.skip("nnx.jit_partial: Flax >= 0.12.5")
   if how == "jit tree" and not hasattr(nnx, "set_graph_mode"):
     pytest.skip("nnx.jit(graph=False): Flax >= 0.12.4")
-  ref_model, ref_opt, _, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], jnp.bfloat16)
+  ref_model, ref_opt, _, _ = _our_run(name, jnp.bfloat16)
   model = _Model(jnp.bfloat16)
   optimizer = oh.nnx.Optimizer(model, TXS[name](), wrt=nnx.Param)
   train_step = _fast_loop(how, model, optimizer)
