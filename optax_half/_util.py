@@ -99,6 +99,34 @@ except ImportError:  # JAX 0.11 has no shard_alike: state then takes XLA's own s
   shard_alike = None
 
 
+def find_states(opt_state, state_type, nested=None) -> list:
+  """Every ``state_type`` in ``opt_state``, at any depth: an optimizer state, or Flax's
+  ``nnx.state(optimizer)``, where NamedTuples are dicts of their fields and leaves are
+  Variables (those come back rebuilt as ``state_type``; ``nested``: field -> NamedTuple type
+  of a field to rebuild too)."""
+  if type(opt_state).__name__ == "State" and type(opt_state).__module__.startswith("flax.nnx"):
+    from flax import nnx
+    opt_state = nnx.to_pure_dict(opt_state)
+  if isinstance(opt_state, state_type):
+    return [opt_state]
+  if isinstance(opt_state, dict):
+    if set(opt_state) == set(state_type._fields):
+      fields = dict(opt_state)
+      for name, kind in (nested or {}).items():
+        if isinstance(fields[name], dict):
+          fields[name] = kind(**fields[name])
+      return [state_type(**fields)]
+    children = opt_state.values()
+  elif isinstance(opt_state, (tuple, list)):
+    children = opt_state
+  else:  # another pytree node (a leaf has itself as its only leaf)
+    children = jax.tree.leaves(opt_state, is_leaf=lambda x: x is not opt_state and isinstance(
+        x, (dict, tuple, list, state_type)))
+    if len(children) == 1 and children[0] is opt_state:
+      return []
+  return [s for child in children for s in find_states(child, state_type, nested)]
+
+
 def is_float(x) -> bool:
   return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
 

@@ -19,7 +19,7 @@ import optax
 
 from optax_half import _in_place, _native
 from optax_half_native.checks import check_loss_scale_args
-from optax_half._util import if_finite, is_float, skipped, transformation, unscaled
+from optax_half._util import find_states, if_finite, is_float, skipped, transformation, unscaled
 
 T = TypeVar("T")
 
@@ -259,9 +259,7 @@ def find_loss_scale_state(opt_state) -> DynamicLossScaleState:
     >>> int(oh.find_loss_scale_state(state).growth_tracker)
     0
   """
-  def is_ours(x):
-    return isinstance(x, DynamicLossScaleState)
-  found = [s for s in jax.tree.leaves(opt_state, is_leaf=is_ours) if is_ours(s)]
+  found = find_states(opt_state, DynamicLossScaleState)
   if not found:
     raise ValueError(
         "opt_state holds no DynamicLossScaleState: build the optimizer as "

@@ -299,3 +299,23 @@ def test_nnx_checkpoint_recipe_resumes_bit_for_bit(tmp_path):
     train_step(model, optimizer, x)
   _same(nnx.state(model), nnx.state(ref_model))
   _same(nnx.state(optimizer), nnx.state(ref_opt))
+
+
+def test_state_readers_take_nnx_state_of_the_optimizer():
+  """scaled_adam_stats, find_loss_scale_state and loss_scale read nnx.state(optimizer)
+  (NamedTuples as dicts, leaves as Variables) as they read optimizer.opt_state."""
+  model = nnx.Linear(3, 2, param_dtype=jnp.float16, rngs=nnx.Rngs(0))
+  tx = oh.dynamic_loss_scale(oh.scaled_adam(0.1, clipping_scale=2.0), init_scale=2.0**8)
+  optimizer = oh.nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**8, p.dtype), nnx.state(model, nnx.Param))
+  optimizer.update(model, grads)
+  state = nnx.state(optimizer)
+  assert float(oh.loss_scale(state)) == float(oh.loss_scale(optimizer.opt_state)) == 2.0**8
+  found = oh.find_loss_scale_state(state)
+  assert int(found.growth_tracker) == 1 and int(found.skipped_steps) == 0
+  stats = oh.scaled_adam_stats(state)
+  assert stats == oh.scaled_adam_stats(optimizer.opt_state)
+  assert stats["grad_norm"] > 0 and stats["clipping_factor"] == 1.0
+  assert stats["dominant_parameter"] in ("bias", "kernel")
+  with pytest.raises(ValueError, match="no ScaledAdamState"):
+    oh.scaled_adam_stats(nnx.state(oh.nnx.Optimizer(model, oh.adamw_bf16(1e-3), wrt=nnx.Param)))
