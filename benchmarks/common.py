@@ -220,3 +220,77 @@ def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dic
     with open(json_path, "w") as f:
       json.dump(out, f, indent=1)
   return out
+
+
+# -- Memory: resident bytes and transient peaks, per row ------------------------
+# Each row is measured in a fresh process (``memory_rows``), so no other row's
+# freed memory hides its peaks. glibc keeps freed memory below its mmap threshold
+# for reuse, and the threshold grows with what was freed: with it fixed at 64 KiB
+# (MALLOC_MMAP_THRESHOLD_) every array is its own mapping, returned when freed, and
+# the resident set follows the live arrays.
+MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def _status(field: str) -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(field + ":"):
+        return int(line.split()[1]) * 1024
+  raise OSError(f"no {field} in /proc/self/status")
+
+
+def resident_bytes() -> int:
+  """This process's resident set (VmRSS)."""
+  return _status("VmRSS")
+
+
+def reset_peak() -> None:
+  """Resets the process's high-water mark (VmHWM) to its resident set (Linux)."""
+  with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+
+
+def peak_bytes() -> int:
+  """The process's high-water mark (VmHWM) since start or ``reset_peak``."""
+  return _status("VmHWM")
+
+
+def memory_supported() -> bool:
+  """Whether ``reset_peak`` works here (Linux with /proc/self/clear_refs)."""
+  try:
+    reset_peak()
+    peak_bytes()
+  except OSError:
+    return False
+  return True
+
+
+def memory_rows(module: str, names, argv) -> dict:
+  """name -> what ``python -m module --memory-row NAME *argv`` prints (a JSON line), each
+  row in a fresh process with ``MEMORY_ENV``; a row that fails gives its error."""
+  import subprocess  # noqa: PLC0415
+  out = {}
+  for name in names:
+    proc = subprocess.run([sys.executable, "-m", module, "--memory-row", name, *argv],
+                          capture_output=True, text=True,
+                          env={**os.environ, **MEMORY_ENV})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    out[name] = (json.loads(lines[-1]) if proc.returncode == 0 and lines
+                 else dict(error=(proc.stderr or proc.stdout).strip().splitlines()[-1:]))
+  return out
+
+
+def print_memory(rows: dict) -> None:
+  """The memory table: bytes per param resident (params + one gradient + state), the
+  state's, the peaks above resident while making the state (init) and stepping, and
+  what making the state left resident beyond the state ("kept")."""
+  width = max([56, *map(len, rows)])
+  print(f"\n{'memory (B/param; peak: above resident)':{width}s} {'resident':>8s} {'state':>6s} "
+        f"{'init pk':>7s} {'kept':>6s} {'step pk':>7s}")
+  for name, r in rows.items():
+    if "error" in r:
+      print(f"{name:{width}s} error: {r['error']}")
+      continue
+    shown = {k: max(v, 0.0) for k, v in r.items()}  # a peak below resident: freed memory
+    print(f"{name:{width}s} {shown['resident']:8.2f} {shown['state']:6.2f} "
+          f"{shown['init_peak']:7.2f} {shown['init_kept']:6.2f} {shown['step_peak']:7.2f}")

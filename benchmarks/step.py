@@ -22,6 +22,7 @@ table. Findings: benchmarks/README.md.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 import warnings
 
@@ -323,6 +324,82 @@ def nbytes(tree) -> int:
   return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
 
 
+# The rows whose memory is measured (each in a fresh process, ``--memory``):
+# resident bytes and transient peaks of making the state and of a step.
+MEMORY_ROWS = ("optax.adamw fp32 (reference)", "optax.adamw bf16 (naive)", "adamw_bf16 kahan",
+               "adamw_bf16 kahan (update_and_apply)", "adamw_bf16 kahan flat_state",
+               "adamw_bf16 kahan flat_state (update_and_apply)", "adamw_bf16 split",
+               "adamw_bf16 stochastic (update_and_apply)", "adam_fp32_master",
+               "adam_fp32_master (update_and_apply)", "adam_fp32_master flat_state",
+               "kahan_summation(scale_by_adamw) (no kernel)",
+               "dynamic_loss_scale(adamw_bf16 kahan) (update_and_apply)",
+               "kahan_summation(scaled_adam clip 2.0) (update_and_apply)",
+               "oh.nnx.Optimizer adamw_bf16 kahan (jit_partial)",
+               "oh.TrainState adamw_bf16 kahan")
+QUICK_MEMORY_ROWS = ("optax.adamw fp32 (reference)", "adamw_bf16 kahan",
+                     "adamw_bf16 kahan (update_and_apply)")
+
+
+def memory_row(name: str, tree_name: str) -> dict:
+  """Bytes per param of one row, in this process (fresh, ``common.MEMORY_ENV``): the
+  state, the resident params + gradients + state, and the high-water mark above that
+  while making the state (``tx.init``, or the Flax object that calls it; compiled
+  before, on the same shapes) and during a donated step after two warm-up steps;
+  "kept": what making the state left resident beyond the state's arrays."""
+  dtype, tx, mode = all_candidates()[name]
+  tree32 = make_tree(tree_name)
+  n = sum(x.size for x in jax.tree.leaves(tree32))
+  params = jax.block_until_ready(jax.tree.map(lambda x: x.astype(dtype), tree32))
+  grads = jax.block_until_ready(jax.tree.map(lambda x: (x * 0.1).astype(dtype), tree32))
+  del tree32
+  state_bytes = nbytes(jax.eval_shape(tx.init, params))
+  jax.block_until_ready(tx.init(params))  # compiles the init: not a per-call cost
+  flax_mode = mode in FLAX_MODES
+  base = common.resident_bytes()
+  common.reset_peak()
+  if mode in ("oh.nnx jit_partial", "oh.nnx", "nnx", "nnx jit_partial"):
+    made = (oh.nnx.Optimizer if mode.startswith("oh.") else nnx.Optimizer)(
+        _Tree(params), tx, wrt=nnx.Param)
+  elif flax_mode:
+    made = (oh.train_state.TrainState if mode.startswith("oh.") else train_state.TrainState
+            ).create(apply_fn=None, params=params, tx=tx)
+  else:
+    state = made = tx.init(params)
+  jax.block_until_ready(jax.tree.leaves(made))
+  init_peak, kept = common.peak_bytes() - base, common.resident_bytes() - base
+  del made
+
+  def step(p, s, g):
+    if mode:
+      return oh.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+
+  with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    if flax_mode:
+      a, b, g, fn, lowered, ready = flax_step(mode, tx, params, grads)
+      del params
+    else:
+      a, b, g = params, state, grads
+      fn = jax.jit(step, donate_argnums=(0, 1, 2))
+      ready = lambda p, _: jax.block_until_ready(p)  # noqa: E731
+      del params, state
+    for _ in range(2):
+      a, b = fn(a, b, fresh(g))
+      ready(a, b)
+    fresh_g = fresh(g)
+    before = common.resident_bytes()
+    common.reset_peak()
+    a, b = fn(a, b, fresh_g)
+    ready(a, b)
+    step_peak = common.peak_bytes() - before
+  grad_bytes = nbytes(grads)  # the params' too: the same dtypes
+  return dict(state=state_bytes / n, resident=(2 * grad_bytes + state_bytes) / n,
+              init_peak=(init_peak - state_bytes) / n, init_kept=(kept - state_bytes) / n,
+              step_peak=step_peak / n)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--tree", choices=list(common.TREES), default=None)
@@ -338,11 +415,18 @@ def main(argv=None):
   parser.add_argument("--heap-malloc", action="store_true",
                       help="rerun with glibc serving large allocations from the heap "
                            "(common.HEAP_MALLOC_ENV)")
+  parser.add_argument("--memory", choices=["on", "off"], default="on",
+                      help="measure MEMORY_ROWS' resident bytes and peaks, each in a fresh "
+                           "process (Linux; default on)")
+  parser.add_argument("--memory-row", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args(argv)
+  tree_name = args.tree or ("quick" if args.quick else "standard")
+  if args.memory_row:
+    print(json.dumps(memory_row(args.memory_row, tree_name)))
+    return None
   if args.heap_malloc:
     common.rerun_with_heap_malloc(argv)
   heap_malloc = common.heap_malloc_active()
-  tree_name = args.tree or ("quick" if args.quick else "standard")
   reps = args.reps or (3 if args.quick else 15)
   tree32 = make_tree(tree_name)
   n = sum(x.size for x in jax.tree.leaves(tree32))
@@ -415,13 +499,17 @@ def main(argv=None):
       r["ready"](r["params"], r["state"])
       r["times"].append(time.perf_counter() - start)
 
+  memory = {}
+  if args.memory == "on" and common.memory_supported():
+    names = [k for k in (QUICK_MEMORY_ROWS if args.quick else MEMORY_ROWS) if k in chosen]
+    memory = common.memory_rows("benchmarks.step", names, ["--tree", tree_name])
   out = common.report(f"JAX {jax.__version__} ({jax.default_backend()}), tree {tree_name}"
                       f"{', heap-only malloc' if heap_malloc else ''}"
                       f"{'' if args.gc == 'on' else f', gc {args.gc}'}",
                       runs, "optax.adamw fp32 (reference)", n, bw, args.json,
                       extra=dict(framework="jax", tree=tree_name, reps=reps, grads=args.grads,
                                  heap_malloc=heap_malloc, settle_ms=args.settle_ms,
-                                 gc=args.gc),
+                                 gc=args.gc, memory_bytes_per_param=memory),
                       # on a GPU the kernel is not taken: nothing to build for the report
                       kernel_library=native.ffi_library(jax.ffi.include_dir())
                       if jax.default_backend() == "cpu" else None)
@@ -429,6 +517,8 @@ def main(argv=None):
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   print("\nXLA temporaries (memory_analysis, allocated each step) bytes per param: " + ", ".join(
       f"{k}: {v['xla_temp_bytes_per_param']:.1f}" for k, v in out["runs"].items()))
+  if memory:
+    common.print_memory(memory)
   return out
 
 

@@ -21,14 +21,17 @@ runs differ only in how the weights are stored and updated:
   fp16         adam_fp32_master on fp16 weights, with dynamic loss scaling (at the
                default initial scale 2**16 no gradient of this model overflows, so
                no step is skipped; examples/flax_train_state.py shows skipping)
-  scaled_adam  kahan_summation(scaled_adam) on bf16 weights (icefall's ScaledAdam)
+  scaled_adam_fp32  scaled_adam on fp32 weights (icefall's ScaledAdam): its reference
+  scaled_adam  kahan_summation(scaled_adam) on bf16 weights
 
 ScaledAdam runs at its own learning rate (it scales steps by each tensor's
-RMS), so its row compares optimizers, not precisions.
+RMS), so its bf16 run is measured against fp32 ScaledAdam, not fp32 AdamW:
+each run's ratio is to its own fp32 reference (``REFERENCE``).
 
-Prints a table (final train/val loss, ratio to fp32, optimizer bytes/param,
-ms/step, skipped steps) and writes ``demo_out/loss_curves.png`` and
-``demo_out/results.json``.
+Prints a table (final train/val loss, ratio to the run's fp32 reference,
+optimizer bytes/param, ms/step, skipped steps) and writes
+``demo_out/loss_curves.png`` (top: the loss curves; bottom: each run's loss
+over its reference's, step by step) and ``demo_out/results.json``.
 """
 
 from __future__ import annotations
@@ -58,9 +61,14 @@ RUNS = {
     "stochastic": "bf16 adamw_bf16 stochastic",
     "master": "bf16 adam_fp32_master",
     "fp16": "fp16 adam_fp32_master + loss scaling",
+    "scaled_adam_fp32": "fp32 scaled_adam (reference)",
     "scaled_adam": "bf16 kahan(scaled_adam)",
 }
-DTYPE = {"fp32": "float32", "fp16": "float16"}  # every other run stores bf16
+# Each run's fp32 reference: same optimizer, same hyperparameters, fp32 weights.
+REFERENCE = {run: "fp32" for run in RUNS}
+REFERENCE.update(scaled_adam="scaled_adam_fp32", scaled_adam_fp32="scaled_adam_fp32")
+# Every other run stores bf16.
+DTYPE = {"fp32": "float32", "fp16": "float16", "scaled_adam_fp32": "float32"}
 
 
 @dataclasses.dataclass
@@ -120,6 +128,7 @@ def jax_optimizer(run: str, args):
       "stochastic": lambda: oh.adamw_bf16(args.lr, compensation="stochastic", **adamw),
       "master": lambda: oh.adam_fp32_master(args.lr, **adamw),
       "fp16": lambda: oh.dynamic_loss_scale(oh.adam_fp32_master(args.lr, **adamw)),
+      "scaled_adam_fp32": lambda: oh.scaled_adam(args.scaled_adam_lr, clipping_scale=2.0),
       "scaled_adam": lambda: oh.kahan_summation(
           oh.scaled_adam(args.scaled_adam_lr, clipping_scale=2.0)),
   }[run]()
@@ -196,6 +205,8 @@ def torch_optimizer(run: str, params, args):
     return tb.adam_fp32_master(params, args.lr, **adamw), None
   if run == "fp16":
     return tb.adam_fp32_master(params, args.lr, **adamw), tb.dynamic_loss_scale()
+  if run == "scaled_adam_fp32":
+    return tb.scaled_adam(params, args.scaled_adam_lr, clipping_scale=2.0), None
   if run == "scaled_adam":
     return tb.kahan_summation(tb.scaled_adam(params, args.scaled_adam_lr, clipping_scale=2.0)), None
   raise ValueError(run)
@@ -269,44 +280,75 @@ def _result(framework, run, losses, progress, bytes_per_param, skipped, starts):
                 hashlib.sha256(np.ascontiguousarray(starts).tobytes()).hexdigest()[:16])
 
 
+def _reference(results: list[Result], r: Result):
+  """The result of ``r``'s fp32 reference in the same framework, or None if not run."""
+  return next((q for q in results
+               if q.framework == r.framework and q.run == REFERENCE[r.run]), None)
+
+
 def table(results: list[Result]) -> str:
-  ref = {r.framework: r for r in results if r.run == "fp32"}
-  head = (f"{'framework':9s} {'run':38s} {'train':>7s} {'val':>7s} {'val/fp32':>8s} "
+  head = (f"{'framework':9s} {'run':38s} {'train':>7s} {'val':>7s} {'val/ref':>7s} "
           f"{'opt B/param':>11s} {'ms/step':>8s} {'skipped':>7s}")
   lines = [head, "-" * len(head)]
   for r in results:
-    ratio = f"{r.val_loss / ref[r.framework].val_loss:8.3f}" if r.framework in ref else f"{'':8s}"
+    ref = _reference(results, r)
+    ratio = f"{r.val_loss / ref.val_loss:7.3f}" if ref else f"{'':7s}"
     lines.append(f"{r.framework:9s} {RUNS[r.run]:38s} {r.train_loss:7.4f} {r.val_loss:7.4f} "
                  f"{ratio} {r.state_bytes_per_param:11.1f} {r.ms_per_step:8.2f} "
                  f"{r.skipped_steps:7d}")
+  lines.append("val/ref: val loss over the run's fp32 reference (AdamW, or ScaledAdam for "
+               "kahan(scaled_adam)).")
   return "\n".join(lines)
 
 
+def _smooth(curve, window):
+  return np.convolve(np.asarray(curve), np.ones(window) / window, mode="valid")
+
+
 def plot(results: list[Result], path: pathlib.Path, title: str) -> None:
+  """Top: the loss curves. Bottom: each run's loss over its own fp32 reference's,
+  where the cures' lie on 1 and the naive run's climbs away from it."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   frameworks = sorted({r.framework for r in results})
-  fig, axes = plt.subplots(1, len(frameworks), figsize=(6.5 * len(frameworks), 4.5),
-                           sharey=True, squeeze=False)
+  fig, axes = plt.subplots(2, len(frameworks), figsize=(6.5 * len(frameworks), 8.5),
+                           sharey="row", squeeze=False, height_ratios=(1, 1.1))
   colors = dict(zip(RUNS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
-  for ax, framework in zip(axes[0], frameworks):
+  style = {run: "--" if REFERENCE[run] == run else "-" for run in RUNS}  # references dashed
+  for col, framework in enumerate(frameworks):
+    top, bottom = axes[0][col], axes[1][col]
     for r in (r for r in results if r.framework == framework):
-      curve = np.asarray(r.train_curve)
-      window = max(1, len(curve) // 25)
-      smooth = np.convolve(curve, np.ones(window) / window, mode="valid")
-      ax.plot(np.arange(window, len(curve) + 1), smooth, color=colors[r.run], alpha=0.45, lw=1)
-      steps, vals = zip(*r.val_curve)
-      ax.plot(steps, vals, "o-", color=colors[r.run], ms=3, lw=1.5,
-              label=f"{RUNS[r.run]}: val {r.val_loss:.3f}")
-    ax.set_title(f"{framework}: {title}", fontsize=10)
-    ax.set_xlabel("step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7.5)
+      window = max(1, len(r.train_curve) // 25)
+      smooth = _smooth(r.train_curve, window)
+      steps, vals = map(np.asarray, zip(*r.val_curve))
+      top.plot(np.arange(window, len(r.train_curve) + 1), smooth, color=colors[r.run],
+               alpha=0.45, lw=1)
+      top.plot(steps, vals, "o" + style[r.run], color=colors[r.run], ms=3, lw=1.5,
+               label=f"{RUNS[r.run]}: val {r.val_loss:.3f}")
+      ref = _reference(results, r)
+      if ref is None or ref is r:
+        continue
+      ratio = smooth / _smooth(ref.train_curve, window)
+      bottom.plot(np.arange(window, len(r.train_curve) + 1), ratio, color=colors[r.run],
+                  alpha=0.35, lw=1)
+      ref_vals = dict(ref.val_curve)
+      bottom.plot(steps, [v / ref_vals[s] for s, v in zip(steps, vals)], "o-",
+                  color=colors[r.run], ms=3, lw=1.5,
+                  label=f"{RUNS[r.run]} / {RUNS[ref.run].split(' (')[0]}: "
+                        f"{r.val_loss / ref.val_loss:.3f}")
+    bottom.axhline(1.0, color="black", lw=0.8)
+    top.set_title(f"{framework}: {title}", fontsize=10)
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+      ax.grid(alpha=0.3)
+      ax.legend(fontsize=7.5)
   axes[0][0].set_ylabel("loss (nats/byte): thin = train (smoothed), dots = val")
+  axes[1][0].set_ylabel("loss / its fp32 reference's (1 = as good as fp32)")
   low = min(v for r in results for _, v in r.val_curve)
   axes[0][0].set_ylim(low - 0.1, low + 1.5)  # the start (ln 256 = 5.5) would flatten the rest
+  axes[1][0].set_ylim(0.97, 1.12)
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)

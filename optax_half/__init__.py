@@ -9,8 +9,9 @@ Gradient clipping (optax's, no fp32 copy of 16-bit gradients): clip_by_global_no
 In place (the native kernel, on CPU): update_and_apply, chain (optax.chain, in
   place through its last element). flat_state=False <-> True: relayout_state.
 Checkpoints (Orbax, checked leaf by leaf): checkpoint.save, checkpoint.restore.
-Policies (jmp's API): Policy, get_policy, cast_to_full, cast_to_half,
-  half_dtype; nnx.apply_policy.
+jmp's API (``import optax_half as jmp`` ports jmp code): Policy, get_policy,
+  cast_to_full, cast_to_half, half_dtype; DynamicLossScale, StaticLossScale,
+  NoOpLossScale, LossScale, all_finite, select_tree; nnx.apply_policy.
 """
 
 from optax_half import checkpoint, rounding
@@ -19,11 +20,18 @@ from optax_half._in_place import chain, update_and_apply
 from optax_half.clipping import clip_by_global_norm
 from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, scale_by_adamw
 from optax_half.loss_scale import (
+    DynamicLossScale,
     DynamicLossScaleState,
+    LossScale,
+    NoOpLossScale,
+    NotABooleanScalar,
+    StaticLossScale,
+    all_finite,
     dynamic_loss_scale,
     find_loss_scale_state,
     loss_scale,
     scale_loss,
+    select_tree,
     value_and_scaled_grad,
 )
 from optax_half.policy import Policy, cast_to_full, cast_to_half, get_policy, half_dtype
@@ -48,6 +56,10 @@ from optax_half.wrappers import (
 __version__ = "0.1.0"
 
 
+# LossScale (jmp's union of the loss-scale classes) is importable but, a type alias with no
+# docstring of its own, not in __all__.
+
+
 def __getattr__(name):
   # nnx and train_state need Flax: imported on first use, not with the package.
   if name in ("nnx", "train_state"):
@@ -59,6 +71,7 @@ def __getattr__(name):
 __all__ = [
     "adam_fp32_master",
     "adamw_bf16",
+    "all_finite",
     "cast_to_full",
     "cast_to_half",
     "chain",
@@ -80,16 +93,21 @@ __all__ = [
     "scale_loss",
     "scaled_adam",
     "scaled_adam_stats",
+    "select_tree",
     "stochastic_rounding",
     "update_and_apply",
     "value_and_scaled_grad",
+    "DynamicLossScale",
     "DynamicLossScaleState",
     "KahanSummationState",
     "MasterWeightsState",
+    "NoOpLossScale",
+    "NotABooleanScalar",
     "Policy",
     "RoundToNearestState",
     "ScaleByAdamWState",
     "ScaledAdamClippingState",
     "ScaledAdamState",
+    "StaticLossScale",
     "StochasticRoundingState",
 ]

@@ -45,12 +45,24 @@ def _groups(leaves) -> dict:
   return out
 
 
+@jax.jit
+def _concatenate(xs):
+  """``jnp.concatenate`` of the raveled ``xs`` as writes into one buffer: XLA:CPU makes a
+  concatenation's converted operands (a master's ``f32(p)``) whole temporaries first, these
+  writes none (docs/algorithms.md#memory)."""
+  out = jnp.zeros((sum(math.prod(jnp.shape(x)) for x in xs),), xs[0].dtype)
+  start = 0
+  for x in xs:
+    out = jax.lax.dynamic_update_slice(out, jnp.ravel(x), (start,))
+    start += math.prod(jnp.shape(x))
+  return out
+
+
 def _pack_tree(tree) -> Flat:
   arrays = {}
   for d, xs in _groups(jax.tree.leaves(tree)).items():  # MaskedNode: no leaves
-    flat = [jnp.ravel(x) for x in xs]
     name = key(d, [jnp.shape(x) for x in xs])
-    arrays[name] = flat[0] if len(flat) == 1 else jnp.concatenate(flat)
+    arrays[name] = jnp.ravel(xs[0]) if len(xs) == 1 else _concatenate(xs)
   return Flat(arrays)
 
 

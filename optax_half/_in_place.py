@@ -93,6 +93,11 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   ``clip_by_global_norm`` just before the kernel's optimizer is applied as the
   kernel reads the gradients (docs/algorithms.md#in-place-steps).
 
+  A compensated optimizer (``adamw_bf16``, ``adam_fp32_master``, the wrappers) must come
+  last: its update is made to land exactly on the 16-bit params, so a transformation after
+  it that rescales it (``optax.scale``, ``optax.contrib.reduce_on_plateau``) would stall
+  bf16 weights; ``init`` refuses that order (nest the transformation inside instead).
+
   Args:
     *transforms: the transformations, applied in order (at least one).
 
@@ -116,7 +121,14 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
   if not transforms:
     raise ValueError("chain needs at least one transformation.")
   inner = [optax.with_extra_args_support(t) for t in transforms]
-  tx = optax.chain(*inner)
+  chained = optax.chain(*inner)
+
+  def init(params):
+    state = chained.init(params)
+    for k, s in enumerate(state[:-1]):
+      _check_nothing_after_compensation(k, len(state), s)
+    return state
+  tx = optax.GradientTransformationExtraArgs(init, chained.update)
 
   # The clip's norm is taken here, the clipping left to the step that reads the gradients.
   fold_clip = (len(inner) >= 2 and isinstance(inner[-2], ClipTransformation)
@@ -144,3 +156,19 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
     return params, tuple(new_state) + (last,)
 
   return register(tx, step)
+
+
+def _check_nothing_after_compensation(k: int, n: int, state) -> None:
+  """Refuse the state of a compensated optimizer at position ``k`` of a chain of ``n``."""
+  from optax_half.wrappers import _WRAPPER_STATES  # noqa: PLC0415 (wrappers imports us)
+  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _WRAPPER_STATES))
+           if isinstance(x, _WRAPPER_STATES)]
+  if found:
+    raise ValueError(
+        f"chain: transformation {k} (with a {type(found[0]).__name__}) is a compensated "
+        f"optimizer, followed by {n - 1 - k} more. Its update is made to land exactly on the "
+        "16-bit params; a transformation after it (optax.scale, "
+        "optax.contrib.reduce_on_plateau) would change it, and bf16 weights would stall. "
+        "Put the transformation inside the compensation, e.g. "
+        "oh.kahan_summation(optax.chain(optax.adamw(lr), optax.contrib.reduce_on_plateau())), "
+        "or, for a transformation of the gradients (clipping), before the optimizer.")

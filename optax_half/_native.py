@@ -15,8 +15,8 @@ import optax
 import optax_half_native as native
 from optax_half import _flat, _in_place, rounding
 from optax_half._coefficients import coefficients
-from optax_half._util import (is_float, leaf_indices, transformation, unscaled,
-                              unscaled_all_finite)
+from optax_half._util import (check_state_fits, compiled_init, is_float, leaf_indices,
+                              transformation, unscaled, unscaled_all_finite)
 from optax_half.compensation import Compensation
 
 __all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
@@ -46,6 +46,53 @@ def available() -> bool:
                                   platform="cpu")
     _registered["ok"] = lib is not None
   return _registered["ok"]
+
+
+_NO_DERIVATIVE = (
+    "optax_half: the native CPU kernel ({target}) has no derivative, and this step was "
+    "traced before JAX differentiated it (a jitted step or lax.scan traced outside "
+    "jax.grad, then differentiated). optax_half takes the differentiable composed path "
+    "when the step is traced under jax.grad/jvp/vjp: call jax.grad outside the jit or "
+    "scan, or turn the kernel off with OPTAX_HALF_NATIVE=0 (set before importing "
+    "optax_half). docs/algorithms.md#the-jax-entry")
+
+
+def differentiating() -> bool:
+  """Whether JAX is differentiating what is being traced now (``jax.grad``, ``jvp``, ``vjp``,
+  ``linearize``, also around the jit or scan being traced): the kernel, which has no
+  derivative, is then not taken (docs/algorithms.md#the-jax-entry)."""
+  try:
+    from jax._src import core as jax_core  # noqa: PLC0415 (JAX's internals, read only here)
+    from jax._src.interpreters import ad  # noqa: PLC0415
+    trace = jax_core.trace_ctx.trace
+  except (ImportError, AttributeError):  # another JAX: the custom calls' own error guards
+    return False
+  kinds = tuple(k for k in (getattr(ad, "JVPTrace", None), getattr(ad, "LinearizeTrace", None))
+                if k is not None)
+  while trace is not None:
+    if isinstance(trace, kinds):
+      return True
+    trace = getattr(trace, "parent_trace", None)
+  return False
+
+
+def _ffi_call(target, results, **kwargs):
+  """``jax.ffi.ffi_call(target, results, **kwargs)`` whose derivative is a clear error
+  naming the fix, not JAX's generic one."""
+  call = jax.ffi.ffi_call(target, results, **kwargs)
+
+  def bound(*args, **attrs):
+    @jax.custom_jvp
+    def run(*operands):
+      return call(*operands, **attrs)
+
+    @run.defjvp
+    def _no_jvp(primals, tangents):
+      raise ValueError(_NO_DERIVATIVE.format(target=target))
+
+    return run(*args)
+
+  return bound
 
 
 def _threads() -> int:
@@ -85,7 +132,7 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
       aliases[2 + n + k] = k
   results = ([jax.ShapeDtypeStruct(p.shape, out_dtype) for p in leaves]
              + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_arrays])
-  call = jax.ffi.ffi_call(target, results, input_output_aliases=aliases,
+  call = _ffi_call(target, results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(scalars, keys, *leaves, *grads, *state_arrays, mode=np.int32(native.MODES[mode]),
              sr=bool(sr), update=not in_place, nthreads=np.int32(_threads()))
@@ -107,8 +154,10 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
     return framework()
   scale = jnp.ones((1,), jnp.float32) if inv_scale is None else jnp.reshape(
       jnp.asarray(inv_scale, jnp.float32), (1,))
-  call = jax.ffi.ffi_call(FINITE_TARGET, jax.ShapeDtypeStruct((), jnp.bool_),
-                          vmap_method="sequential")
+  # A bool of the gradients: no derivative to pass on (the kernel has none).
+  floats, scale = jax.lax.stop_gradient((floats, scale))
+  call = _ffi_call(FINITE_TARGET, jax.ShapeDtypeStruct((), jnp.bool_),
+                   vmap_method="sequential")
 
   def kernel():
     checks = [call(x, scale, nthreads=np.int32(_threads())) for x in floats]
@@ -163,10 +212,11 @@ def _takes_f16(grad_dtype, moment_dtypes) -> bool:
 
 
 def on_cpu(params) -> bool:
-  """Whether a step over ``params`` may call the kernel: on the CPU backend, and unsharded
-  (the custom calls have no partitioning rule; docs/algorithms.md#the-jax-entry)."""
+  """Whether a step over ``params`` may call the kernel: on the CPU backend, unsharded (the
+  custom calls have no partitioning rule) and not differentiated (they have no derivative;
+  docs/algorithms.md#the-jax-entry)."""
   return not (params is None or jax.default_backend() != "cpu" or _maybe_sharded(params)
-              or not available())
+              or not available() or differentiating())
 
 
 def _maybe_sharded(params) -> bool:
@@ -211,13 +261,23 @@ def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
 
 
 def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, tx_init,
-          tx_update, flat_state: bool, name: str) -> _in_place.InPlaceTransformation:
+          tx_update, flat_state: bool, name: str, mask=None,
+          kernel: bool = True) -> _in_place.InPlaceTransformation:
   """``adamw_bf16`` or ``adam_fp32_master`` (``tx_init``, ``tx_update``) with the kernel on CPU:
   an ``InPlaceTransformation`` with ``tx_update``'s bits; with ``flat_state`` in ``_flat``'s
-  layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state)."""
+  layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state). ``mask``: the
+  weight-decay mask (``adam.decay_mask``), a kernel call per setting; ``kernel=False``:
+  options the kernel lacks (eps_root, nesterov), always ``tx_update``."""
+  from optax_half.adam import decay_mask  # noqa: PLC0415 (adam imports this module)
 
   def native(updates, state, params) -> bool:
-    return on_cpu(params) and _takes(compensation, params, updates, state.inner_state)
+    return kernel and on_cpu(params) and _takes(compensation, params, updates,
+                                                state.inner_state)
+
+  def decays(updates, params):
+    """Per leaf of ``params`` (flattened), whether weight decay applies, or None (all)."""
+    tree = decay_mask(mask, updates)
+    return None if tree is None else jax.tree.structure(params).flatten_up_to(tree)
 
   def step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
     if (inv_scale is not None or clip is not None) and not native(updates, state, params):
@@ -235,7 +295,8 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
       return elsewhere()
     return jax.lax.platform_dependent(
         cpu=lambda: _native_update(compensation, hyperparams, state_rounding, updates, state, params,
-                                   in_place=in_place, grad_scale=inv_scale, clip=clip),
+                                   in_place=in_place, grad_scale=inv_scale, clip=clip,
+                                   decays=decays(updates, params)),
         default=elsewhere)
 
   def flat_step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
@@ -249,7 +310,10 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
                             inv_scale, clip)
       return out, _flat.pack(new_state)
 
-    if not (on_cpu(params) and _takes_flat(compensation, params, updates, state)):
+    # One flat call has one weight decay: a mask with a leaf off goes leaf by leaf.
+    flags = decays(updates, params) if kernel and mask is not None else None
+    if not (kernel and on_cpu(params) and _takes_flat(compensation, params, updates, state)
+            and (flags is None or all(flags))):
       return via_tree()
     return jax.lax.platform_dependent(
         cpu=lambda: _flat_update(compensation, hyperparams, state_rounding, updates, state, params,
@@ -258,10 +322,16 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
 
   if not isinstance(flat_state, bool):
     raise TypeError(f"flat_state must be True or False; got {flat_state!r}.")
-  run = flat_step if flat_state else step
 
+  @compiled_init
   def init(params):
     return _flat.pack(tx_init(params)) if flat_state else tx_init(params)
+
+  def run(in_place, updates, state, params, extra_args, *args, **kwargs):
+    # Trace time: a state made for params of other dtypes is refused, naming the leaf.
+    check_state_fits(name, init, state, params)
+    return (flat_step if flat_state else step)(in_place, updates, state, params, extra_args,
+                                               *args, **kwargs)
 
   def update(updates, state, params=None, **extra_args):
     return run(False, updates, state, params, extra_args)
@@ -336,10 +406,11 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
 
 
 def _native_update(compensation, hyperparams, state_rounding, updates, state, params,
-                   in_place=False, grad_scale=None, clip=None):
+                   in_place=False, grad_scale=None, clip=None, decays=None):
   """(updates, state), or with ``in_place`` (new params, state), of the gradients read
   ``unscaled(updates, grad_scale)`` or ``clip.apply(updates)``; one ``TARGET`` call per group
-  of up to ``_LEAVES_PER_CALL`` leaves sharing dtypes (docs/algorithms.md#the-jax-entry)."""
+  of up to ``_LEAVES_PER_CALL`` leaves sharing dtypes and, with ``decays`` (per leaf: whether
+  weight decay applies), that flag (docs/algorithms.md#the-jax-entry)."""
   leaves, treedef = jax.tree.flatten(jax.tree.map(jnp.asarray, params))
   grads, mus, nus, index = (treedef.flatten_up_to(t) for t in (
       updates, state.inner_state.mu, state.inner_state.nu, leaf_indices(params)))
@@ -353,13 +424,18 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
     # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
     mode = _mode(compensation, p.dtype)
     buffer_dtype = None if mode == "update" or isinstance(b, optax.MaskedNode) else b.dtype
-    groups.setdefault((mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype), []).append(k)
+    decay = True if decays is None else decays[k]
+    groups.setdefault((decay, mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype),
+                      []).append(k)
   out, new_mu, new_nu, new_buffers = [None] * len(leaves), list(mus), list(nus), list(buffers)
   calls = [(key, ks[i:i + _LEAVES_PER_CALL]) for key, ks in groups.items()
            for i in range(0, len(ks), _LEAVES_PER_CALL)]
-  for (mode, _, grad_dtype, *_, buffer_dtype), ks in calls:
+  for (decay, mode, _, grad_dtype, *_, buffer_dtype), ks in calls:
     pick = lambda xs: [xs[k] for k in ks]  # noqa: E731
-    scalars = _scalars(hyperparams, core.count, grad_scale, clip, grad_dtype)
+    # Masked-out leaves: weight decay 0 (the core skips the term: u + 0 * x is u, as for
+    # weight_decay=0).
+    step_hyperparams = hyperparams if decay else (*hyperparams[:4], 0.0)
+    scalars = _scalars(step_hyperparams, core.count, grad_scale, clip, grad_dtype)
     has_buffer = buffer_dtype is not None
     states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
     keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32))
@@ -426,7 +502,7 @@ def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
   ``comps`` (Kahan compensations) the param is ``p + c``."""
   rows = [None] * len(leaves)
   for ks in _groups(leaves, grads):
-    call = jax.ffi.ffi_call(SCALED_SUMS_TARGET, jax.ShapeDtypeStruct((len(ks), 3), jnp.float32),
+    call = _ffi_call(SCALED_SUMS_TARGET, jax.ShapeDtypeStruct((len(ks), 3), jnp.float32),
                             vmap_method="sequential")
     extra = [comps[k] for k in ks] if comps is not None else []
     out = call(jnp.stack([rms[k] for k in ks]), jnp.stack([want[k] for k in ks]),
@@ -476,7 +552,7 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
           aliases[2 + m + j] = r * m + j
         results.append(jax.ShapeDtypeStruct(operands[source[f] + j].shape,
                                             operands[source[f] + j].dtype))
-    call = jax.ffi.ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
+    call = _ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
                             vmap_method="sequential")
     out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands, kahan=kahan,
                update=kahan and not in_place, nthreads=np.int32(_threads()))

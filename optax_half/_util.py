@@ -37,10 +37,94 @@ def transformation(init, update,
     return jax.eval_shape(init, params) if is_abstract(params) else init(params)
   return optax.GradientTransformationExtraArgs(init_any, update)
 
+def compiled_init(init):
+  """``init`` run as one jitted computation on concrete params, so no full-tree temporary
+  (an fp32 view, fp32 zeros cast down, a concatenation's pieces) is ever allocated: the
+  state is made in place in its own buffers (docs/algorithms.md#memory). Traced or
+  abstract params, or leaves JAX cannot take as arrays, go to ``init`` itself."""
+  jitted = jax.jit(init)
+
+  def run(params):
+    leaves = jax.tree.leaves(params)
+    if not leaves or not all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float))
+                             and not isinstance(x, jax.core.Tracer) for x in leaves):
+      return init(params)
+    return jitted(params)
+  return run
+
+
+def _layout(tree) -> dict:
+  """key path -> (shape, dtype) of each array leaf, None where a MaskedNode or None is."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(
+      tree, is_leaf=lambda x: x is None or isinstance(x, optax.MaskedNode))
+  return {jax.tree_util.keystr(k): None if v is None or isinstance(v, optax.MaskedNode)
+          else (tuple(np.shape(v)), jnp.dtype(v.dtype)) for k, v in leaves}
+
+
+def check_state_fits(name: str, init, state, params) -> None:
+  """Trace time (shapes and dtypes only): refuse a state that ``init`` did not make for
+  params of these dtypes (a state made for fp32 params stepped with bf16 ones, or back),
+  naming the param leaf, both dtypes and the fix."""
+  if params is None:
+    return
+  try:
+    want = _layout(jax.eval_shape(init, params))
+  except Exception:  # noqa: BLE001 (params init refuses: update reports them itself)
+    return
+  got = _layout(state)
+  if got.keys() != want.keys():
+    return  # another layout altogether (not a dtype change): left to the update's own checks
+  for path in want:
+    if got[path] == want[path]:
+      continue
+    have = got[path]
+    param_paths = {jax.tree_util.keystr(k): v for k, v in
+                   jax.tree_util.tree_flatten_with_path(params)[0]}
+    leaf = next((k for k in sorted(param_paths, key=len, reverse=True)
+                 if k and path.endswith(k)), None)
+    what = (f"params{leaf} is {jnp.dtype(param_paths[leaf].dtype)}" if leaf is not None
+            else "the params")
+    def show(x):
+      return "nothing" if x is None else f"{x[1]}{list(x[0])}"
+    raise ValueError(
+        f"{name}: the optimizer state was made for params of another dtype or shape: "
+        f"{what}, and the state's {path.lstrip('.') or 'leaf'} is {show(have)} where a "
+        f"state made for these params has {show(want[path])}. Re-make the state for the "
+        "new params (tx.init(params)), or cast the params back to the dtype the state was "
+        "made for.")
+
 try:
   from jax.experimental.shard_alike import shard_alike
 except ImportError:  # JAX 0.11 has no shard_alike: state then takes XLA's own sharding
   shard_alike = None
+
+
+def find_states(opt_state, state_type, nested=None) -> list:
+  """Every ``state_type`` in ``opt_state``, at any depth: an optimizer state, or Flax's
+  ``nnx.state(optimizer)``, where NamedTuples are dicts of their fields and leaves are
+  Variables (those come back rebuilt as ``state_type``; ``nested``: field -> NamedTuple type
+  of a field to rebuild too)."""
+  if type(opt_state).__name__ == "State" and type(opt_state).__module__.startswith("flax.nnx"):
+    from flax import nnx
+    opt_state = nnx.to_pure_dict(opt_state)
+  if isinstance(opt_state, state_type):
+    return [opt_state]
+  if isinstance(opt_state, dict):
+    if set(opt_state) == set(state_type._fields):
+      fields = dict(opt_state)
+      for name, kind in (nested or {}).items():
+        if isinstance(fields[name], dict):
+          fields[name] = kind(**fields[name])
+      return [state_type(**fields)]
+    children = opt_state.values()
+  elif isinstance(opt_state, (tuple, list)):
+    children = opt_state
+  else:  # another pytree node (a leaf has itself as its only leaf)
+    children = jax.tree.leaves(opt_state, is_leaf=lambda x: x is not opt_state and isinstance(
+        x, (dict, tuple, list, state_type)))
+    if len(children) == 1 and children[0] is opt_state:
+      return []
+  return [s for child in children for s in find_states(child, state_type, nested)]
 
 
 def is_float(x) -> bool:

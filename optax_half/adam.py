@@ -15,7 +15,7 @@ import optax_half_native as native_lib
 from optax_half_native import checks
 from optax_half import _native, rounding, wrappers
 from optax_half._coefficients import Coefficients, _f32, coefficients  # noqa: F401
-from optax_half._util import (check_no_float64, check_trees, leaf_indices, like_param,
+from optax_half._util import (check_no_float64, check_trees, leaf_indices,
                               maybe_skip_nonfinite, seed_from_key, transformation, unzip,
                               zeros_like_param)
 from optax_half.compensation import COMPENSATIONS
@@ -29,7 +29,8 @@ class ScaleByAdamWState(NamedTuple):
 
   Attributes:
     count: int32 number of updates taken.
-    mu, nu: first and second moments (``mu_dtype``, ``nu_dtype`` or the param dtype).
+    mu, nu: first and second moments (``mu_dtype``, ``nu_dtype`` or the param dtype;
+      fp32 for fp16 params).
     seed: uint32 seed of the stochastic moment writes.
 
   Example:
@@ -45,14 +46,31 @@ class ScaleByAdamWState(NamedTuple):
   seed: jax.Array
 
 
+def moment_dtype(param_dtype) -> jnp.dtype:
+  """The moments' default dtype for a param of ``param_dtype`` (fp16: fp32)."""
+  return jnp.dtype(native_lib.moment_dtype_of(jnp.dtype(param_dtype).name))
+
+
 def _is_zero(v) -> bool:
   return isinstance(v, (int, float)) and v == 0
 
 
-def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay):
+def decay_mask(mask, updates):
+  """Per leaf of ``updates``, whether weight decay applies (a tree of Python bools), or
+  None for all: optax's ``masked`` semantics, ``mask`` a tree of bools (a prefix of
+  ``updates``) or a callable ``updates -> such a tree``."""
+  if mask is None:
+    return None
+  tree = mask(updates) if callable(mask) else mask
+  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, updates)
+
+
+def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay, eps_root=0.0):
   # Arrays (optax.inject_hyperparams) by dtype only: reading a value could be a host sync.
+  if isinstance(eps_root, (int, float)) and eps_root < 0:
+    raise ValueError(f"eps_root must be >= 0; got {eps_root}.")
   for name, v in (("learning_rate", learning_rate), ("b1", b1), ("b2", b2),
-                  ("eps", eps), ("weight_decay", weight_decay)):
+                  ("eps", eps), ("eps_root", eps_root), ("weight_decay", weight_decay)):
     dtype = getattr(v, "dtype", None)
     if dtype is not None and jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize < 4:
       raise ValueError(
@@ -72,6 +90,10 @@ def scale_by_adamw(
     nu_dtype=None,
     state_rounding: str = "nearest",
     key=None,
+    *,
+    eps_root: float = 0.0,
+    mask=None,
+    nesterov: bool = False,
 ) -> optax.GradientTransformation:
   r"""The AdamW update, in fp32, as one transformation.
 
@@ -94,9 +116,13 @@ def scale_by_adamw(
     weight_decay: decoupled weight decay, multiplied by the lr; ``update`` then needs
       ``params`` (an injected value, 0 included, is traced). ``None``: neither, also
       under ``optax.inject_hyperparams``.
-    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
+      params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "nearest" or "stochastic", for 16-bit moment writes.
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the stochastic writes' seed.
+    eps_root, mask, nesterov: as in ``optax.adamw``: ``sqrt(v_hat + eps_root)``; weight
+      decay only where ``mask`` (a tree of bools or a callable ``updates -> bools``) is
+      True; Nesterov momentum (Dozat 2016) with optax's formula.
 
   Returns:
     An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; updates in the param
@@ -126,12 +152,14 @@ def scale_by_adamw(
   """
   if weight_decay is None:
     weight_decay = 0.0
-  _check_hyperparams(learning_rate, b1, b2, eps, weight_decay)
+  _check_hyperparams(learning_rate, b1, b2, eps, weight_decay, eps_root)
+  if not isinstance(nesterov, bool):
+    raise TypeError(f"nesterov must be True or False; got {nesterov!r}.")
   seed_from_key(key)  # a bad key fails here, not at init
   checks.check_state_rounding(state_rounding)
 
   def state_dtype(override, p):
-    return jnp.dtype(override) if override is not None else jnp.dtype(p.dtype)
+    return jnp.dtype(override) if override is not None else moment_dtype(p.dtype)
 
   def init(params):
     check_no_float64("scale_by_adamw (the fp32 AdamW core of adamw_bf16 and "
@@ -157,19 +185,29 @@ def scale_by_adamw(
     leaf_index = leaf_indices(updates)
     # Without weight decay the params are not read: any tree of the same shape will do.
     params_ = params if params is not None else updates
+    decays = decay_mask(mask, updates)
+    if decays is None:
+      decays = jax.tree.map(lambda _: True, updates)
+    if nesterov:  # optax's mu_hat reads m at the next step's bias correction
+      inv_bc1_next = coefficients(learning_rate, b1, b2, eps, weight_decay, count).inv_bc1
 
     def rounded(product):
       return rounding.no_fma(product, zero)
 
-    def one(g, m, v, x, i):
+    def one(g, m, v, x, i, decay):
       # rounding.widen: exact upcasts that XLA cannot fold into excess precision.
       g = rounding.widen(g)
       m32 = rounded(b1_ * rounding.widen(m)) + rounded(one_minus_b1 * g)
       v32 = rounded(b2_ * rounding.widen(v)) + rounded(one_minus_b2 * (g * g))
-      m_hat = m32 * inv_bc1
+      if nesterov:
+        m_hat = rounded(b1_ * (m32 * inv_bc1_next)) + rounded(one_minus_b1 * (g * inv_bc1))
+      else:
+        m_hat = m32 * inv_bc1
       v_hat = v32 * inv_bc2
+      if not _is_zero(eps_root):
+        v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
-      if not _is_zero(weight_decay):
+      if decay and not _is_zero(weight_decay):
         u = u + rounded(wd_ * rounding.widen(x))
       # The caller adds it to the params; in their dtype (optax's convention: fp32 inside
       # the wrappers, which hand the core fp32 params).
@@ -178,11 +216,17 @@ def scale_by_adamw(
                                             state.seed, state.count, i)
       return u, m_new, v_new
 
-    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index)
+    out = jax.tree.map(one, updates, state.mu, state.nu, params_, leaf_index, decays)
     u, mu, nu = unzip(updates, out, 3)
     return u, ScaleByAdamWState(count, mu, nu, state.seed)
 
   return transformation(init, update, "scale_by_adamw")
+
+
+def _kernel_has(eps_root, nesterov) -> bool:
+  """Whether the kernel steps these options: it has no eps_root and no Nesterov term, so
+  those run in XLA (the same code that gives the kernel's bits where both step)."""
+  return _is_zero(eps_root) and not nesterov
 
 
 def adam_fp32_master(
@@ -190,9 +234,12 @@ def adam_fp32_master(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
+    eps_root: float = 0.0,
     weight_decay: float = 0.0,
-    skip_nonfinite: bool = False,
+    mask=None,
     *,
+    nesterov: bool = False,
+    skip_nonfinite: bool = False,
     flat_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """Adam(W) on an fp32 master copy of 16-bit params, fp32 moments.
@@ -202,8 +249,12 @@ def adam_fp32_master(
 
   Args:
     learning_rate: a float or an optax schedule (``count -> lr``).
-    b1, b2, eps: Adam coefficients.
-    weight_decay: decoupled weight decay (AdamW), multiplied by the lr.
+    b1, b2, eps, eps_root: Adam coefficients (``eps_root``: inside the square root).
+    weight_decay: decoupled weight decay (AdamW), multiplied by the lr; 0 (Adam) by
+      default, as ``torch_bridge``'s.
+    mask: where weight decay applies, as in ``optax.adamw``: a tree of bools (or a prefix
+      of the params tree) or a callable ``params -> bools``; ``None``: everywhere.
+    nesterov: Nesterov momentum, as in ``optax.adamw`` (not in the kernel: XLA steps it).
     skip_nonfinite: skip (and count) every step whose gradients hold a NaN or Inf
       (docs/algorithms.md#non-finite-gradients).
     flat_state: the master and moments of all leaves as one 1-D array per dtype: the same
@@ -244,11 +295,13 @@ def adam_fp32_master(
   """
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay,
                         mu_dtype=jnp.float32, nu_dtype=jnp.float32,
-                        state_rounding="nearest")
+                        state_rounding="nearest", eps_root=eps_root, mask=mask,
+                        nesterov=nesterov)
   compensation = COMPENSATIONS["master"]
-  tx = wrappers.wrap(compensation, core)
+  tx = wrappers.wrap(compensation, core, check_state=False)  # fused checks it
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), "nearest",
-                     tx.init, tx.update, flat_state, "adam_fp32_master")
+                     tx.init, tx.update, flat_state, "adam_fp32_master",
+                     mask=mask, kernel=_kernel_has(eps_root, nesterov))
   return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)
 
 
@@ -257,28 +310,38 @@ def adamw_bf16(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
-    weight_decay: float = 1e-2,
-    compensation: str = "kahan",
+    eps_root: float = 0.0,
     mu_dtype=None,
+    weight_decay: float = 1e-4,
+    mask=None,
+    *,
+    nesterov: bool = False,
+    compensation: str = "kahan",
     nu_dtype=None,
     state_rounding: str = "stochastic",
     key=None,
     skip_nonfinite: bool = False,
-    *,
     flat_state: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """AdamW for params that stay in bf16 (or fp16), without stale weights.
 
-  Moments default to the param dtype, written stochastically so that bf16 ``nu`` does not
-  go stale (docs/algorithms.md#adamw-core).
+  Moments default to the param dtype (fp32 for fp16 params), 16-bit ones written
+  stochastically so that bf16 ``nu`` does not go stale (docs/algorithms.md#adamw-core).
+
+  ``optax.adamw``'s parameters, defaults and order (``weight_decay=1e-4``;
+  ``torch_bridge.adamw_bf16`` keeps ``torch.optim.AdamW``'s 1e-2), then our keywords.
 
   Args:
     learning_rate: a float or an optax schedule.
-    b1, b2, eps: Adam coefficients.
+    b1, b2, eps, eps_root: Adam coefficients (``eps_root``: inside the square root).
     weight_decay: decoupled weight decay, multiplied by the lr.
+    mask: where weight decay applies, as in ``optax.adamw``: a tree of bools (or a prefix
+      of the params tree) or a callable ``params -> bools``; ``None``: everywhere.
+    nesterov: Nesterov momentum, as in ``optax.adamw`` (not in the kernel: XLA steps it).
     compensation: "kahan" (``kahan_summation``), "split" (``master_weights(split=True)``),
       "stochastic" (``stochastic_rounding``) or "none" (round to nearest: updates stall).
-    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
+      params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
     key: ``None`` (seed 0), a Python int or a JAX PRNG key: the seed of every random bit.
     skip_nonfinite: as in ``adam_fp32_master``.
@@ -327,11 +390,14 @@ def adamw_bf16(
   """
   compensation = COMPENSATIONS[native_lib.check_compensation(compensation).name]
   core = scale_by_adamw(learning_rate, b1, b2, eps, weight_decay, mu_dtype=mu_dtype,
-                        nu_dtype=nu_dtype, state_rounding=state_rounding, key=key)
-  wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key)
+                        nu_dtype=nu_dtype, state_rounding=state_rounding, key=key,
+                        eps_root=eps_root, mask=mask, nesterov=nesterov)
+  wrapped = wrappers.wrap(compensation, core, key=0 if key is None else key,
+                         check_state=False)  # its init recasts the moments; fused checks
 
   def init(params):
-    # The core was initialised on the fp32 view: default moments take the param's dtype.
+    # The core was initialised on the fp32 view: default moments take the param's dtype,
+    # as zeros made in it (not fp32 zeros cast down: docs/algorithms.md#memory).
     state = wrapped.init(params)
     core_state = state.inner_state
     def param_dtype(moments, override):
@@ -339,11 +405,12 @@ def adamw_bf16(
         return moments
       return jax.tree.map(
           lambda p, m: m if isinstance(m, optax.MaskedNode)
-          else like_param(p, m.astype(jnp.asarray(p).dtype)), params, moments)
+          else zeros_like_param(p, moment_dtype(jnp.asarray(p).dtype)), params, moments)
     core_state = core_state._replace(mu=param_dtype(core_state.mu, mu_dtype),
                                      nu=param_dtype(core_state.nu, nu_dtype))
     return state._replace(inner_state=core_state)
 
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding,
-                     init, wrapped.update, flat_state, "adamw_bf16")
+                     init, wrapped.update, flat_state, "adamw_bf16",
+                     mask=mask, kernel=_kernel_has(eps_root, nesterov))
   return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)

@@ -1,5 +1,8 @@
 """Mixed-precision policies (jmp's API): which dtype params, computation and outputs use.
 
+With jmp's loss-scale objects (``optax_half.loss_scale``), jmp code ports by changing the
+import: ``import optax_half as jmp``.
+
     policy = oh.get_policy("p=f32,c=bf16,o=f32")  # "params=float32,compute=bfloat16,output=float32"
     x = policy.cast_to_compute(x)                 # floating array leaves only
 
@@ -124,8 +127,9 @@ def _parse_dtype(name: str, policy_name: str) -> np.dtype:
   if name == "half":
     return half_dtype()
   if name not in _BY_NAME:
+    # "Unknown dtype"/"Unknown key": jmp's words, which ported tests match.
     raise ValueError(
-        f"get_policy({policy_name!r}): unknown dtype {name!r}; use one of "
+        f"get_policy({policy_name!r}): Unknown dtype {name!r}; use one of "
         f"{sorted(_BY_NAME)} or 'half'.")
   return _BY_NAME[name]
 
@@ -155,7 +159,7 @@ def get_policy(policy_name: str) -> Policy:
       raise ValueError(f"get_policy({policy_name!r}): {part!r} is not key=dtype "
                        "(keys: params/p, compute/c, output/o).")
     if key not in _KEYS:
-      raise ValueError(f"get_policy({policy_name!r}): unknown key {key!r}; use "
+      raise ValueError(f"get_policy({policy_name!r}): Unknown key {key!r}; use "
                        "params (p), compute (c) or output (o).")
     field = _KEYS[key]
     if field in found:

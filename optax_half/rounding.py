@@ -5,8 +5,11 @@ Spec: ``docs/algorithms.md#rounding-primitives``; ``torch_bridge/rounding.py`` m
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 import optax_half_native as native_lib
@@ -105,6 +108,8 @@ def swap_halves(bits: jax.Array) -> jax.Array:
 def widen(p: jax.Array) -> jax.Array:
   """The exact fp32 value of ``p``, even just rounded in-graph (docs/algorithms.md#exact-upcasts).
 
+  Its derivative is the identity, as ``astype``'s (bit casts alone would give zero).
+
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from optax_half import rounding
@@ -116,12 +121,23 @@ def widen(p: jax.Array) -> jax.Array:
     float32
   """
   p = jnp.asarray(p)
+  if p.dtype.itemsize >= 4:
+    return p.astype(jnp.float32)
+  return _widen16(p)
+
+
+@jax.custom_jvp
+def _widen16(p: jax.Array) -> jax.Array:
   if p.dtype == jnp.bfloat16:
     bits = lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.uint32) << 16
     return lax.bitcast_convert_type(bits, jnp.float32)
-  if p.dtype.itemsize >= 4:
-    return p.astype(jnp.float32)
   return lax.optimization_barrier(p).astype(jnp.float32)
+
+
+@_widen16.defjvp
+def _widen16_jvp(primals, tangents):
+  (p,), (t,) = primals, tangents
+  return _widen16(p), jnp.asarray(t).astype(jnp.float32)
 
 
 def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -214,9 +230,11 @@ def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Arr
 _BF16_QNAN = 0x7FC0
 
 
+@jax.custom_jvp
 def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Split fp32 ``x`` into ``(hi: bfloat16, lo: int16)`` with no loss
-  (docs/algorithms.md#split-fp32-into-bf16-and-int16).
+  (docs/algorithms.md#split-fp32-into-bf16-and-int16); ``hi``'s derivative is the
+  identity (as ``astype``'s), ``lo`` has none.
 
   Example:
     >>> import jax.numpy as jnp
@@ -240,8 +258,20 @@ def split_f32(x: jax.Array) -> tuple[jax.Array, jax.Array]:
   return hi, lo
 
 
+@split_f32.defjvp
+def _split_f32_jvp(primals, tangents):
+  hi, lo = split_f32(*primals)
+  return (hi, lo), (jnp.asarray(tangents[0]).astype(jnp.bfloat16), _no_tangent(lo))
+
+
+def _no_tangent(x: jax.Array) -> np.ndarray:
+  """The (empty) tangent of an integer array."""
+  return np.zeros(np.shape(x), jax.dtypes.float0)
+
+
+@jax.custom_jvp
 def join_f32(hi: jax.Array, lo: jax.Array) -> jax.Array:
-  """Inverse of ``split_f32``.
+  """Inverse of ``split_f32``; the derivative is ``hi``'s, the identity.
 
   Example:
     >>> import jax.numpy as jnp
@@ -254,6 +284,11 @@ def join_f32(hi: jax.Array, lo: jax.Array) -> jax.Array:
   hi_bits = lax.bitcast_convert_type(hi, jnp.uint16).astype(jnp.uint32)
   lo_bits = lax.bitcast_convert_type(lo.astype(jnp.int32), jnp.uint32)
   return lax.bitcast_convert_type((hi_bits << 16) + lo_bits, jnp.float32)
+
+
+@join_f32.defjvp
+def _join_f32_jvp(primals, tangents):
+  return join_f32(*primals), jnp.asarray(tangents[0]).astype(jnp.float32)
 
 
 def _stochastic_round_bf16(x: jax.Array, bits: jax.Array) -> jax.Array:
@@ -282,7 +317,8 @@ def _stochastic_round_f16(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
 
 def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
   """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased, by uint32 ``bits`` of
-  ``x``'s shape (docs/algorithms.md#stochastic-rounding).
+  ``x``'s shape (docs/algorithms.md#stochastic-rounding); the derivative is the identity
+  (straight through, as ``astype``'s).
 
   Example:
 
@@ -299,11 +335,22 @@ def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
   dtype = jnp.dtype(dtype)
   if dtype == jnp.float32:
     return x
+  if dtype not in (jnp.bfloat16, jnp.float16):
+    raise ValueError(f"stochastic rounding rounds to bfloat16 or float16; got {dtype.name}.")
+  return _stochastic_round16(x, dtype, jnp.asarray(bits))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _stochastic_round16(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
   if dtype == jnp.bfloat16:
     return _stochastic_round_bf16(x, bits)
-  if dtype != jnp.float16:
-    raise ValueError(f"stochastic rounding rounds to bfloat16 or float16; got {dtype.name}.")
   return _stochastic_round_f16(x, dtype, bits)
+
+
+@_stochastic_round16.defjvp
+def _stochastic_round16_jvp(dtype, primals, tangents):
+  x, bits = primals
+  return _stochastic_round16(x, dtype, bits), jnp.asarray(tangents[0]).astype(dtype)
 
 
 def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,

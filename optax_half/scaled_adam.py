@@ -15,8 +15,8 @@ from optax import MaskedNode
 
 from optax_half_native.checks import QUARTILES, check_scaled_adam_args, quartile_indices
 from optax_half import _in_place, _native, rounding
-from optax_half._util import (check_no_float64, check_trees, is_float, maybe_skip_nonfinite,
-                              transformation, zeros_like_param)
+from optax_half._util import (check_no_float64, check_trees, find_states, is_float,
+                              maybe_skip_nonfinite, transformation, zeros_like_param)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
 
@@ -627,22 +627,6 @@ def _log_stats(step: int, stats: dict, clipping_scale, show_dominant: bool,
                f"proportion {stats['dominant_share']:.2f} (step {step})")
 
 
-def _find_state(opt_state) -> Optional[ScaledAdamState]:
-  if isinstance(opt_state, ScaledAdamState):
-    return opt_state
-  if isinstance(opt_state, dict):
-    children = list(opt_state.values())
-  elif isinstance(opt_state, (tuple, list)):
-    children = list(opt_state)
-  else:
-    return None
-  for child in children:
-    found = _find_state(child)
-    if found is not None:
-      return found
-  return None
-
-
 def scaled_adam_stats(opt_state) -> dict:
   """The clipping statistics of the ``scaled_adam`` in ``opt_state``, read to the host
   (a sync: not inside a jitted step; docs/algorithms.md#statistics-and-logging).
@@ -663,7 +647,8 @@ def scaled_adam_stats(opt_state) -> dict:
     >>> round(stats["grad_norm"], 4), stats["dominant_parameter"], stats["clipping_factor"]
     (2.01, 'b', 1.0)
   """
-  state = _find_state(opt_state)
-  if state is None:
+  found = find_states(opt_state, ScaledAdamState, {"clipping": ScaledAdamClippingState})
+  if not found:
     raise ValueError("scaled_adam_stats: no ScaledAdamState in this optimizer state.")
+  state = found[0]
   return _stats_dict(jax.device_get(state.clipping), leaf_names(state.delta))

@@ -13,8 +13,8 @@ import optax
 from optax import MaskedNode
 
 from optax_half import _in_place, rounding
-from optax_half._util import (check_trees, is_float, leaf_indices, like_param, seed_from_key,
-                              transformation, unzip)
+from optax_half._util import (check_state_fits, check_trees, compiled_init, is_float, leaf_indices,
+                              like_param, seed_from_key, transformation, unzip)
 from optax_half.compensation import (COMPENSATIONS, Compensation, KahanSummationState,
                                      MasterWeightsState, RoundToNearestState,
                                      StochasticRoundingState)
@@ -130,9 +130,12 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
 
 def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key=None,
-         master_dtype=jnp.float32, fused=None) -> optax.GradientTransformationExtraArgs:
+         master_dtype=jnp.float32, fused=None,
+         check_state: bool = True) -> optax.GradientTransformationExtraArgs:
   """``inner`` on 16-bit params kept by ``compensation`` (every wrapper here). ``key``: the
-  seed where it draws bits; ``fused``: the inner's ``kahan_update`` (adds an in-place step)."""
+  seed where it draws bits; ``fused``: the inner's ``kahan_update`` (adds an in-place step);
+  ``check_state``: refuse a state made for params of other dtypes (off where the caller's
+  init changes the state, and checks it itself)."""
   _validate_inner(compensation.wrapper, inner)
   master_dtype = jnp.dtype(master_dtype)
   init_fn, step = _engine(compensation, inner, master_dtype,
@@ -144,6 +147,8 @@ def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key
     return compensation.init_state(buffers, inner_state, seed)
 
   def run(updates, state, params, in_place, extra_args):
+    if check_state:
+      check_state_fits(compensation.wrapper, init, state, params)
     out, buffers, inner_state = step(
         updates, compensation.buffers(state), state.inner_state, params,
         compensation.param_stream(state), fused=fused, in_place=in_place, **extra_args)
@@ -152,7 +157,7 @@ def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key
   def update(updates, state, params=None, **extra_args):
     return run(updates, state, params, False, extra_args)
 
-  tx = transformation(init, update, compensation.wrapper)
+  tx = transformation(compiled_init(init), update, compensation.wrapper)
   if fused is None:
     return tx
 

@@ -37,7 +37,8 @@ __all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels",
            "leaf_keys", "ADAMW_SCALARS", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE",
            "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation", "Rules",
-           "compensation_of", "check_compensation", "build_errors"]
+           "compensation_of", "check_compensation", "build_errors", "MOMENT_DTYPES",
+           "moment_dtype_of"]
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h", "scaled_adam.h")
@@ -113,6 +114,17 @@ class Rules:
 
   def __repr__(self) -> str:
     return f"{type(self).__name__}({self.spec.name!r})"
+
+
+# The moments' default dtype per param dtype (``mu_dtype=None``, ``nu_dtype=None``): the
+# param's, except fp16, whose range underflows ``(1 - b2) g^2`` (1e-4 squared, times 1e-3,
+# is below fp16's smallest subnormal): fp16 params keep fp32 moments.
+MOMENT_DTYPES = {"float16": "float32"}
+
+
+def moment_dtype_of(param_dtype: str) -> str:
+  """The default moment dtype (a name) of a param of dtype name ``param_dtype``."""
+  return MOMENT_DTYPES.get(param_dtype, param_dtype)
 
 
 def compensation_of(name: str, bfloat16: bool) -> Compensation:

@@ -84,7 +84,7 @@ def test_split_with_fp32_moments_is_exact_fp32_adamw():
   params = random_tree(0, SHAPES, jnp.bfloat16)
   grads = _grads_seq(30, jnp.bfloat16)
   kw = dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32, state_rounding="nearest")
-  tx = oh.adamw_bf16(1e-2, compensation="split", **kw)
+  tx = oh.adamw_bf16(1e-2, weight_decay=1e-2, compensation="split", **kw)
   core = oh.scale_by_adamw(1e-2, weight_decay=1e-2, **kw)
   p, x = params, jax.tree.map(lambda v: v.astype(jnp.float32), params)
   with jax.disable_jit():

@@ -5,7 +5,10 @@ or schedule factory) must exist in ``torch_bridge`` with the same parameters
 in the same order with the same defaults, once the param-like first argument
 is set aside (``inner`` in JAX, ``optimizer``/``params`` in torch). Torch may
 add keyword-only extensions listed in ``TORCH_ONLY``, JAX those in
-``JAX_ONLY_KEYWORDS``; the helpers
+``JAX_ONLY_KEYWORDS``. The factories in ``OPTAX_ORDER`` take optax.adamw's
+order, defaults and parameters (``JAX_ONLY_OPTAX``) in JAX and torch.optim.AdamW's
+in torch: their shared parameters are compared by name, and each default that
+differs is listed in ``DEFAULT_DIFFERENCES``; the helpers
 in ``JAX_ONLY`` are scaler or optimizer methods in torch; anything else is drift.
 """
 
@@ -13,6 +16,7 @@ import inspect
 
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -44,6 +48,22 @@ JAX_ONLY_KEYWORDS = {
     "flat_state": "a state layout for JAX's cost per array of a jitted step; torch keeps "
                   "per-param state and its kernel steps a group's tensors in one call",
 }
+# JAX parameters from optax.adamw's signature (the factories in OPTAX_ORDER), each
+# with its reason for not being in torch.
+JAX_ONLY_OPTAX = {
+    "eps_root": "optax.adamw's (inside the square root, for differentiating through the "
+                "step); torch.optim.AdamW has none",
+    "mask": "optax.adamw's weight-decay mask; torch: a param group with weight_decay=0",
+    "nesterov": "optax.adamw's Nesterov momentum; torch.optim.NAdam is another optimizer",
+}
+# JAX factories in optax.adamw's parameter order (torch: torch.optim.AdamW's), whose
+# shared parameters are compared by name; ours come after optax's, keyword-only.
+OPTAX_ORDER = {"adamw_bf16", "adam_fp32_master"}
+# Defaults that differ, each with its reason.
+DEFAULT_DIFFERENCES = {
+    ("adamw_bf16", "weight_decay"): "optax.adamw's 1e-4 in JAX, torch.optim.AdamW's 1e-2 in "
+                                    "torch",
+}
 # JAX helpers whose torch counterparts are methods of the scaler or the optimizer.
 JAX_ONLY = {
     "scale_loss": "torch: scaler.scale(loss)",
@@ -59,6 +79,8 @@ JAX_ONLY = {
     "cast_to_full": "a policy helper; torch: module.float()",
     "cast_to_half": "a policy helper; torch: module.half()",
     "half_dtype": "a policy helper; torch: the dtype of torch.autocast",
+    "all_finite": "jmp's loss-scale helper; torch: the scaler's found_inf check",
+    "select_tree": "jmp's loss-scale helper; torch: the scaler skips optimizer.step()",
 }
 # torch helpers with no JAX counterpart, each with its reason.
 TORCH_ONLY_FUNCTIONS = {
@@ -121,10 +143,33 @@ def test_same_keywords_and_defaults(name):
       assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{name}: {p.name} must be keyword-only"
       assert p.name not in {q.name for q in tp}, f"{name}: {p.name} is in torch too"
   jp = [p for p in jp if p.name not in JAX_ONLY_KEYWORDS]
+  if name in OPTAX_ORDER:
+    # optax.adamw's parameters first, in its order and with its defaults (weight_decay
+    # aside where DEFAULT_DIFFERENCES says so), then ours, keyword-only.
+    optax_params = list(inspect.signature(optax.adamw).parameters.values())
+    ours = [p for p in jp if p.name in {q.name for q in optax_params}]
+    assert [p.name for p in jp[:len(ours)]] == [p.name for p in ours], name
+    assert all(p.kind == inspect.Parameter.KEYWORD_ONLY for p in jp[len(ours):]), name
+    by_name = {q.name: q for q in optax_params}
+    for p in ours:
+      if p.name != "weight_decay" or (name, p.name) in DEFAULT_DIFFERENCES:
+        assert p.default == by_name[p.name].default, (name, p.name)
+    jp = [p for p in jp if p.name not in JAX_ONLY_OPTAX]
+    order = {p.name: k for k, p in enumerate(tp_shared)}
+    assert sorted(p.name for p in jp) == sorted(order), name
+    jp = sorted(jp, key=lambda p: order[p.name])
+  else:  # elsewhere (scale_by_adamw) optax.adamw's options are JAX-only keywords
+    for p in jp:
+      if p.name in JAX_ONLY_OPTAX:
+        assert p.kind == inspect.Parameter.KEYWORD_ONLY, f"{name}: {p.name} must be keyword-only"
+    jp = [p for p in jp if p.name not in JAX_ONLY_OPTAX]
   assert [p.name for p in jp] == [p.name for p in tp_shared], name
   for a, b in zip(jp, tp_shared):
     if a.name in TORCH_OPTIONAL and a.default is inspect.Parameter.empty and b.default is None:
       assert "lr" in {q.name for q in tp}, f"{name}: {a.name} optional without lr="
+      continue
+    if (name, a.name) in DEFAULT_DIFFERENCES:
+      assert _normalize(a.default) != _normalize(b.default), (name, a.name, "documented")
       continue
     assert _normalize(a.default) == _normalize(b.default), (
         f"{name}({a.name}=...): optax_half default {a.default!r}, torch_bridge {b.default!r}")

@@ -71,6 +71,13 @@ def test_jax_benchmark_quick(tmp_path):
   if jax.default_backend() == "cpu" and jax_native.available():  # the kernel's temporaries
     _check_cpu_temporaries(runs)
   assert out["settle_ms"] == 0.0 and out["gc"] == "on"
+  memory = out["memory_bytes_per_param"]
+  if os.path.exists("/proc/self/clear_refs"):  # each row in a fresh process
+    assert set(memory) == set(step.QUICK_MEMORY_ROWS)
+    for name, row in memory.items():
+      assert row["resident"] == pytest.approx(out["runs"][name]["bytes_per_param"], abs=0.01)
+      assert row["init_peak"] < 1.0, name  # the quick tree: no more than a leaf above
+    assert memory["adamw_bf16 kahan (update_and_apply)"]["step_peak"] < 0.5
 
 
 @pytest.mark.slow  # two more benchmark processes' worth of compiles

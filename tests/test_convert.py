@@ -36,17 +36,18 @@ LOSS_SCALE = dict(init_scale=2.0 ** 6, growth_interval=20)
 
 # name -> (JAX transformation, torch optimizer on a param list, loss scale?, exact?)
 PAIRS = {
-    "adamw_bf16/kahan": (lambda: oh.adamw_bf16(1e-3), lambda ps: tb.adamw_bf16(ps, 1e-3),
-                         False, True),
-    "adamw_bf16/split": (lambda: oh.adamw_bf16(1e-3, compensation="split"),
+    # weight_decay: torch's default (JAX's is optax.adamw's 1e-4)
+    "adamw_bf16/kahan": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2),
+                         lambda ps: tb.adamw_bf16(ps, 1e-3), False, True),
+    "adamw_bf16/split": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="split"),
                          lambda ps: tb.adamw_bf16(ps, 1e-3, compensation="split"), False, True),
     "adamw_bf16/stochastic": (
-        lambda: oh.adamw_bf16(1e-3, compensation="stochastic", key=11),
+        lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="stochastic", key=11),
         lambda ps: tb.adamw_bf16(ps, 1e-3, compensation="stochastic", key=11), False, True),
-    "adamw_bf16/none": (lambda: oh.adamw_bf16(1e-3, compensation="none"),
+    "adamw_bf16/none": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="none"),
                         lambda ps: tb.adamw_bf16(ps, 1e-3, compensation="none"), False, True),
     "adamw_bf16/fp32-moments": (
-        lambda: oh.adamw_bf16(1e-3, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+        lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2, mu_dtype=jnp.float32, nu_dtype=jnp.float32),
         lambda ps: tb.adamw_bf16(ps, 1e-3, mu_dtype=torch.float32, nu_dtype=torch.float32),
         False, True),
     "adam_fp32_master+skip": (
@@ -63,8 +64,8 @@ PAIRS = {
         lambda: oh.stochastic_rounding(oh.scale_by_adamw(1e-3, mu_dtype=jnp.float32,
                                                          nu_dtype=jnp.float32), key=5),
         lambda ps: tb.stochastic_rounding(tb.scale_by_adamw(ps, 1e-3), key=5), False, True),
-    "adamw_bf16+loss_scale": (lambda: oh.adamw_bf16(1e-3), lambda ps: tb.adamw_bf16(ps, 1e-3),
-                              True, True),
+    "adamw_bf16+loss_scale": (lambda: oh.adamw_bf16(1e-3, weight_decay=1e-2),
+                              lambda ps: tb.adamw_bf16(ps, 1e-3), True, True),
     "scaled_adam": (
         lambda: oh.scaled_adam(3e-3, clipping_scale=2.0, clipping_update_period=8),
         lambda ps: tb.scaled_adam(ps, 3e-3, clipping_scale=2.0, clipping_update_period=8),

@@ -9,6 +9,8 @@ analysis counts no bytes for the custom call, where the parent's
 apply_updates pass reads and writes every param).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,13 +89,20 @@ def _nnx_run(optimizer_cls, make_tx, dtype):
   return model, optimizer, changes, train_step
 
 
+@functools.cache
+def _our_run(name, dtype):
+  """``_nnx_run(oh.nnx.Optimizer, TXS[name], dtype)``, once per module: the
+  reference of every test here that runs it (they only read it)."""
+  return _nnx_run(oh.nnx.Optimizer, TXS[name], dtype)
+
+
 @pytest.mark.parametrize("name", default_or_slow(list(TXS), [
     "adamw_bf16 kahan", "dynamic_loss_scale(adamw_bf16)", "oh.chain(clip, adamw_bf16)",
     "kahan_summation(scaled_adam)", "optax.adam (no kernel)"]))
 def test_nnx_optimizer_equals_flax_optimizer(name):
   dtype = jnp.float16 if name.startswith("dynamic") else jnp.bfloat16
   ref_model, ref_opt, ref_updates, _ = _nnx_run(nnx.Optimizer, TXS[name], dtype)
-  model, opt, changes, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], dtype)
+  model, opt, changes, _ = _our_run(name, dtype)
   assert isinstance(opt, nnx.Optimizer)
   _same(nnx.state(model), nnx.state(ref_model))
   _same(nnx.state(opt), nnx.state(ref_opt))
@@ -175,7 +184,7 @@ def test_nnx_optimizer_in_flax_fast_loops_steps_in_place_same_bits(name, how):
     pytest.skip("nnx.jit_partial: Flax >= 0.12.5")
   if how == "jit tree" and not hasattr(nnx, "set_graph_mode"):
     pytest.skip("nnx.jit(graph=False): Flax >= 0.12.4")
-  ref_model, ref_opt, _, _ = _nnx_run(oh.nnx.Optimizer, TXS[name], jnp.bfloat16)
+  ref_model, ref_opt, _, _ = _our_run(name, jnp.bfloat16)
   model = _Model(jnp.bfloat16)
   optimizer = oh.nnx.Optimizer(model, TXS[name](), wrt=nnx.Param)
   train_step = _fast_loop(how, model, optimizer)
@@ -290,3 +299,23 @@ def test_nnx_checkpoint_recipe_resumes_bit_for_bit(tmp_path):
     train_step(model, optimizer, x)
   _same(nnx.state(model), nnx.state(ref_model))
   _same(nnx.state(optimizer), nnx.state(ref_opt))
+
+
+def test_state_readers_take_nnx_state_of_the_optimizer():
+  """scaled_adam_stats, find_loss_scale_state and loss_scale read nnx.state(optimizer)
+  (NamedTuples as dicts, leaves as Variables) as they read optimizer.opt_state."""
+  model = nnx.Linear(3, 2, param_dtype=jnp.float16, rngs=nnx.Rngs(0))
+  tx = oh.dynamic_loss_scale(oh.scaled_adam(0.1, clipping_scale=2.0), init_scale=2.0**8)
+  optimizer = oh.nnx.Optimizer(model, tx, wrt=nnx.Param)
+  grads = jax.tree.map(lambda p: jnp.full(p.shape, 2.0**8, p.dtype), nnx.state(model, nnx.Param))
+  optimizer.update(model, grads)
+  state = nnx.state(optimizer)
+  assert float(oh.loss_scale(state)) == float(oh.loss_scale(optimizer.opt_state)) == 2.0**8
+  found = oh.find_loss_scale_state(state)
+  assert int(found.growth_tracker) == 1 and int(found.skipped_steps) == 0
+  stats = oh.scaled_adam_stats(state)
+  assert stats == oh.scaled_adam_stats(optimizer.opt_state)
+  assert stats["grad_norm"] > 0 and stats["clipping_factor"] == 1.0
+  assert stats["dominant_parameter"] in ("bias", "kernel")
+  with pytest.raises(ValueError, match="no ScaledAdamState"):
+    oh.scaled_adam_stats(nnx.state(oh.nnx.Optimizer(model, oh.adamw_bf16(1e-3), wrt=nnx.Param)))

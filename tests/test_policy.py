@@ -45,12 +45,12 @@ def test_policy_strings(name, expected):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("p=f32,q=bf16", "unknown key 'q'"),
-    ("p=f33", "unknown dtype 'f33'"),
+    ("p=f32,q=bf16", "Unknown key 'q'"),
+    ("p=f33", "Unknown dtype 'f33'"),
     ("p=f32,bf16", "'bf16' is not key=dtype"),
     ("p=f32,params=bf16", "param_dtype is given twice"),
     ("", "non-empty string"),
-    ("int8", "unknown dtype 'int8'"),
+    ("int8", "Unknown dtype 'int8'"),
 ])
 def test_bad_policy_strings_name_the_problem(name, message):
   with pytest.raises(ValueError, match=message):

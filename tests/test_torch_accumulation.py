@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import torch_bridge as tb  # noqa: E402
+from torch_bridge.accumulation import MainGradAlias  # noqa: E402
 
 MICRO = 8
 
@@ -24,8 +25,8 @@ def test_eight_scaled_fp16_gradients_sum_exactly_in_fp32():
   q = torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))
   handle = tb.accumulate_in_fp32([q])
   _backward_micro_batches(q, 8192.0)
-  assert q.grad is None and q.main_grad.dtype == torch.float32
-  assert q.main_grad.tolist() == [65536.0] * 3
+  assert q.main_grad.dtype == torch.float32 and q.main_grad.tolist() == [65536.0] * 3
+  assert isinstance(q.grad, MainGradAlias) and q.grad.main is q.main_grad
   # bf16 sums lose low bits at every add; fp32 keeps them.
   b = torch.nn.Parameter(torch.zeros(1, dtype=torch.bfloat16))
   tb.accumulate_in_fp32([b])
@@ -158,7 +159,7 @@ def test_a_compiled_model_accumulates_in_fp32(backend):
   compiled = torch.compile(model, backend=backend)
   for _ in range(MICRO):
     compiled(torch.ones(2, 4, dtype=torch.float16)).float().sum().mul(4096.0).backward()
-  assert model.weight.grad is None
+  assert model.weight.grad.main is model.weight.main_grad
   assert model.weight.main_grad.tolist() == [[MICRO * 2 * 4096.0] * 4]
   handle.remove()
 
@@ -251,3 +252,122 @@ def test_fsdp2_reduces_each_micro_batch_and_main_grad_sums_the_shards_in_fp32():
   w0 = torch.nn.Linear(4, 2).to(torch.float16).weight.detach()
   assert (out["weight0"] != w0).all()  # every element stepped
   assert out["freed0"] and out["freed1"]
+
+
+# ---------------------------------------------------------------------------
+# Clipping through p.grad (the alias of main_grad).
+# ---------------------------------------------------------------------------
+
+
+def _micro_batches(model, xs):
+  for x in xs:
+    model(x).float().pow(2).sum().backward()
+
+
+def _clip_case():
+  torch.manual_seed(0)
+  model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+  model[0].to(torch.bfloat16)  # a bf16 layer (accumulated in fp32) and an fp32 layer
+  xs = [torch.randn(3, 6) for _ in range(4)]
+  return model, xs
+
+
+def _forward(model):
+  return lambda x: model[1](model[0](x.to(torch.bfloat16)).float())
+
+
+def _reference_grads(model, xs):
+  """fp32 params equal to the model's, and per param the fp32 sum of the
+  micro-batch gradients backward rounds to the param dtype: what
+  accumulate_in_fp32 keeps."""
+  ref = [torch.nn.Parameter(p.detach().float().clone()) for p in model.parameters()]
+  sums = [torch.zeros_like(r) for r in ref]
+  for x in xs:
+    params = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    h = torch.nn.functional.linear(x.to(torch.bfloat16), params[0], params[1]).float()
+    torch.nn.functional.linear(h, params[2], params[3]).pow(2).sum().backward()
+    for s, p in zip(sums, params):
+      s.add_(p.grad.float())
+  return ref, sums
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_torch_clip_grad_norm_clips_what_the_step_uses(max_norm):
+  """torch.nn.utils.clip_grad_norm_ (Lightning's, the HF Trainer's, accelerate's)
+  on accumulated params returns the fp32 sum's norm and clips it in place: the
+  step equals the same optimizer on fp32 params with the clipped fp32 sums as
+  their gradients, bit for bit."""
+  model, xs = _clip_case()
+  ref, sums = _reference_grads(model, xs)
+  opt = tb.adam_fp32_master(model.parameters(), lr=1e-2)
+  tb.accumulate_in_fp32(model.parameters())
+  _micro_batches(_forward(model), xs)
+  w = model[0].weight
+  assert torch.equal(w.main_grad, sums[0])
+  for r, s in zip(ref, sums):
+    r.grad = s.clone()
+  expected = torch.nn.utils.clip_grad_norm_(ref, max_norm)
+  norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+  assert torch.equal(norm, expected) and norm.dtype == torch.float32
+  true_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(s) for s in sums]))
+  assert torch.equal(norm, true_norm)
+  assert (max_norm < norm) == (not torch.equal(w.main_grad, sums[0]))  # clipped in place
+  ref_opt = tb.adam_fp32_master(ref, lr=1e-2)
+  opt.step()
+  ref_opt.step()
+  assert torch.equal(opt.state[w]["master"], ref[0].detach())
+  assert torch.equal(model[1].weight.detach(), ref[2].detach())
+
+
+def test_clipping_changes_the_step():
+  """The clip is not a no-op: clipped and unclipped runs step differently."""
+  def run(clip):
+    model, xs = _clip_case()
+    opt = tb.adamw_bf16(model.parameters(), lr=1e-2, weight_decay=0.0)
+    tb.accumulate_in_fp32(model.parameters())
+    for _ in range(3):
+      _micro_batches(_forward(model), xs)
+      if clip:
+        assert torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3) > 1e-3
+      opt.step()
+      opt.zero_grad()
+    return model[0].weight.detach().clone()
+  assert not torch.equal(run(True), run(False))
+
+
+def test_unscale_then_torch_clip_equals_the_scalers_clip():
+  """fp16 with loss scaling: scaler.unscale_ then torch.nn.utils.clip_grad_norm_
+  is scaler.clip_grad_norm_, norm and step."""
+  def run(torch_clip):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).to(torch.float16)
+    opt = tb.adam_fp32_master(model.parameters(), lr=1e-2)
+    scaler = tb.dynamic_loss_scale(init_scale=2.0**10)
+    tb.accumulate_in_fp32(model.parameters())
+    for k in range(MICRO):
+      scaler.scale(model(torch.full((2, 4), 1.0 + k, dtype=torch.float16)).float().sum()).backward()
+    if torch_clip:
+      scaler.unscale_(opt)
+      norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    else:
+      norm = scaler.clip_grad_norm_(opt, 1.0)
+    scaler.step(opt)
+    scaler.update()
+    return norm, model.weight.detach().clone(), scaler.state_dict()["skipped_steps"]
+  a, b = run(True), run(False)
+  assert torch.equal(a[0], b[0]) and float(a[0]) > 1.0
+  assert torch.equal(a[1], b[1]) and a[2] == b[2] == 0
+
+
+def test_model_zero_grad_starts_a_new_sum_and_remove_drops_the_alias():
+  p = torch.nn.Parameter(torch.ones(3, dtype=torch.bfloat16))
+  handle = tb.accumulate_in_fp32([p])
+  _backward_micro_batches(p, 2.0, n=3)
+  assert p.main_grad.tolist() == [6.0] * 3 and p.grad.main is p.main_grad
+  p.grad = None  # model.zero_grad(): the next backward starts afresh
+  _backward_micro_batches(p, 1.0, n=2)
+  assert p.main_grad.tolist() == [2.0] * 3
+  p.grad.zero_()  # model.zero_grad(set_to_none=False) zeroes the sum
+  assert p.main_grad.tolist() == [0.0] * 3
+  handle.remove()
+  assert p.grad is None and p.main_grad.tolist() == [0.0] * 3

@@ -163,6 +163,70 @@ def test_named_params_carry_their_names(name):
   assert opt.state_dict()["param_groups"][0]["param_names"] == names
 
 
+@pytest.mark.parametrize("name", list(NAMED))
+@pytest.mark.parametrize("named0, named1", [(True, True), (True, False), (False, True)])
+def test_param_names_survive_a_load_between_named_and_plain(name, named0, named1):
+  """test_optim's test_can_load_from_to_named_state_dict: names given to either
+  optimizer are in the loaded one's state_dict (a wrapper's inner one's too)."""
+  model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(torch.bfloat16)
+  names = ["0.weight", "0.bias", "1.weight", "1.bias"]
+
+  def build():
+    return NAMED[name](list(model.named_parameters()) if named0 else list(model.parameters()))
+  opt = build()
+  for p in model.parameters():
+    p.grad = torch.ones_like(p)
+  opt.step()
+  named0, saved = named1, copy.deepcopy(opt.state_dict())
+  opt2 = build()
+  opt2.load_state_dict(saved)
+  opt2.step()
+  state = opt2.state_dict()
+  assert state["param_groups"][0]["param_names"] == names
+  if "inner" in state:
+    assert state["inner"]["param_groups"][0]["param_names"] == names
+
+
+@pytest.mark.parametrize("factory", list(ADAM_LIKE.values()) + [tb.LowPrecisionAdamW],
+                         ids=list(ADAM_LIKE) + ["LowPrecisionAdamW"])
+def test_a_tensor_lr_of_more_than_one_element_is_torchs_error(factory):
+  p = torch.nn.Parameter(torch.ones(2))
+  with pytest.raises(ValueError, match="^Tensor lr must be 1-element$"):
+    factory([p], lr=torch.tensor([1e-3, 1e-3]))
+  with pytest.raises(ValueError, match="^Tensor lr must be 1-element$"):
+    torch.optim.AdamW([p], lr=torch.tensor([1e-3, 1e-3]))
+  opt = factory([p], lr=torch.tensor(1e-3))  # one element: taken
+  with pytest.raises(ValueError, match="^Tensor lr must be 1-element$"):
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(1))],
+                         "lr": torch.tensor([1.0, 2.0])})
+
+
+@pytest.mark.parametrize("factory", list(ADAM_LIKE.values()) + [tb.LowPrecisionAdamW],
+                         ids=list(ADAM_LIKE) + ["LowPrecisionAdamW"])
+def test_fused_on_meta_params_raises_as_torch_does(factory):
+  """test_optim's test_fused_error_on_params_on_meta: torch's error at the first
+  step, and the step works once the params are materialised."""
+  messages = []
+  for make in (lambda ps: factory(ps, lr=1e-3, fused=True),
+               lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)):
+    with torch.device("meta"):
+      model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1)).to(torch.bfloat16)
+    opt = make(model.parameters())
+    with torch.device("meta"):
+      for p in model.parameters():
+        p.grad = torch.rand_like(p)
+    with pytest.raises(RuntimeError, match="`fused=True` requires all the params") as err:
+      opt.step()
+    messages.append(str(err.value))
+    assert not any(opt.state.values())
+    opt.zero_grad(set_to_none=True)
+    model.to_empty(device="cpu")
+    for p in model.parameters():
+      p.grad = torch.rand_like(p)
+    opt.step()
+  assert messages[0] == messages[1]
+
+
 # ---------------------------------------------------------------------------
 # Steps torch.optim takes (or does not).
 # ---------------------------------------------------------------------------

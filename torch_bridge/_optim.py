@@ -31,7 +31,7 @@ from torch_bridge import _dist
 
 __all__ = ["f32", "seed_from_key",
            "prepare_load", "check_kind", "stale_state_message", "step_count",
-           "TORCH_ADAMW_KEYS", "check_torch_keys", "optimizer_kind", "check_param", "check_grad",
+           "TORCH_ADAMW_KEYS", "check_torch_keys", "check_tensor_lr", "check_fused_devices", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
            "stepping_params", "torch_spellings", "LowPrecisionOptimizer"]
 
@@ -327,6 +327,23 @@ def _betas(betas) -> tuple:
   return (b1, b2)
 
 
+def check_tensor_lr(lr) -> None:
+  """A tensor lr must hold one element: torch.optim.AdamW's error, word for word."""
+  if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+    raise ValueError("Tensor lr must be 1-element")
+
+
+def check_fused_devices(optimizer: torch.optim.Optimizer) -> None:
+  """``fused=True``: every param about to get its state (its first step) is on
+  a device torch's fused optimizers support (not ``meta``), with torch's
+  error (``torch.optim.AdamW(fused=True)`` checks at the same point)."""
+  from torch.optim.optimizer import _device_dtype_check_for_fused  # noqa: PLC0415
+  for group in optimizer.param_groups:
+    for p in group["params"]:
+      if grad_of(p) is not None and not optimizer.state.get(p):
+        _device_dtype_check_for_fused(_dist.local(p))
+
+
 def torch_spellings(name: str, learning_rate, lr, b1, b2, betas, default_betas) -> tuple:
   """``(learning_rate, b1, b2)`` from optax_half's keywords or torch's (``lr=``,
   ``betas=``); giving both spellings of one hyperparameter is an error."""
@@ -336,6 +353,7 @@ def torch_spellings(name: str, learning_rate, lr, b1, b2, betas, default_betas) 
     learning_rate = lr
   if learning_rate is None:
     raise TypeError(f"{name}() needs a learning rate: pass learning_rate=... (or torch's lr=...).")
+  check_tensor_lr(learning_rate)
   if betas is not None:
     pair = _betas(betas)
     if (b1, b2) != tuple(default_betas) and (b1, b2) != pair:
@@ -444,6 +462,8 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
       group["betas"] = (group.pop("b1", b1), group.pop("b2", b2))
     if "betas" in group:
       group["betas"] = _betas(group["betas"])
+    if "lr" in group:
+      check_tensor_lr(group["lr"])
     if "lr" in group and "lr_schedule" in self.defaults and "lr_schedule" not in group:
       # A group's own lr replaces the optimizer's schedule; a callable one is its schedule.
       lr = group["lr"]
@@ -531,7 +551,12 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
   @torch.no_grad()
   def step(self, closure=None):
     """One optimizer step; ``closure`` re-evaluates the loss (optional)."""
-    return run_step(self, closure, self._step_all)
+    return run_step(self, closure, self._checked_step_all)
+
+  def _checked_step_all(self) -> None:
+    if getattr(self, "_fused", None):
+      check_fused_devices(self)
+    self._step_all()
 
   def _step_all(self) -> None:
     raise NotImplementedError

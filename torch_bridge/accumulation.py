@@ -5,12 +5,19 @@ Backward into a 16-bit ``p.grad`` adds micro-batch gradients in 16 bits:
 whole step is then skipped), and bf16 sums lose low bits at every add.
 ``accumulate_in_fp32(params)`` registers a post-accumulate-grad hook on each
 16-bit param that adds the fresh ``p.grad`` into an fp32 ``p.main_grad`` and
-frees ``p.grad``, so every micro-batch's gradient is rounded once, into fp32.
+then makes ``p.grad`` an alias of it (``MainGradAlias``: the param's grad
+dtype and shape, ``main_grad``'s values), so every micro-batch's gradient is
+rounded once, into fp32, and later micro-batches are added into the fp32 sum
+by autograd itself.
 
 torch_bridge's optimizers and wrappers step ``p.main_grad`` where a param
 has one (``_optim.grad_of``); the loss scaler unscales it in place, checks it
-for infs and clips it (``scaler.clip_grad_norm_``); ``optimizer.zero_grad()``
-frees it (or zeroes it, with ``set_to_none=False``), as it does ``p.grad``.
+for infs and clips it (``scaler.clip_grad_norm_``). Whatever reads or
+scales ``p.grad`` acts on the same fp32 sum: ``torch.nn.utils.clip_grad_norm_``
+(what Lightning's ``gradient_clip_val``, the HF Trainer's ``max_grad_norm``
+and accelerate call) returns its norm and clips it in place.
+``optimizer.zero_grad()`` frees it (or zeroes it, with ``set_to_none=False``);
+``model.zero_grad()`` drops the alias, and the next backward starts a new sum.
 A plain ``torch.optim`` optimizer does not read ``main_grad``: wrap it
 (``master_weights(optimizer)``).
 
@@ -26,29 +33,89 @@ post-accumulate-grad hooks: each rank adds its shard into an fp32 DTensor
 gradients, and nothing is left to all-reduce. Keep gradient sync on for
 every micro-batch (``set_requires_gradient_sync(False)`` makes FSDP2 sum
 the unreduced micro-batches in 16 bits itself and run the hook once).
+Sharded params get no alias (``p.grad`` stays None): clip them with
+``scaler.clip_grad_norm_``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 
 from torch_bridge import _dist
 
-__all__ = ["accumulate_in_fp32", "FP32Accumulation"]
+__all__ = ["accumulate_in_fp32", "FP32Accumulation", "MainGradAlias"]
+
+
+class MainGradAlias(torch.Tensor):
+  """``p.grad`` under ``accumulate_in_fp32``: a tensor with the metadata of
+  ``p``'s gradient (dtype, shape, device) whose values are ``p.main_grad``.
+
+  Every op on it runs on the fp32 ``main`` (``tensor.main``): in-place ops
+  (``mul_`` of ``clip_grad_norm_``, ``zero_``, ``copy_``, autograd's ``+=``)
+  write it, other ops return plain fp32 tensors (``linalg.vector_norm`` is
+  the fp32 sum's norm). So ``torch.nn.utils.clip_grad_norm_`` and
+  everything else that reads or scales ``p.grad`` acts on the gradient the
+  step uses.
+  """
+
+  main: torch.Tensor
+
+  @staticmethod
+  def __new__(cls, main: torch.Tensor, dtype: torch.dtype):
+    out = torch.Tensor._make_wrapper_subclass(
+        cls, main.shape, strides=main.stride(), dtype=dtype, device=main.device,
+        requires_grad=False)
+    out.main = main
+    return out
+
+  __torch_function__ = torch._C._disabled_torch_function_impl
+
+  @classmethod
+  def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+    def unwrap(t):
+      return t.main if isinstance(t, MainGradAlias) else t
+    out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+    name = func.overloadpacket.__name__
+    if name.endswith("_") and not name.startswith("_foreach") and args and \
+        isinstance(args[0], MainGradAlias):
+      return args[0]  # an in-place op wrote main: the alias is its result
+    return out
+
+  def __repr__(self):
+    return f"MainGradAlias(dtype={self.dtype}, main={self.main!r})"
+
+  def tolist(self):
+    return self.main.tolist()
+
+  def __reduce_ex__(self, protocol):
+    # Pickled and deep-copied as the fp32 values (e.g. a deepcopy of a model mid-accumulation).
+    return (torch.Tensor.clone, (self.main,))
+
+
+def _alias(p: torch.Tensor) -> torch.Tensor:
+  return MainGradAlias(p.main_grad, p.dtype)
 
 
 def _accumulate(p: torch.Tensor) -> None:
-  """The hook: ``p.main_grad += widen(p.grad)`` (fp32 adds), then ``p.grad = None``."""
+  """The hook: ``p.main_grad += widen(p.grad)`` (fp32 adds), then ``p.grad``
+  becomes the alias of ``p.main_grad`` (None for a sharded param)."""
   grad = p.grad
   if grad is None:
     return
+  main = getattr(p, "main_grad", None)
+  if isinstance(grad, MainGradAlias) and grad.main is main:
+    return  # autograd added this micro-batch into main through the alias (fp32 +=)
+  sharded = _dist.is_dtensor(p)
   with torch.no_grad():
-    main = getattr(p, "main_grad", None)
-    if main is None:
-      p.main_grad = grad.to(torch.float32, copy=True)
+    # A p.grad that is not main's alias (a plain 16-bit grad) starts a new sum
+    # when the alias was dropped (model.zero_grad(), p.grad = None) since.
+    if main is None or not sharded:
+      p.main_grad = (grad.main if isinstance(grad, MainGradAlias) else grad).to(
+          torch.float32, copy=True)
     else:
       main.add_(grad)  # fp32 += fp16/bf16: the 16-bit values widen exactly
-  p.grad = None
+  p.grad = None if sharded else _alias(p)
 
 
 class FP32Accumulation:
@@ -69,10 +136,14 @@ class FP32Accumulation:
     self._hooks = hooks
 
   def remove(self) -> None:
-    """Removes the hooks (``main_grad`` already accumulated stays)."""
+    """Removes the hooks; ``main_grad`` already accumulated stays, ``p.grad``
+    (its alias) is set to None, so backward writes a plain ``p.grad`` again."""
     for hook in self._hooks:
       hook.remove()
     self._hooks = []
+    for p in self.params:
+      if isinstance(p.grad, MainGradAlias):
+        p.grad = None
 
   @torch.no_grad()
   def all_reduce(self, group=None) -> None:
@@ -113,8 +184,10 @@ def accumulate_in_fp32(params) -> FP32Accumulation:
     >>> handle = tb.accumulate_in_fp32([p])
     >>> for _ in range(8):   # 8 scaled micro-batch gradients of 8192
     ...   (p.float() * 8192).sum().backward()
-    >>> p.grad, p.main_grad.item()     # 65536: inf in fp16, exact in fp32
-    (None, 65536.0)
+    >>> p.main_grad.item(), p.grad.dtype   # 65536: inf in fp16, exact in fp32
+    (65536.0, torch.float16)
+    >>> torch.nn.utils.clip_grad_norm_([p], 1.0).item(), p.main_grad.item()  # p.grad is main_grad
+    (65536.0, 1.0)
 
   References:
     NVIDIA NeMo's ``MainParamsOptimizerWrapper`` (``main_grad``); Micikevicius

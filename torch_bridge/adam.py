@@ -46,6 +46,11 @@ def _param_compensation(compensation: Compensation,
   return None if dtype.itemsize >= 4 else compensation.for_dtype(dtype)
 
 
+def moment_dtype(dtype: torch.dtype) -> torch.dtype:
+  """The moments' default dtype for a param of ``dtype`` (fp16: fp32), as in optax_half."""
+  return getattr(torch, native_lib.moment_dtype_of(str(dtype).removeprefix("torch.")))
+
+
 def _kernel_mode(compensation: Optional[Compensation]) -> str:
   """The kernel's mode (an ``optax_half_native.MODES`` key)."""
   return "direct" if compensation is None else compensation.name
@@ -55,7 +60,7 @@ def _kernel_mode(compensation: Optional[Compensation]) -> str:
 def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.dtype) -> dict:
   """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
   param: name -> dtype."""
-  layout = {"mu": mu_dtype or dtype, "nu": nu_dtype or dtype}
+  layout = {"mu": mu_dtype or moment_dtype(dtype), "nu": nu_dtype or moment_dtype(dtype)}
   rules = _param_compensation(compensation, dtype)
   if rules is not None and rules.buffer:
     layout[rules.buffer] = rules.buffer_dtype_of(dtype)
@@ -376,8 +381,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   def _new_state(self, p: torch.Tensor) -> dict:
     """The state of ``p`` before its first step (for its dtype and shape now)."""
     state = {"step": torch.tensor(0, dtype=torch.int64),
-             "mu": torch.zeros_like(p, dtype=self._mu_dtype or p.dtype),
-             "nu": torch.zeros_like(p, dtype=self._nu_dtype or p.dtype)}
+             "mu": torch.zeros_like(p, dtype=self._mu_dtype or moment_dtype(p.dtype)),
+             "nu": torch.zeros_like(p, dtype=self._nu_dtype or moment_dtype(p.dtype))}
     compensation = _param_compensation(self._compensation, p.dtype)
     buffer = None if compensation is None else compensation.init_buffer(p)
     if buffer is not None:
@@ -560,7 +565,7 @@ def scale_by_adamw(
 
   ``optax.apply_updates(params, optax_half.scale_by_adamw(...))`` as a torch
   optimizer: fp32 math, moments in ``mu_dtype``/``nu_dtype`` (default: the
-  param dtype) written by ``state_rounding``; no compensation of the params.
+  param dtype; fp32 for fp16 params) written by ``state_rounding``; no compensation of the params.
   This is the optimizer to wrap (``kahan_summation(scale_by_adamw(...))``);
   ``lr=`` and ``betas=`` are torch's spellings of ``learning_rate``, ``b1``, ``b2``,
   and torch.optim.AdamW's other keywords are taken as in ``adam_fp32_master``.
@@ -695,7 +700,7 @@ def adamw_bf16(
   ``compensation``: "kahan" (a buffer in the param dtype, 10 bytes/param in
   bf16 with bf16 moments), "split" (the exact fp32 master as param + int16
   low half), "stochastic" (no buffer), or "none" (nearest). Moments default
-  to the param dtype, written with stochastic rounding.
+  to the param dtype (fp32 for fp16 params), written with stochastic rounding.
 
   Args:
     params: an iterable of tensors or of param-group dicts.
@@ -703,7 +708,8 @@ def adamw_bf16(
     b1, b2, eps: Adam coefficients (torch's ``betas=(b1, b2)`` also works).
     weight_decay: decoupled weight decay, multiplied by the lr.
     compensation: one of "kahan", "split", "stochastic", "none".
-    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype.
+    mu_dtype, nu_dtype: moment dtypes; ``None`` means the param dtype, fp32 for fp16
+      params (fp16's range underflows ``(1 - b2) g^2``).
     state_rounding: "stochastic" or "nearest", for 16-bit moment writes.
     key: ``None`` (seed 0) or an integer seed; the same seed as an integer key
       in ``optax_half`` gives the same random bits.

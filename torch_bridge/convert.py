@@ -207,7 +207,7 @@ def optax_state_to_torch(opt_state, params, optimizer: torch.optim.Optimizer,
     >>> import jax.numpy as jnp, optax, torch, optax_half as oh, torch_bridge as tb
     >>> from torch_bridge import convert, dlpack
     >>> params, grads = {"w": jnp.ones(2, jnp.bfloat16)}, {"w": jnp.ones(2, jnp.bfloat16)}
-    >>> tx = oh.adamw_bf16(1e-3)
+    >>> tx = oh.adamw_bf16(1e-3, weight_decay=1e-2)  # torch's default
     >>> updates, state = tx.update(grads, tx.init(params), params)  # a step in JAX
     >>> params = optax.apply_updates(params, updates)
     >>> p = torch.nn.Parameter(dlpack.to_torch(params["w"]).clone())

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import sys
 import time
@@ -224,6 +225,12 @@ def _dtype_name(d) -> str:
 def _jax_optimizer(name: str, hyperparams: dict, loss_scale: Optional[dict]):
   wrapper, inner = _parts(name)
   hp = _framework_hyperparams(hyperparams, jnp.dtype)
+  if inner not in _STOCK and "weight_decay" not in hp:
+    # The defaults may differ (adamw_bf16: optax.adamw's 1e-4, torch.optim.AdamW's 1e-2):
+    # both frameworks run torch's.
+    default = inspect.signature(getattr(tb, inner)).parameters.get("weight_decay")
+    if default is not None:
+      hp["weight_decay"] = default.default
   tx = _STOCK[inner][0](hp) if inner in _STOCK else getattr(oh, inner)(**hp)
   tx = getattr(oh, wrapper)(tx) if wrapper else tx
   return oh.dynamic_loss_scale(tx, **loss_scale) if loss_scale is not None else tx
