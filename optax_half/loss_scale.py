@@ -19,7 +19,7 @@ import optax
 
 from optax_half import _in_place, _native
 from optax_half_native.checks import check_loss_scale_args
-from optax_half._util import find_states, if_finite, is_float, skipped, transformation, unscaled
+from optax_half._util import find_states, if_finite, skipped, transformation, unscaled
 
 T = TypeVar("T")
 
