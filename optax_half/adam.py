@@ -126,10 +126,12 @@ def scale_by_adamw(
 
   Returns:
     An ``optax.GradientTransformation`` with ``ScaleByAdamWState``; updates in the param
-    dtype (the gradient's without ``params``), computed in fp32 and rounded once.
+    dtype: for a 16-bit param the step to ``round_nearest(p + u)`` (``p + u`` lands there,
+    docs/algorithms.md#landing-exactly); without ``params``, ``u`` rounded to the gradient's
+    dtype.
 
   Example:
-    Adam's first step is ``-lr * sign(g)``, in the params' dtype:
+    Adam's first step is ``-lr * sign(g)``; for bf16 params, the step to its rounding:
 
     >>> import jax.numpy as jnp, optax_half as oh
     >>> tx = oh.scale_by_adamw(learning_rate=0.1)
@@ -138,7 +140,7 @@ def scale_by_adamw(
     >>> grads = {"w": jnp.array([0.5, -4.0], jnp.bfloat16)}
     >>> updates, state = tx.update(grads, state, params)
     >>> print(updates["w"].dtype, updates["w"].tolist())
-    bfloat16 [-0.10009765625, 0.10009765625]
+    bfloat16 [-0.1015625, 0.1015625]
 
   References:
     Kingma & Ba, `Adam: A Method for Stochastic Optimization
@@ -209,9 +211,16 @@ def scale_by_adamw(
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
       if decay and not _is_zero(weight_decay):
         u = u + rounded(wd_ * rounding.widen(x))
-      # The caller adds it to the params; in their dtype (optax's convention: fp32 inside
-      # the wrappers, which hand the core fp32 params).
-      u = rounded(-lr * u).astype(jnp.asarray(x).dtype)
+      # The caller adds it to the params, in their dtype (optax's convention: fp32 inside
+      # the wrappers, which hand the core fp32 params). A 16-bit param lands on
+      # round_nearest(x + u), as torch's scale_by_adamw and round_to_nearest
+      # (docs/algorithms.md#landing-exactly); without params, round(u) in the gradient's dtype.
+      u = rounded(-lr * u)
+      x = jnp.asarray(x)
+      if params is not None and jnp.finfo(x.dtype).bits < 32:
+        u = rounding.land(x, (rounding.widen(x) + u).astype(x.dtype))[0]
+      else:
+        u = u.astype(x.dtype)
       m_new, v_new = rounding.round_moments(m32, v32, m.dtype, v.dtype, state_rounding,
                                             state.seed, state.count, i)
       return u, m_new, v_new

@@ -590,8 +590,15 @@ def _native_step(c: _Coefficients, calls, rows: dict, deltas, vs, in_place: bool
         [deltas[k] for k in ks], [vs[k] for k in ks], comps=comps, in_place=in_place)
     for j, k in enumerate(ks):
       stepped[k] = (out.deltas[j], out.deltas[j], out.vs[j])
-      if comps is not None:  # (update, landed param, compensation): one of the first two
-        done[k] = ((None, out.params[j]) if in_place else (out.params[j], None)) + (out.comps[j],)
+      if comps is not None:  # (update, landed param, compensation), as the wrappers' finish
+        p = kernel_ps[j]
+        if in_place:  # the kernel wrote the landed param; u only matches finish's structure
+          landed = out.params[j]
+          u = (rounding.widen(landed) - rounding.widen(p)).astype(p.dtype)
+        else:  # the kernel wrote u; p + u only matches finish's structure
+          u = out.params[j]
+          landed = (rounding.widen(p) + rounding.widen(u)).astype(p.dtype)
+        done[k] = (u, landed, out.comps[j])
       elif in_place:
         done[k] = out.params[j]
   return stepped, done

@@ -33,6 +33,26 @@ def _to32(tree):
   return jax.tree.map(lambda x: x.astype(jnp.float32), tree)
 
 
+def _landed(x_new, params, split):
+  """``(master, params)`` after a step to the fp32 values ``x_new`` from ``params``, in numpy:
+  ``t`` the rounding of ``x_new`` (split: its high half), ``u = round(t - p)``, the param lands
+  on ``p + u``, and the master keeps ``x_new`` where that is ``t``, else the landed param
+  (docs/algorithms.md#landing-exactly)."""
+  def one(x, p):
+    x, p = np.asarray(x, np.float32), np.asarray(p)
+    if split and p.dtype == jnp.bfloat16:
+      t = np.asarray(rounding.split_f32(jnp.asarray(x))[0])
+    else:
+      t = x.astype(p.dtype)
+    u = (t.astype(np.float32) - p.astype(np.float32)).astype(p.dtype)
+    landed = (p.astype(np.float32) + u.astype(np.float32)).astype(p.dtype)
+    wide = landed.astype(np.float32)
+    return jnp.asarray(np.where(wide == t.astype(np.float32), x, wide)), jnp.asarray(landed)
+  pairs = jax.tree.map(one, x_new, params)
+  return tuple(jax.tree.map(lambda pair, i=i: pair[i], pairs,
+                            is_leaf=lambda x: isinstance(x, tuple)) for i in range(2))
+
+
 def _master(state, params, split):
   if not split:
     return state.master
@@ -45,7 +65,8 @@ def _master(state, params, split):
     [(False, 200), (True, 200), (True, 50)], default=[(True, 50)]))
 def test_master_trajectory_bitwise_op_by_op(split, steps):
   """200 steps (50 in make test), op by op: master == optax.adam on fp32
-  params, bitwise."""
+  params, bitwise, and the params == where they land; where a param lands off the
+  master's rounding (a far jump across binades), both take the landed param."""
   params = _tree()
   tx = oh.master_weights(optax.adam(LR), split=split)
   ref_tx = optax.adam(LR)
@@ -55,12 +76,14 @@ def test_master_trajectory_bitwise_op_by_op(split, steps):
     for t in range(steps):
       g = _grads(t, params)
       u, ref_state = ref_tx.update(_to32(g), ref_state, ref)
-      ref = optax.apply_updates(ref, u)
+      ref, landed = _landed(optax.apply_updates(ref, u), params, split)
       u, state = tx.update(g, state, params)
       params = optax.apply_updates(params, u)
       master = _master(state, params, split)
       for m, r in zip(jax.tree.leaves(master), jax.tree.leaves(ref)):
         assert bitwise_equal(m, r), f"step {t}: {ulp_diff(m, r)} ULP"
+      for p, q in zip(jax.tree.leaves(params), jax.tree.leaves(landed)):
+        assert bitwise_equal(p, q), f"step {t}"
       for p, m in zip(jax.tree.leaves(params), jax.tree.leaves(master)):
         if split and p.dtype == jnp.bfloat16:
           # The split high half rounds ties away from zero: equal to the
@@ -100,6 +123,7 @@ def test_master_under_jit_within_2_ulp_of_update_scale(split):
     g = _grads(t, params)
     master = _master(state, params, split)
     ref, _ = ref_step(_to32(g), state.inner_state, master)
+    ref, _ = _landed(ref, params, split)  # what the master keeps of it
     params, state = step(g, state, params)
     new_master = _master(state, params, split)
     for m, r in zip(jax.tree.leaves(new_master), jax.tree.leaves(ref)):

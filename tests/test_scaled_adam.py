@@ -458,16 +458,27 @@ def test_stats_name_the_leaf_scaled_adam_saw():
 
 def test_scalar_far_beyond_scalar_max_lands_on_the_clamp():
   """A one-element bf16 param at 3000 is clamped to scalar_max=10 before its
-  delta is added, in both frameworks (the JAX update is fp32 for it)."""
+  delta is added, in both frameworks: the update (bf16) is the step to t = round(10 + delta),
+  u = round(t - 3000), and the param lands on 3000 + u, the bf16 step nearest to t's
+  (docs/algorithms.md#landing-exactly): 16, not t, as no bf16 u reaches t from bf16(3000)."""
   params = {"s": jnp.asarray(3000.0, jnp.bfloat16), "w": jnp.ones(4, jnp.bfloat16)}
+  grads = jax.tree.map(jnp.ones_like, params)
   tx = oh.scaled_adam()
-  u, _ = tx.update(jax.tree.map(jnp.ones_like, params), tx.init(params), params)
+  u, state = tx.update(grads, tx.init(params), params)
+  assert u["s"].dtype == jnp.bfloat16
   new = optax.apply_updates(params, u)
+  in_place, _ = oh.update_and_apply(tx, grads, tx.init(params), params)
+  p32 = np.asarray(params["s"]).astype(np.float32)  # 3008: bf16's rounding of 3000
+  t = (np.float32(10.0) + np.asarray(state.delta["s"]).astype(np.float32)).astype(jnp.bfloat16)
+  want_u = (t.astype(np.float32) - p32).astype(jnp.bfloat16)
+  want = (p32 + want_u.astype(np.float32)).astype(jnp.bfloat16)
+  assert float(u["s"]) == float(want_u) and float(new["s"]) == float(want) == 16.0
+  assert float(in_place["s"]) == float(want)
   p = torch.tensor(3000.0, dtype=torch.bfloat16, requires_grad=True)
   opt = tb.scaled_adam([p])
   p.grad = torch.ones((), dtype=torch.bfloat16)
   opt.step()
-  assert float(new["s"]) == float(p.detach()) and abs(float(p.detach()) - 10.0) < 0.1
+  assert float(new["s"]) == float(p.detach())
 
 
 def test_jit_equals_op_by_op():

@@ -100,8 +100,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
   u = m_hat / (rounding.sqrt(v_hat) + eps)
   u = u + weight_decay * x
   u = -lr * u
-  if compensation is None:  # u rounded to a 16-bit param's dtype first, as optax_half's update
-    param.add_(u if param.dtype == u.dtype else u.to(param.dtype))
+  if compensation is None:  # a wide param (16-bit ones land through their compensation)
+    param.add_(u)
   else:
     x_new = x + u
     bits = (rounding.bits_from_key(key_p, x_new.shape, x_new.device, index)

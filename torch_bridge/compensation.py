@@ -90,10 +90,11 @@ class _Master(Compensation):
   def write(self, x_new, p, buf, bits):
     target = x_new.to(p.dtype)
     landed = rounding.land(p, target)[1]
-    if buf is not None:
-      # Where the param landed elsewhere, the master is the param (it stays its rounding).
-      landed32 = rounding.widen(landed)
-      buf.copy_(torch.where(landed32 == rounding.widen(target), x_new, landed32.to(x_new.dtype)))
+    # Where the param landed elsewhere, the master is the param (it stays its rounding); buf
+    # None: x_new is the master itself, stepped in place.
+    landed32 = rounding.widen(landed)
+    master = torch.where(landed32 == rounding.widen(target), x_new, landed32.to(x_new.dtype))
+    (x_new if buf is None else buf).copy_(master)
     p.copy_(landed)
 
   def follow(self, p, buf):

@@ -420,8 +420,10 @@ class ScaledAdam(LowPrecisionOptimizer):
       delta = delta + float(lr_s) * (g / denom)
       delta_buf.copy_(delta)
       scalar_max = f32(group["scalar_max"])
-      p.clamp_(min=-scalar_max, max=scalar_max)
-      p.add_(delta_buf)
+      # JAX's update in p's dtype: a clamped p takes the step to round(clip(p) + delta), and
+      # lands where p + u does (docs/algorithms.md#landing-exactly).
+      t = (p32.clamp(min=-scalar_max, max=scalar_max) + rounding.widen(delta_buf)).to(p.dtype)
+      p.add_(torch.where(p32.abs() > scalar_max, rounding.land(p, t)[0], delta_buf.to(p.dtype)))
       return
     if scale_step is not None:
       delta = delta + float(one_minus_b1) * (p32 * scale_step)
