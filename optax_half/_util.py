@@ -41,13 +41,18 @@ def compiled_init(init):
   """``init`` run as one jitted computation on concrete params, so no full-tree temporary
   (an fp32 view, fp32 zeros cast down, a concatenation's pieces) is ever allocated: the
   state is made in place in its own buffers (docs/algorithms.md#memory). Traced or
-  abstract params, or leaves JAX cannot take as arrays, go to ``init`` itself."""
+  abstract params, leaves JAX cannot take as arrays, and leaves on different sets of devices
+  (one jit cannot take them) go to ``init`` itself."""
   jitted = jax.jit(init)
 
   def run(params):
     leaves = jax.tree.leaves(params)
     if not leaves or not all(isinstance(x, (jax.Array, np.ndarray, np.generic, int, float))
                              and not isinstance(x, jax.core.Tracer) for x in leaves):
+      return init(params)
+    placed = {frozenset(x.sharding.device_set) for x in leaves
+              if isinstance(x, jax.Array) and x.committed}
+    if len(placed) > 1:
       return init(params)
     return jitted(params)
   return run

@@ -13,8 +13,8 @@ import optax
 from optax import MaskedNode
 
 from optax_half import _in_place, rounding
-from optax_half._util import (check_state_fits, check_trees, compiled_init, is_float, leaf_indices,
-                              like_param, seed_from_key, transformation, unzip)
+from optax_half._util import (check_state_fits, check_trees, compiled_init, is_float,
+                              leaf_indices, like_param, seed_from_key, transformation, unzip)
 from optax_half.compensation import (COMPENSATIONS, Compensation, KahanSummationState,
                                      MasterWeightsState, RoundToNearestState,
                                      StochasticRoundingState)
