@@ -217,7 +217,9 @@ def scale_by_adamw(
       # (docs/algorithms.md#landing-exactly); without params, round(u) in the gradient's dtype.
       u = rounded(-lr * u)
       x = jnp.asarray(x)
-      if params is not None and jnp.finfo(x.dtype).bits < 32:
+      if not jnp.issubdtype(x.dtype, jnp.floating):  # non-float leaves: fp32, as before
+        pass
+      elif params is not None and jnp.finfo(x.dtype).bits < 32:
         u = rounding.land(x, (rounding.widen(x) + u).astype(x.dtype))[0]
       else:
         u = u.astype(x.dtype)

@@ -1021,7 +1021,8 @@ def test_the_custom_call_checks_its_operands():
     jax.ffi.ffi_call(jax_native.TARGET, [jax.ShapeDtypeStruct((8,), jnp.bfloat16)] + [
         jax.ShapeDtypeStruct((8,), jnp.float32)] * 2 + [jax.ShapeDtypeStruct((0,), jnp.float32)],
         vmap_method="sequential")(scalars, keys, q, q, q, q, jnp.zeros(0, jnp.float32),
-                                  mode=np.int32(6), sr=False, nthreads=np.int32(1))
+                                  mode=np.int32(6), sr=False, update=False,
+                                  nthreads=np.int32(1))
   with pytest.raises(Exception, match="the leaves of one call share dtypes"):
     q = jnp.ones(8, jnp.float32)
     call([p, q], [[p, p], [p, p], [p, p]], keys=jnp.zeros((2, 2), jnp.uint32))

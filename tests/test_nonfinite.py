@@ -11,6 +11,8 @@
 * With a loss scaler the step is skipped and counted whatever the optimizer.
 """
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -406,8 +408,12 @@ def test_skip_and_loss_scale_eagerly_on_leaves_on_several_devices(tmp_path):
   script.write_text(_EAGER_SEVERAL_DEVICES)
   # XLA:CPU ends a process whose device waits 40 s at a collective: longer
   # on a loaded machine (tests/test_sharding.py).
+  # PYTHONPATH: the checkout under test, not an installed copy.
+  root = str(Path(__file__).resolve().parents[1])
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2 "
-             "--xla_cpu_collective_call_terminate_timeout_seconds=240", JAX_PLATFORMS="cpu")
+             "--xla_cpu_collective_call_terminate_timeout_seconds=240", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join(
+                 [root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                        timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
