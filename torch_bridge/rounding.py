@@ -236,7 +236,16 @@ def widen(t: torch.Tensor) -> torch.Tensor:
 def land(p: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
   """``(u, p_land)``: ``optax_half.rounding.land``, the update from ``p`` to
   ``t`` in ``p``'s dtype and where ``p + u`` lands (``p_land == t`` unless the
-  step crosses binades far)."""
+  step crosses binades far).
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> u, p_land = rounding.land(torch.tensor(1.0, dtype=torch.bfloat16),
+    ...                           torch.tensor(1.0078125, dtype=torch.bfloat16))
+    >>> print(u.dtype, u.item(), p_land.item())
+    torch.bfloat16 0.0078125 1.0078125
+  """
   pw = widen(p)
   u = (widen(t) - pw).to(p.dtype)
   return u, (pw + widen(u)).to(p.dtype)
