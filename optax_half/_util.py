@@ -132,6 +132,16 @@ def find_states(opt_state, state_type, nested=None) -> list:
   return [s for child in children for s in find_states(child, state_type, nested)]
 
 
+def decay_mask(mask, updates):
+  """Per leaf of ``updates``, whether weight decay applies (a tree of Python bools), or
+  None for all: optax's ``masked`` semantics, ``mask`` a tree of bools (a prefix of
+  ``updates``) or a callable ``updates -> such a tree``."""
+  if mask is None:
+    return None
+  tree = mask(updates) if callable(mask) else mask
+  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, updates)
+
+
 def is_float(x) -> bool:
   return jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating)
 
