@@ -37,12 +37,17 @@ def transformation(init, update,
     return jax.eval_shape(init, params) if is_abstract(params) else init(params)
   return optax.GradientTransformationExtraArgs(init_any, update)
 
+# Params below this many bytes are initialised eagerly: there a compile (~0.1 s) costs
+# more than the temporaries it saves.
+COMPILED_INIT_BYTES = 1 << 24
+
+
 def compiled_init(init):
   """``init`` run as one jitted computation on concrete params, so no full-tree temporary
   (an fp32 view, fp32 zeros cast down, a concatenation's pieces) is ever allocated: the
   state is made in place in its own buffers (docs/algorithms.md#memory). Traced or
-  abstract params, leaves JAX cannot take as arrays, and leaves on different sets of devices
-  (one jit cannot take them) go to ``init`` itself."""
+  abstract params, leaves JAX cannot take as arrays, leaves on different sets of devices
+  (one jit cannot take them) and trees under ``COMPILED_INIT_BYTES`` go to ``init`` itself."""
   jitted = jax.jit(init)
 
   def run(params):
@@ -52,7 +57,8 @@ def compiled_init(init):
       return init(params)
     placed = {frozenset(x.sharding.device_set) for x in leaves
               if isinstance(x, jax.Array) and x.committed}
-    if len(placed) > 1:
+    if len(placed) > 1 or sum(np.asarray(x).nbytes if not isinstance(x, jax.Array) else x.nbytes
+                              for x in leaves) < COMPILED_INIT_BYTES:
       return init(params)
     return jitted(params)
   return run
