@@ -39,7 +39,7 @@ def transformation(init, update,
 
 # Params below this many bytes are initialised eagerly: there a compile (~0.1 s) costs
 # more than the temporaries it saves.
-COMPILED_INIT_BYTES = 1 << 24
+COMPILED_INIT_BYTES = 1 << 20
 
 
 def compiled_init(init):
