@@ -160,9 +160,9 @@ def chain(*transforms) -> optax.GradientTransformationExtraArgs:
 
 def _check_nothing_after_compensation(k: int, n: int, state) -> None:
   """Refuse the state of a compensated optimizer at position ``k`` of a chain of ``n``."""
-  from optax_half.wrappers import _WRAPPER_STATES  # noqa: PLC0415 (wrappers imports us)
-  found = [x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, _WRAPPER_STATES))
-           if isinstance(x, _WRAPPER_STATES)]
+  def compensated(x):  # the wrapper states (optax_half.compensation) say so
+    return getattr(type(x), "lands_exactly", False)
+  found = [x for x in jax.tree.leaves(state, is_leaf=compensated) if compensated(x)]
   if found:
     raise ValueError(
         f"chain: transformation {k} (with a {type(found[0]).__name__}) is a compensated "

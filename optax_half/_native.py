@@ -15,8 +15,8 @@ import optax
 import optax_half_native as native
 from optax_half import _flat, _in_place, rounding
 from optax_half._coefficients import coefficients
-from optax_half._util import (check_state_fits, compiled_init, is_float, leaf_indices,
-                              transformation, unscaled, unscaled_all_finite)
+from optax_half._util import (check_state_fits, compiled_init, decay_mask, is_float,
+                              leaf_indices, transformation, unscaled, unscaled_all_finite)
 from optax_half.compensation import Compensation
 
 __all__ = ["available", "fused", "scaled_adam_takes", "scaled_adam_takes_kahan",
@@ -266,9 +266,8 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
   """``adamw_bf16`` or ``adam_fp32_master`` (``tx_init``, ``tx_update``) with the kernel on CPU:
   an ``InPlaceTransformation`` with ``tx_update``'s bits; with ``flat_state`` in ``_flat``'s
   layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state). ``mask``: the
-  weight-decay mask (``adam.decay_mask``), a kernel call per setting; ``kernel=False``:
+  weight-decay mask (``_util.decay_mask``), a kernel call per setting; ``kernel=False``:
   options the kernel lacks (eps_root, nesterov), always ``tx_update``."""
-  from optax_half.adam import decay_mask  # noqa: PLC0415 (adam imports this module)
 
   def native(updates, state, params) -> bool:
     return kernel and on_cpu(params) and _takes(compensation, params, updates,

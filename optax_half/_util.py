@@ -37,12 +37,17 @@ def transformation(init, update,
     return jax.eval_shape(init, params) if is_abstract(params) else init(params)
   return optax.GradientTransformationExtraArgs(init_any, update)
 
+# Params below this many bytes are initialised eagerly: there a compile (~0.1 s) costs
+# more than the temporaries it saves.
+COMPILED_INIT_BYTES = 1 << 20
+
+
 def compiled_init(init):
   """``init`` run as one jitted computation on concrete params, so no full-tree temporary
   (an fp32 view, fp32 zeros cast down, a concatenation's pieces) is ever allocated: the
   state is made in place in its own buffers (docs/algorithms.md#memory). Traced or
-  abstract params, leaves JAX cannot take as arrays, and leaves on different sets of devices
-  (one jit cannot take them) go to ``init`` itself."""
+  abstract params, leaves JAX cannot take as arrays, leaves on different sets of devices
+  (one jit cannot take them) and trees under ``COMPILED_INIT_BYTES`` go to ``init`` itself."""
   jitted = jax.jit(init)
 
   def run(params):
@@ -52,7 +57,8 @@ def compiled_init(init):
       return init(params)
     placed = {frozenset(x.sharding.device_set) for x in leaves
               if isinstance(x, jax.Array) and x.committed}
-    if len(placed) > 1:
+    if len(placed) > 1 or sum(np.asarray(x).nbytes if not isinstance(x, jax.Array) else x.nbytes
+                              for x in leaves) < COMPILED_INIT_BYTES:
       return init(params)
     return jitted(params)
   return run
@@ -130,6 +136,16 @@ def find_states(opt_state, state_type, nested=None) -> list:
     if len(children) == 1 and children[0] is opt_state:
       return []
   return [s for child in children for s in find_states(child, state_type, nested)]
+
+
+def decay_mask(mask, updates):
+  """Per leaf of ``updates``, whether weight decay applies (a tree of Python bools), or
+  None for all: optax's ``masked`` semantics, ``mask`` a tree of bools (a prefix of
+  ``updates``) or a callable ``updates -> such a tree``."""
+  if mask is None:
+    return None
+  tree = mask(updates) if callable(mask) else mask
+  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, updates)
 
 
 def is_float(x) -> bool:

@@ -15,7 +15,7 @@ import optax_half_native as native_lib
 from optax_half_native import checks
 from optax_half import _native, rounding, wrappers
 from optax_half._coefficients import Coefficients, _f32, coefficients  # noqa: F401
-from optax_half._util import (check_no_float64, check_trees, leaf_indices,
+from optax_half._util import (check_no_float64, check_trees, decay_mask, leaf_indices,
                               maybe_skip_nonfinite, seed_from_key, transformation, unzip,
                               zeros_like_param)
 from optax_half.compensation import COMPENSATIONS
@@ -53,16 +53,6 @@ def moment_dtype(param_dtype) -> jnp.dtype:
 
 def _is_zero(v) -> bool:
   return isinstance(v, (int, float)) and v == 0
-
-
-def decay_mask(mask, updates):
-  """Per leaf of ``updates``, whether weight decay applies (a tree of Python bools), or
-  None for all: optax's ``masked`` semantics, ``mask`` a tree of bools (a prefix of
-  ``updates``) or a callable ``updates -> such a tree``."""
-  if mask is None:
-    return None
-  tree = mask(updates) if callable(mask) else mask
-  return jax.tree.map(lambda m, sub: jax.tree.map(lambda _: bool(m), sub), tree, updates)
 
 
 def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay, eps_root=0.0):

@@ -37,6 +37,7 @@ class MasterWeightsState(NamedTuple):
     >>> print(split.master["w"].dtype)  # the low half of the fp32 master
     int16
   """
+  lands_exactly = True  # its update lands exactly: nothing may rescale it after
   master: Any
   inner_state: Any
 
@@ -56,6 +57,7 @@ class KahanSummationState(NamedTuple):
     >>> print(state.compensation["w"].dtype, state.compensation["w"].tolist())
     bfloat16 [0.0, 0.0, 0.0]
   """
+  lands_exactly = True  # its update lands exactly: nothing may rescale it after
   compensation: Any
   inner_state: Any
 
@@ -70,6 +72,7 @@ class RoundToNearestState(NamedTuple):
     >>> print(state.inner_state[0].mu["w"].dtype)  # the inner state, on fp32
     float32
   """
+  lands_exactly = True  # its update lands exactly: nothing may rescale it after
   inner_state: Any
 
 
@@ -88,6 +91,7 @@ class StochasticRoundingState(NamedTuple):
     >>> print(state.seed.dtype, int(state.count))
     uint32 0
   """
+  lands_exactly = True  # its update lands exactly: nothing may rescale it after
   seed: jax.Array
   count: jax.Array
   inner_state: Any

@@ -10,6 +10,7 @@ import pytest
 
 import optax_half as oh
 from optax_half import _native, rounding
+from suite_helpers import default_or_slow
 
 X = jax.random.normal(jax.random.key(0), (32, 16))
 Y = jax.random.normal(jax.random.key(1), (32,))
@@ -62,8 +63,13 @@ def test_wrappers_hypergradient_matches_fp32(name, dtype):
   assert got == pytest.approx(want, rel=0.02), (name, got, want)
 
 
-@pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none"])
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+# make test: one bf16 and one fp16 case; make test-slow: every compensation in both.
+_ADAMW_CASES = [(c, d) for d in (jnp.bfloat16, jnp.float16)
+                for c in ("kahan", "split", "stochastic", "none")]
+
+
+@pytest.mark.parametrize("compensation, dtype", default_or_slow(
+    _ADAMW_CASES, [("kahan", jnp.bfloat16), ("stochastic", jnp.float16)]))
 def test_adamw_bf16_hypergradient_matches_fp32_with_the_kernel_available(compensation, dtype):
   """Traced under jax.grad, adamw_bf16 takes its composed path (the kernel has no derivative),
   also inside a scan."""
@@ -76,7 +82,8 @@ def test_adamw_bf16_hypergradient_matches_fp32_with_the_kernel_available(compens
   assert scanned == pytest.approx(got, rel=1e-5)
 
 
-@pytest.mark.parametrize("name", ["adam_fp32_master", "scaled_adam", "kahan_scaled_adam"])
+@pytest.mark.parametrize("name", default_or_slow(
+    ["adam_fp32_master", "scaled_adam", "kahan_scaled_adam"], ["adam_fp32_master"]))
 def test_other_kernel_optimizers_hypergradient_matches_fp32(name):
   make, reference, lr = {
       "adam_fp32_master": (oh.adam_fp32_master, optax.adam, 0.01),

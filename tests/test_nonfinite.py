@@ -45,15 +45,19 @@ def _grads(step, bad=None):
 
 
 # name -> (JAX factory, torch factory taking a param list); lr etc. shared.
+# JAX's adamw_bf16 takes torch's weight decay here (its default is optax.adamw's 1e-4).
 OPTIMIZERS = {
-    "adamw_bf16 kahan": (lambda **kw: oh.adamw_bf16(1e-3, **kw),
+    "adamw_bf16 kahan": (lambda **kw: oh.adamw_bf16(1e-3, weight_decay=1e-2, **kw),
                          lambda ps, **kw: tb.adamw_bf16(ps, 1e-3, **kw)),
-    "adamw_bf16 split": (lambda **kw: oh.adamw_bf16(1e-3, compensation="split", **kw),
+    "adamw_bf16 split": (lambda **kw: oh.adamw_bf16(1e-3, weight_decay=1e-2,
+                                                    compensation="split", **kw),
                          lambda ps, **kw: tb.adamw_bf16(ps, 1e-3, compensation="split", **kw)),
     "adamw_bf16 stochastic": (
-        lambda **kw: oh.adamw_bf16(1e-3, compensation="stochastic", key=3, **kw),
+        lambda **kw: oh.adamw_bf16(1e-3, weight_decay=1e-2, compensation="stochastic", key=3,
+                                    **kw),
         lambda ps, **kw: tb.adamw_bf16(ps, 1e-3, compensation="stochastic", key=3, **kw)),
-    "adamw_bf16 none": (lambda **kw: oh.adamw_bf16(1e-3, compensation="none", **kw),
+    "adamw_bf16 none": (lambda **kw: oh.adamw_bf16(1e-3, weight_decay=1e-2,
+                                                   compensation="none", **kw),
                         lambda ps, **kw: tb.adamw_bf16(ps, 1e-3, compensation="none", **kw)),
     "adam_fp32_master": (lambda **kw: oh.adam_fp32_master(1e-3, weight_decay=0.1, **kw),
                          lambda ps, **kw: tb.adam_fp32_master(ps, 1e-3, weight_decay=0.1, **kw)),
