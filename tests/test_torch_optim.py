@@ -101,8 +101,12 @@ def _same(a, b):
 ])
 def test_master_weights_trajectory_is_fp32_torch_optim(name, make):
   """200 steps: the fp32 master is bitwise torch.optim on fp32 params fed the
-  same (upcast) grads; the bf16 params are master.to(bf16) bitwise."""
-  lowp = _params()
+  same (upcast) grads; the bf16 params are master.to(bf16) bitwise. That holds
+  while every param lands on its master's rounding: weights of magnitude 3 and
+  up cross no zero here (a step that lands elsewhere takes the master to the
+  param: tests/test_landing.py)."""
+  lowp = [(p.detach().float() + 3 * p.detach().float().sign()).to(torch.bfloat16)
+          .requires_grad_() for p in _params()]
   ref = [p.detach().float().requires_grad_() for p in lowp]
   opt, ref_opt = tb.master_weights(make(lowp)), make(ref)
   for g in _grads(200):

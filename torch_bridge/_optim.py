@@ -398,6 +398,12 @@ def check_torch_keys(where: str, values: dict, weight_decay=0.0) -> None:
                        f"{key}=False (the default).")
 
 
+# The mark of a param whose buffers were loaded (or copied with the optimizer): they belong
+# to the weights they were saved with, which the user may write after the load (a
+# checkpoint's model loaded after its optimizer), so the next step reads them as they are.
+_LOADED = "loaded"
+
+
 def _mark(p: torch.Tensor) -> tuple:
   """What changes when anything writes ``p``: its version counter (every
   in-place op, ``copy_`` from ``load_state_dict`` included) and its storage
@@ -437,6 +443,9 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
   * params written from outside the optimizer (``model.load_state_dict``
     after the optimizer was built) re-seed their buffers at the next step
     (``_follow``); a step with no such write reads two integers per param.
+    Buffers loaded by ``load_state_dict`` (or copied with the optimizer) are
+    kept at the next step: they belong to the weights saved with them, which
+    may be loaded after the optimizer.
   """
 
   def __init__(self, params, defaults: dict):
@@ -531,16 +540,23 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
   def _follow(self, p: torch.Tensor, compensation, buffer) -> None:
     """``compensation.follow`` of ``p``'s buffer where ``p`` was written since
     the optimizer last wrote it (docs/algorithms.md#pytorch-mirror)."""
-    if buffer is None or self._marks.get(p) == _mark(p):
+    mark = self._marks.get(p)
+    if buffer is None or mark == _LOADED or mark == _mark(p):
       return
     local, buf = _dist.local(p), _dist.local(buffer)
     if buf.numel() == local.numel():  # a wrapper's stand-in between steps holds no elements
       compensation.follow(local, buf)
 
   def _remember(self, params) -> None:
-    """``params`` hold what the optimizer wrote (or loaded): no outside write yet."""
+    """``params`` hold what the optimizer wrote: no outside write yet."""
     for p in params:
       self._marks[p] = _mark(p)
+
+  def _loaded(self, params) -> None:
+    """``params``' buffers were loaded: kept at the next step, whatever writes
+    the params before it."""
+    for p in params:
+      self._marks[p] = _LOADED
 
   def _all_params(self) -> list:
     return [p for g in self.param_groups for p in g["params"]]
@@ -629,7 +645,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
         state_dict = result
     check_kind(self, state_dict)
     self._load(state_dict)
-    self._remember(self._all_params())
+    self._loaded(self._all_params())
     for hook in self._optimizer_load_state_dict_post_hooks.values():
       hook(self)
 
@@ -648,5 +664,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
   def __setstate__(self, state: dict) -> None:
     had_differentiable = "differentiable" in state.get("defaults", {})
     super().__setstate__(state)  # torch's: fresh hook dicts, the step patched
+    # A copy's params are new tensors holding what the original's held.
+    self._marks = dict.fromkeys(self._marks, _LOADED)
     if not had_differentiable:  # torch adds it; these optimizers take no such key
       self.defaults.pop("differentiable", None)
