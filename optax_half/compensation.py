@@ -80,20 +80,21 @@ class StochasticRoundingState(NamedTuple):
   """State of ``stochastic_rounding``.
 
   Attributes:
-    seed: uint32 scalar; with ``count`` it determines every random bit.
-    count: int32 number of updates taken.
+    seed: uint32 scalar; with ``rng_count`` it determines every random bit.
+    rng_count: int32 number of updates taken (not ``count``, so that
+      ``optax.tree_utils.tree_get(state, "count")`` finds the inner step count).
     inner_state: the inner transformation's state.
 
   Example:
     >>> import jax.numpy as jnp, optax, optax_half as oh
     >>> params = {"w": jnp.ones(3, jnp.bfloat16)}
     >>> state = oh.stochastic_rounding(optax.sgd(0.1), key=7).init(params)
-    >>> print(state.seed.dtype, int(state.count))
+    >>> print(state.seed.dtype, int(state.rng_count))
     uint32 0
   """
   lands_exactly = True  # its update lands exactly: nothing may rescale it after
   seed: jax.Array
-  count: jax.Array
+  rng_count: jax.Array
   inner_state: Any
 
 
@@ -131,7 +132,7 @@ class Compensation(native_lib.Rules):
     if self.spec.buffer:
       fields[self.spec.buffer] = buffers
     if self.spec.draws_bits:
-      fields.update(seed=seed, count=jnp.zeros([], jnp.int32))
+      fields.update(seed=seed, rng_count=jnp.zeros([], jnp.int32))
     return self.state_type(**fields)
 
   def buffers(self, state):
@@ -139,8 +140,8 @@ class Compensation(native_lib.Rules):
     return getattr(state, self.spec.buffer) if self.spec.buffer else None
 
   def param_stream(self, state):
-    """``(seed, count)`` of the param writes' random bits, or None."""
-    return (state.seed, state.count) if self.spec.draws_bits else None
+    """``(seed, rng_count)`` of the param writes' random bits, or None."""
+    return (state.seed, state.rng_count) if self.spec.draws_bits else None
 
   def next_state(self, state, buffers, inner_state):
     """``state`` after a step: the new buffers and inner state, the count advanced."""
@@ -148,7 +149,7 @@ class Compensation(native_lib.Rules):
     if self.spec.buffer:
       fields[self.spec.buffer] = buffers
     if self.spec.draws_bits:
-      fields["count"] = optax.safe_increment(state.count)
+      fields["rng_count"] = optax.safe_increment(state.rng_count)
     return state._replace(**fields)
 
 

@@ -216,3 +216,21 @@ def test_apply_if_finite_of_adamw_bf16_steps_and_skips_a_nan_step():
   np.testing.assert_array_equal(np.asarray(params["w"]).view(np.uint16),
                                 np.asarray(before).view(np.uint16))
   assert int(state.notfinite_count) == 1 and int(state.total_notfinite) == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda: oh.adamw_bf16(1e-3, compensation="stochastic"),
+    lambda: oh.stochastic_rounding(optax.adam(1e-3), key=0),
+    lambda: oh.adamw_bf16(1e-3),
+    lambda: oh.adam_fp32_master(1e-3),
+    lambda: oh.scaled_adam(1e-3),
+], ids=["adamw_bf16 stochastic", "stochastic_rounding(adam)", "adamw_bf16", "adam_fp32_master",
+        "scaled_adam"])
+def test_tree_get_finds_the_one_step_count(make):
+  """optax.tree_utils.tree_get(state, "count"): one step count per state, after a step too."""
+  tx = make()
+  params = {"w": jnp.ones((5,), jnp.bfloat16)}
+  state = tx.init(params)
+  assert int(optax.tree_utils.tree_get(state, "count")) == 0
+  _, state = tx.update({"w": jnp.full((5,), 0.1, jnp.bfloat16)}, state, params)
+  assert int(optax.tree_utils.tree_get(state, "count")) == 1

@@ -323,7 +323,7 @@ def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
   wrapper, core = _core_of(state, optimizer._compensation.name, what)
   count, seed = int(core.count), int(core.seed)
   if isinstance(wrapper, oh.StochasticRoundingState) and (
-      int(wrapper.seed) != seed or int(wrapper.count) != count):
+      int(wrapper.seed) != seed or int(wrapper.rng_count) != count):
     raise ValueError("convert: the stochastic-rounding seed or count differs from the "
                      "moments' (torch_bridge keeps one of each).")
   key, buffers = _buffers(wrapper, leaves)
@@ -381,7 +381,7 @@ def _wrapper_dict(state, optimizer: LowPrecisionWrapper, leaves: _Leaves) -> dic
     if _present(buf):
       entry[key] = _to_torch(buf)
     if isinstance(state, oh.StochasticRoundingState):
-      entry["step"] = torch.tensor(int(state.count), dtype=torch.int64)
+      entry["step"] = torch.tensor(int(state.rng_count), dtype=torch.int64)
     if entry:
       out["state"][k] = entry
   if isinstance(state, oh.StochasticRoundingState):
@@ -565,7 +565,7 @@ def _fill_wrapper(wrapper, new, inner_state, seed: int, count: int):
                             inner_state=inner_state)
   if isinstance(wrapper, oh.StochasticRoundingState):
     return wrapper._replace(seed=jnp.asarray(seed, jnp.uint32),
-                            count=jnp.asarray(count, wrapper.count.dtype),
+                            rng_count=jnp.asarray(count, wrapper.rng_count.dtype),
                             inner_state=inner_state)
   return wrapper._replace(inner_state=inner_state)
 
