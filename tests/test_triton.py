@@ -287,6 +287,8 @@ def test_bad_input_is_an_error():
     step(rows, found_inf=torch.zeros(2))
   with pytest.raises(ValueError, match="scalars"):
     _triton.step_group(*zip(*rows), s[:8], mode="kahan")
+  with pytest.raises(TypeError, match="the grad is a NoneType"):
+    step([[r[0], None, *r[2:]] for r in rows])
   with pytest.raises(ValueError, match="3 params"):
     _triton.step_group([rows[0][0]] * 3, [rows[0][1]], [rows[0][2]], [rows[0][3]],
                        [rows[0][4]], s, mode="kahan")

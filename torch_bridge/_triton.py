@@ -126,6 +126,10 @@ def _check(params, grads, mus, nus, buffers, mode: str) -> tuple:
   for name, col in (("grads", grads), ("mus", mus), ("nus", nus), ("buffers", buffers)):
     if len(col) != n:
       raise ValueError(f"step_group: {n} params but {len(col)} {name}.")
+  for i, (p, g, m, v) in enumerate(zip(params, grads, mus, nus)):
+    for name, t in (("param", p), ("grad", g), ("mu", m), ("nu", v)):
+      if not torch.is_tensor(t):
+        raise TypeError(f"tensor {i}: the {name} is a {type(t).__name__}, not a tensor.")
   p0 = params[0]
   if p0.dtype not in _KIND:
     raise ValueError(f"the Triton step takes float32, bfloat16 or float16 params; got {p0.dtype}.")
