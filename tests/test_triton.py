@@ -311,3 +311,48 @@ def test_step_equals_eager_long(name):
   shapes = [(1,), (3, 5), (1024,), (1025,), (64, 65), (5000,)]
   assert_same_torch_runs(_train(make, dtype, True, steps=6, shapes=shapes),
                          _train(make, dtype, False, steps=6, shapes=shapes))
+
+
+# Kernel configurations (P, G, M, V, BUF kinds: 0 fp32, 1 bf16, 2 fp16; mode;
+# stochastic moments; maximize; inv_scale; found_inf) compiled for CUDA below.
+_CONFIGS = [
+    (1, 1, 1, 1, 1, "kahan", True, False, True, True),
+    (2, 2, 2, 2, 0, "stochastic", True, True, False, True),
+    (0, 0, 0, 0, 0, "direct", False, False, True, False),
+]
+_SLOW_CONFIGS = [
+    (1, 1, 1, 1, 0, "split", True, True, False, False),
+    (1, 1, 1, 1, 0, "stochastic", True, False, False, False),
+    (1, 1, 0, 0, 0, "master", False, False, False, False),
+    (1, 1, 1, 1, 0, "none", False, False, False, False),
+    (2, 2, 0, 0, 2, "kahan", False, False, True, False),
+    (2, 2, 0, 0, 0, "master", False, False, False, False),
+]
+
+
+@pytest.mark.parametrize("config", _CONFIGS + [
+    pytest.param(c, marks=pytest.mark.slow) for c in _SLOW_CONFIGS], ids=str)
+def test_compiles_for_cuda_without_fma(config, monkeypatch):
+  """Compiled for an H100 (sm_90) without a GPU: the PTX has no fp32 FMA and
+  no approximate instruction, and takes IEEE sqrt and division, so a GPU
+  computes the interpreter's ops (the bits tested above); with FMA
+  contraction on (Triton's default) it would fuse."""
+  import re  # noqa: PLC0415
+  from triton.backends.compiler import GPUTarget  # noqa: PLC0415
+  from triton.compiler import ASTSource, compile  # noqa: PLC0415
+  import optax_half_native as native_lib  # noqa: PLC0415
+  monkeypatch.setenv("TRITON_INTERPRET", "0")
+  names = ["P", "G", "M", "V", "BUF", "MODE", "SR_MOMENTS", "MAXIMIZE", "HAS_INV_SCALE",
+           "HAS_FOUND_INF"]
+  constexprs = dict(zip(names, config), BLOCK=_triton.BLOCK)
+  constexprs["MODE"] = native_lib.MODES[constexprs["MODE"]]
+  signature = {"table_ptr": "*i64", "blocks_ptr": "*i32", "scalars_ptr": "*fp32",
+               "inv_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "key_p": "i32",
+               "key_m": "i32", **{n: "constexpr" for n in constexprs}}
+  source = ASTSource(fn=_triton._kernels_for(False).adamw_kernel, signature=signature,
+                     constexprs=constexprs)
+  ptx = compile(source, target=GPUTarget("cuda", 90, 32),
+                options={"enable_fp_fusion": False}).asm["ptx"]
+  assert not re.search(r"\bfma\.\w*f32", ptx)
+  assert "approx" not in ptx
+  assert re.search(r"sqrt\.rn\.f32", ptx) and re.search(r"div\.rn\.f32", ptx)
