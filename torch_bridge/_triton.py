@@ -28,7 +28,7 @@ import torch
 import optax_half_native as native_lib
 from torch_bridge import rounding
 
-__all__ = ["available", "interpreting", "step_group", "round_bits", "Batch", "BLOCK"]
+__all__ = ["available", "interpreting", "supports", "step_group", "round_bits", "Batch", "BLOCK"]
 
 BLOCK = 1024  # elements per program
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
