@@ -261,3 +261,93 @@ def test_parity_harness_on_gpu(config):
   print(report.table())
   assert report.ok, report.table()
   assert not report.copies, report.copies
+
+
+# ----------------------------------------------------------------------------
+# The multi-tensor Triton step (torch_bridge._triton, opt-in) compiled for CUDA.
+# On CPU tests/test_triton.py runs it in Triton's interpreter; here it must
+# give the CPU's eager bits too, in one launch a step, with no sync.
+# ----------------------------------------------------------------------------
+
+try:
+  import triton  # noqa: F401
+  HAS_TRITON = True
+except ImportError:
+  HAS_TRITON = False
+triton_cuda = pytest.mark.skipif(not (TORCH_CUDA and HAS_TRITON),
+                                 reason="torch has no CUDA or triton is missing here")
+
+
+def _triton_opt(make):
+  def build(ps, **kw):
+    opt = make(ps, **kw)
+    opt._triton = True
+    return opt
+  return build
+
+
+@triton_cuda
+def test_triton_rounding_on_cuda_equals_torch_cpu():
+  from torch_bridge import _triton
+  gen = torch.Generator().manual_seed(0)
+  words = torch.randint(-2**31, 2**31 - 1, (1 << 21,), dtype=torch.int32, generator=gen)
+  sub = (torch.arange(0, 2048, dtype=torch.float64) * 2.0**-25).float().view(torch.int32)
+  words = torch.cat([words, sub, sub + 1, sub - 1, -sub])
+  x = words.view(torch.float32)
+  for dtype in (torch.bfloat16, torch.float16):
+    got = _triton.round_bits(x.cuda(), dtype).cpu()
+    want = x.to(dtype)
+    same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+    print("\nGPUCHECK triton rounding", dtype, int((~same).sum()))
+    assert same.all()
+
+
+@triton_cuda
+@pytest.mark.parametrize("name", list(TORCH_CASES))
+def test_triton_step_on_cuda_equals_cpu(name, monkeypatch):
+  from torch_bridge import _triton
+  launches = []
+  step_group = _triton.step_group
+  monkeypatch.setattr(_triton, "step_group",
+                      lambda ps, *a, **k: launches.append(len(ps)) or step_group(ps, *a, **k))
+  gpu, gpu_state, syncs = _run_torch(_triton_opt(TORCH_CASES[name]), torch.device("cuda"))
+  cpu, cpu_state, _ = _run_torch(TORCH_CASES[name], torch.device("cpu"), False)
+  worst = max(_ulp(a, b) for a, b in zip(gpu, cpu))
+  worst_state = {k: max(_ulp(s[k], c[k]) for s, c in zip(gpu_state, cpu_state))
+                 for k in gpu_state[0]}
+  print("\nGPUCHECK triton", name, "params", worst, "state", worst_state, "syncs", syncs,
+        "launches", launches[:3])
+  assert launches == [len(SHAPES)] * STEPS  # one launch per step for every tensor
+  assert worst == 0 and not any(worst_state.values()), (worst, worst_state)
+  assert not any(syncs), syncs
+
+
+@triton_cuda
+def test_triton_found_inf_and_inv_scale_on_cuda():
+  from torch_bridge import _triton, adam, rounding
+  opt = tb.adamw_bf16([torch.zeros(1, dtype=torch.bfloat16)], lr=1e-2, weight_decay=0.1)
+  gen = torch.Generator().manual_seed(0)
+  rows = []
+  for n in (1, 7, 1000, 4099):
+    p = torch.randn(n, generator=gen).to(torch.bfloat16)
+    rows.append([p, (torch.randn(n, generator=gen) * 64).to(torch.bfloat16),
+                 torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
+                 torch.zeros(n, dtype=torch.bfloat16)])
+  cuda = [[t.cuda() for t in r] for r in rows]
+  scalars = opt._scalars(opt.param_groups[0], 1, 1e-2, torch.device("cuda"), {})
+  before = [[t.clone() for t in r] for r in cuda]
+  _triton.step_group(*zip(*cuda), scalars, mode="kahan", state_rounding="stochastic",
+                     found_inf=torch.ones((), device="cuda"),
+                     inv_scale=torch.full((), 2.0**-6, device="cuda"))
+  assert all(torch.equal(a, b) for ra, rb in zip(cuda, before) for a, b in zip(ra, rb))
+  _triton.step_group(*zip(*cuda), scalars, mode="kahan", state_rounding="stochastic",
+                     found_inf=torch.zeros((), device="cuda"),
+                     inv_scale=torch.full((), 2.0**-6, device="cuda"))
+  cpu_scalars = opt._scalars(opt.param_groups[0], 1, 1e-2, torch.device("cpu"), {})
+  comp = tb.compensation.COMPENSATIONS["kahan"]
+  for leaf, (p, g, mu, nu, c) in enumerate(rows):
+    adam.adamw_step(p, rounding.widen(g) * 2.0**-6, mu, nu, c, cpu_scalars,
+                    adam._leaf_keys(0, 0, leaf, "cpu"), comp, "stochastic")
+  for ra, rb in zip(cuda, rows):
+    for a, b in zip(ra, rb):
+      assert torch.equal(a.cpu().view(torch.int16), b.view(torch.int16))

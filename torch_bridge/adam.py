@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import os
 import types
 from typing import Callable, Optional
 
@@ -27,7 +28,7 @@ import torch
 
 import optax_half_native as native_lib
 from optax_half_native import checks
-from torch_bridge import _dist, _native, rounding
+from torch_bridge import _dist, _native, _triton, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_grad,
                                  check_no_float64, check_param, check_torch_keys, grad_of,
@@ -472,17 +473,24 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     grouped = (_Grouped(self._seed, self._state_rounding,
                         self.__dict__.setdefault("_grouped_cache", collections.OrderedDict()))
                if self._fused is None else None)
+    # Opted in (OPTAX_HALF_TRITON=1, or opt._triton = True): the Triton
+    # multi-tensor step takes the tensors it can first (_triton.supports).
+    want_triton = self.__dict__.get("_triton")
+    if want_triton is None:
+      want_triton = os.environ.get("OPTAX_HALF_TRITON", "0") == "1"
+    triton = (_triton.Batch(self._seed, self._state_rounding)
+              if want_triton and self._fused is not False and _triton.available() else None)
     stepped: list = []
     # As the eager step would have: what was taken is stepped, even if a
     # later check fails; each of these runs even if one before it raises.
     with contextlib.ExitStack() as after:
       after.callback(self._remember, stepped)
-      for batch in (grouped, native):  # run last in, first out: native first
+      for batch in (grouped, native, triton):  # run last in, first out: triton first
         if batch is not None:
           after.callback(batch.run)
-      self._step_each(native, grouped, stepped)
+      self._step_each(native, grouped, stepped, triton)
 
-  def _step_each(self, native, grouped, stepped: list) -> None:
+  def _step_each(self, native, grouped, stepped: list, triton=None) -> None:
     position = 0
     for group in self.param_groups:
       count = group["count"]
@@ -495,7 +503,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         if grad_of(p) is None:
           continue
         check_grad(grad_of(p), leaf)
-        for batch in (grouped, native):  # a param listed twice: its first step first
+        for batch in (grouped, native, triton):  # a param listed twice: its first step first
           if batch is not None:
             batch.before(p)
         grad = step_grad(self, p)
@@ -515,6 +523,11 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           # random-bit counter is the elements' index in the whole tensor.
           tensors = tuple(_dist.local(t) for t in tensors)
           index = _dist.index(p)
+        if triton is not None and triton.add(
+            tensors, _kernel_mode(compensation), step, leaf,
+            self._scalars(group, step + 1, lr, tensors[0].device, cache), state, index,
+            maximize):
+          continue
         if native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
             lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index,
