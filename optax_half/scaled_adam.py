@@ -15,8 +15,9 @@ from optax import MaskedNode
 
 from optax_half_native.checks import QUARTILES, check_scaled_adam_args, quartile_indices
 from optax_half import _in_place, _native, rounding
-from optax_half._util import (check_no_float64, check_trees, find_states, is_float,
-                              maybe_skip_nonfinite, transformation, zeros_like_param)
+from optax_half._util import (check_no_float64, check_state_fits, check_trees, find_states,
+                              is_float, maybe_skip_nonfinite, transformation,
+                              zeros_like_param)
 
 __all__ = ["scaled_adam", "scaled_adam_stats", "ScaledAdamState", "ScaledAdamClippingState"]
 
@@ -251,11 +252,13 @@ def scaled_adam(
 
   def update(updates, state, params=None, **extra_args):
     del extra_args
+    check_state_fits("scaled_adam", init, state, params)  # trace time: shapes and dtypes
     return _step(h, updates, state, params, in_place=False)
 
   def update_and_apply(updates, state, params, **extra_args):
     """``update`` and ``optax.apply_updates`` in one step (the same bits)."""
     del extra_args
+    check_state_fits("scaled_adam", init, state, params)
     return _step(h, updates, state, params, in_place=True)
 
   def kahan_update(grads, state, x, leaves, finish, in_place, **extra_args):

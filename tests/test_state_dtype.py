@@ -17,6 +17,7 @@ TXS = {
     "adam_fp32_master": lambda: oh.adam_fp32_master(1e-3),
     "kahan_summation": lambda: oh.kahan_summation(optax.adam(1e-3)),
     "master_weights": lambda: oh.master_weights(optax.sgd(1e-3)),
+    "scaled_adam": lambda: oh.scaled_adam(1e-3),
 }
 
 
