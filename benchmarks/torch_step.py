@@ -3,6 +3,7 @@
     python -m benchmarks.torch_step [--tree standard|many|quick] [--quick] [--reps N]
                                     [--only A,B] [--heap-malloc] [--gc on|freeze|off]
                                     [--settle-ms MS] [--device cpu|cuda] [--json PATH]
+                                    [--memory on|off]
 
 The trees of benchmarks/step.py. Runs are interleaved (every run once per
 repetition, in an order shuffled each repetition), the median of the
@@ -12,13 +13,16 @@ Bytes/param count the params, one gradient and every state tensor the
 optimizer holds; "moved" is the algorithm's minimum traffic
 (benchmarks/common.py). ``optimi`` (``pip install torch-optimi``, the
 ``bench`` extra) is skipped when it is not installed; the seed's ScaledAdam
-is benchmarks/seed_scaled_adam.py. Findings:
+is benchmarks/seed_scaled_adam.py. The memory table (``--memory on``, the
+default): per row, in a fresh process, bytes per param resident and the peaks
+above it at the first step (which makes the state) and a later one. Findings:
 benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -101,6 +105,63 @@ def state_bytes(opt) -> int:
   return total
 
 
+# The rows whose memory is measured (each in a fresh process, ``--memory``): resident
+# bytes and the transient peaks of the first step (which makes the state: torch.optim's
+# lazy state) and of a later one.
+MEMORY_ROWS = ("torch AdamW fused fp32 (reference)", "torch AdamW fused bf16 (naive)",
+               "adamw_bf16 kahan", "adamw_bf16 split", "adamw_bf16 stochastic",
+               "adam_fp32_master", "adamw_bf16 kahan fp16", "scaled_adam clip 2.0",
+               "optimi AdamW kahan_sum bf16")
+QUICK_MEMORY_ROWS = ("torch AdamW fused fp32 (reference)", "adamw_bf16 kahan", "adam_fp32_master")
+
+
+def memory_row(name: str, tree_name: str, device: str) -> dict:
+  """Bytes per param of one row, in this process: the state, the resident params +
+  gradients + state, the peak above params + gradients + state while the first step
+  makes the state ("init"; the kernel built before, on a throwaway optimizer), what it
+  left beyond the state ("kept"), and the peak above resident during a later step. CPU:
+  the process's high-water mark (fresh process, ``common.MEMORY_ENV``); CUDA: the
+  allocator's peak (``torch.cuda.max_memory_allocated``)."""
+  dtype, make = candidates(device=device)[name]
+  dev = torch.device(device)
+  if dev.type == "cuda":
+    def resident():
+      return torch.cuda.memory_allocated(dev)
+
+    def reset():
+      torch.cuda.synchronize(dev)
+      torch.cuda.reset_peak_memory_stats(dev)
+
+    def peak():
+      torch.cuda.synchronize(dev)
+      return torch.cuda.max_memory_allocated(dev)
+  else:
+    resident, reset, peak = common.resident_bytes, common.reset_peak, common.peak_bytes
+  tree = make_tree(tree_name, device)
+  n = sum(x.numel() for x in tree)
+  params = [x.to(dtype, copy=True).requires_grad_() for x in tree]
+  for p in params:
+    p.grad = (p.detach() * 0.1).to(dtype)
+  del tree
+  warm = [torch.zeros(4, 4, dtype=dtype, device=device, requires_grad=True)]
+  warm[0].grad = torch.zeros_like(warm[0])
+  make(warm).step()  # builds the native kernel / compiles: not a per-step cost
+  opt = make(params)
+  base = resident()
+  reset()
+  opt.step()  # the first step makes the state
+  state = state_bytes(opt)
+  init_peak, kept = peak() - base - state, resident() - base - state
+  opt.step()
+  before = resident()
+  reset()
+  opt.step()
+  step_peak = peak() - before
+  grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in params)
+  return dict(state=state / n, resident=(2 * grad_bytes + state) / n, init_peak=init_peak / n,
+              init_kept=kept / n, step_peak=step_peak / n)
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser()
   parser.add_argument("--tree", choices=list(common.TREES), default=None)
@@ -113,14 +174,21 @@ def main(argv=None):
                            "each timed step ends with a wait for the device")
   common.add_settle_argument(parser)
   common.add_gc_argument(parser)
+  parser.add_argument("--memory", choices=["on", "off"], default="on",
+                      help="measure MEMORY_ROWS' resident bytes and peaks, each in a fresh "
+                           "process (CPU: Linux only)")
+  parser.add_argument("--memory-row", default=None, help=argparse.SUPPRESS)
   parser.add_argument("--heap-malloc", action="store_true",
                       help="rerun with glibc serving large allocations from the heap "
                            "(common.HEAP_MALLOC_ENV)")
   args = parser.parse_args(argv)
+  tree_name = args.tree or ("quick" if args.quick else "standard")
+  if args.memory_row:
+    print(json.dumps(memory_row(args.memory_row, tree_name, args.device)))
+    return None
   if args.heap_malloc:
     common.rerun_with_heap_malloc(argv)
   heap_malloc = common.heap_malloc_active()
-  tree_name = args.tree or ("quick" if args.quick else "standard")
   reps = args.reps or (3 if args.quick else 11)
   device = torch.device(args.device)
   wait = waiter(device)
@@ -155,14 +223,23 @@ def main(argv=None):
       run["times"].append(time.perf_counter() - start)
   where = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else f"{torch.get_num_threads()} threads")
-  return common.report(
+  memory = {}
+  if args.memory == "on" and (device.type == "cuda" or common.memory_supported()):
+    names = [k for k in (QUICK_MEMORY_ROWS if args.quick else MEMORY_ROWS) if k in chosen]
+    memory = common.memory_rows("benchmarks.torch_step", names,
+                                ["--tree", tree_name, "--device", args.device])
+  out = common.report(
       f"torch {torch.__version__}, {where}, tree {tree_name}"
       f"{', heap-only malloc' if heap_malloc else ''}"
       f"{'' if args.gc == 'on' else f', gc {args.gc}'}", runs,
       "torch AdamW fused fp32 (reference)", n, bw, args.json,
       extra=dict(framework="torch", device=str(device), tree=tree_name, reps=reps,
-                 heap_malloc=heap_malloc, settle_ms=args.settle_ms, gc=args.gc),
+                 heap_malloc=heap_malloc, settle_ms=args.settle_ms, gc=args.gc,
+                 memory_bytes_per_param=memory),
       kernel_library=native.library() if device.type == "cpu" else None)
+  if memory:
+    common.print_memory(memory)
+  return out
 
 
 if __name__ == "__main__":

@@ -138,6 +138,13 @@ def test_torch_benchmark_quick(tmp_path):
                      "adamw_bf16 kahan": (10, 18), "adam_fp32_master": (16, 30),
                      "adam_fp32_master fp16": (16, 30), "adamw_bf16 kahan fp16": (14, 26)})
   assert out["cpu"]["kernel_lanes"] == native.lanes(native.library())
+  memory = out["memory_bytes_per_param"]
+  if os.path.exists("/proc/self/clear_refs"):  # each row in a fresh process
+    assert set(memory) == set(torch_step.QUICK_MEMORY_ROWS)
+    for name, row in memory.items():
+      assert row["resident"] == pytest.approx(out["runs"][name]["bytes_per_param"], abs=0.01)
+      # the first step makes the state with no more than a leaf above it, a later one 0
+      assert row["init_peak"] < 1.0 and row["step_peak"] < 0.5, (name, row)
 
 
 def test_torch_benchmark_scaled_adam_rows_and_the_transformer_tree(tmp_path):
