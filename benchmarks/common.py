@@ -33,6 +33,19 @@ TREES = {
             ((768, 256), 1), ((768,), 1), ((256, 256), 1), ((256,), 1), ((1024, 256), 1),
             ((1024,), 1), ((256, 1024), 1), ((256,), 1), ((256,), 4))] + [((256,), 1), ((), 1)],
     "quick": [((1024, 1024), 1), ((1024,), 1), ((1024, 256), 1), ((), 1)],
+    # The GPU's sizes: GPT-2 small (124M params in 148 tensors: token and position
+    # embeddings, 12 layers of two norms, qkv, out, two feed-forward matrices and their
+    # biases, a final norm) and a 1.3B model (24 such layers of width 2048, 292 tensors).
+    "gpt2": [((50257, 768), 1), ((1024, 768), 1)] + [
+        layer for _ in range(12) for layer in (
+            ((768,), 2), ((768, 2304), 1), ((2304,), 1), ((768, 768), 1), ((768,), 1),
+            ((768,), 2), ((768, 3072), 1), ((3072,), 1), ((3072, 768), 1), ((768,), 1))]
+    + [((768,), 2)],
+    "1.3b": [((50257, 2048), 1), ((2048, 2048), 1)] + [
+        layer for _ in range(24) for layer in (
+            ((2048,), 2), ((2048, 6144), 1), ((6144,), 1), ((2048, 2048), 1), ((2048,), 1),
+            ((2048,), 2), ((2048, 8192), 1), ((8192,), 1), ((8192, 2048), 1), ((2048,), 1))]
+    + [((2048,), 2)],
 }
 BANDWIDTH_BYTES = 256 * 2**20
 # The yardsticks' best of BANDWIDTH_REPS calls after BANDWIDTH_WARMUP: the

@@ -248,3 +248,22 @@ def test_report_without_a_kernel_builds_none(monkeypatch, capsys):
   out = common.report("t", runs, "ref", 10, {"copy": 1.0}, kernel_library=None)
   assert (out["cpu"]["kernel_lanes"], out["cpu"]["kernel_f16"]) == (0, False)
   assert "kernel not used" in capsys.readouterr().out
+
+
+def test_gpu_check_script_names_rows_and_trees_that_exist():
+  """benchmarks/gpu_check.sh runs where no test can (a GPU machine, minutes of lent
+  time): its bash parses, and every row and tree it names is one the benchmarks have."""
+  import re  # noqa: PLC0415
+  pytest.importorskip("torch")
+  from benchmarks import common, torch_step  # noqa: PLC0415
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "gpu_check.sh")
+  subprocess.run(["bash", "-n", path], check=True)
+  text = open(path).read().replace("\\\n", "")
+  rows = dict(re.findall(r'^(\w+_rows(?:_big)?)="([^"]*)"', text, flags=re.M))
+  assert set(rows) == {"jax_rows", "jax_rows_big", "torch_rows", "torch_rows_big"}
+  known = {"jax": set(step.all_candidates()), "torch": set(torch_step.candidates(device="cuda"))}
+  for name, value in rows.items():
+    missing = set(value.split(",")) - known[name.split("_")[0]]
+    assert not missing, (name, missing)
+  trees = re.search(r'trees=\$\{GPU_CHECK_TREES:-([^}]*)\}', text).group(1).split()
+  assert trees and set(trees) <= set(common.TREES)
