@@ -219,12 +219,17 @@ def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Arr
     d_pow = 1 - jnp.asarray(b, jnp.float32)  # d(2 ** i)
   else:
     d_pow = jnp.asarray(one_minus_b, jnp.float32)
-  d = jnp.zeros([], jnp.float32)
-  for i in range(32):
-    take = ((n >> i) & 1) == 1
-    d = jnp.where(take, (d + d_pow) - no_fma(d * d_pow, zero), d)
-    d_pow = no_fma(d_pow * (2 - d_pow), zero)  # added to d at the next bit
-  return d
+  two = jnp.float32(2)
+
+  def bit(i, carry):  # one bit of n, lowest first (a loop: traced once, not 32 times)
+    d, d_pow = carry
+    take = lax.shift_right_logical(n, lax.convert_element_type(i, jnp.uint32)) & jnp.uint32(1)
+    d = lax.select(take == 1, (d + d_pow) - no_fma(d * d_pow, zero), d)
+    return d, no_fma(d_pow * (two - d_pow), zero)  # added to d at the next bit
+
+  shape = jnp.broadcast_shapes(jnp.shape(n), jnp.shape(d_pow))
+  d_pow = jnp.broadcast_to(d_pow, shape)
+  return lax.fori_loop(0, 32, bit, (jnp.zeros(shape, jnp.float32), d_pow), unroll=True)[0]
 
 
 _BF16_QNAN = 0x7FC0
