@@ -20,15 +20,19 @@ trees=${GPU_CHECK_TREES:-gpt2 1.3b}
 reps=${GPU_CHECK_REPS:-5}
 py=${PYTHON:-python3}
 
-part() {  # part NAME SECONDS COMMAND...: runs it, its output to OUT/NAME.txt, status noted
+# Six files come back at most: log.txt (every part's output), status.txt and the JSONs
+# (a device machine returns 8 files at most).
+part() {  # part NAME SECONDS COMMAND...: runs it, its output appended to OUT/log.txt
   local name=$1 limit=$2
   shift 2
-  echo "== $name (limit ${limit}s): $*"
+  echo "== $name (limit ${limit}s): $*" | tee -a "$out/log.txt"
   local start=$SECONDS
-  timeout "$limit" "$@" >"$out/$name.txt" 2>&1
+  timeout "$limit" "$@" >"$out/part.txt" 2>&1
   local rc=$?
+  cat "$out/part.txt" >>"$out/log.txt"
+  tail -n 25 "$out/part.txt"
+  rm -f "$out/part.txt"
   echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$out/status.txt"
-  tail -n 25 "$out/$name.txt"
 }
 
 part env 60 "$py" -c "
