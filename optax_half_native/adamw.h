@@ -285,6 +285,24 @@ struct Lanes16 {
     }
     return r;
   }
+  // The lanes whose landing (adamw_write) is exact: d = t - pw has no bits
+  // below bf16's, so u = round(d) is d, and pw + d is t (bit for bit, a zero's
+  // sign included), so the landed param is t. The same fp32 ops as the
+  // landing's, on this thread's MXCSR (where XLA flushes d, d is 0 here too).
+  static __mmask16 landing(F t, F pw) {
+    const F d = t - pw;
+    const __mmask16 whole = _mm512_testn_epi32_mask((__m512i)bits(d), _mm512_set1_epi32(0xFFFF));
+    return _mm512_mask_cmpeq_epi32_mask(whole, (__m512i)bits(pw + d), (__m512i)bits(t));
+  }
+  static bool lands(F t, F pw) { return landing(t, pw) == 0xFFFF; }
+  // lands(t, pw), and x has no NaN or subnormal lane.
+  static bool lands_normal(F t, F pw, F x) {
+    return (landing(t, pw) & ~_mm512_fpclass_ps_mask(x, kNanOrSubnormal)) == 0xFFFF;
+  }
+  // x, a bf16 value (the low half of each lane 0), as bf16: its high halves.
+  static __m256i exact(F x, bf16) { return narrow16(bits(x) >> 16); }
+  // to(x, bf16) where x has no NaN or subnormal lane (vcvtneps2bf16 alone).
+  static __m256i to_normal(F x, bf16) { return (__m256i)_mm512_cvtneps_pbh(x); }
   static F to_stochastic(F x, U, float) { return x; }
   static __m256i to_stochastic(F x, U r, bf16) {
     U y = stochastic_bits(bits(x), r);
@@ -590,6 +608,19 @@ struct Pairs8 {
     return mix32_rest(U{x, x ^ 1u});
   }
 
+  // Lanes16::lands: the landing's roundings are exact (d = t - pw has no
+  // bits below bf16's and pw + d is t, bit for bit).
+  static bool lands(F t, F pw) {
+    const F d = t - pw;
+    const U low = bits(d) & 0xFFFFu, landed = bits(pw + d), want = bits(t);
+    const V ok = (V)((low.e | low.o) == 0u) & (V)(landed.e == want.e) & (V)(landed.o == want.o);
+    return _mm256_movemask_ps(_mm256_castsi256_ps((__m256i)ok)) == 0xFF;
+  }
+  // lands(t, pw), and x has no NaN lane (the integer roundings take subnormals).
+  static bool lands_normal(F t, F pw, F x) { return !any_nan(x) && lands(t, pw); }
+  static V exact(F x, bf16) { return high_words(bits(x)); }
+  // to(x, bf16) where x has no NaN lane.
+  static V to_normal(F x, bf16) { return high_words(nearest_even_high(bits(x))); }
   static F to(F x, float) { return x; }
   static F rounded_bf16(F x) { return floats(nearest_even_high(bits(x)) & 0xFFFF0000u); }
   // The bf16 words of a rounding of x whose high halves are y (a *_high
@@ -792,6 +823,20 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   else return x + u;
 }
 
+// Whether lanes L check a block for an exact landing (L::lands: Lanes16 and
+// Pairs8, bf16 params), so that a block that lands on its targets skips the
+// landing's two roundings.
+template <typename L, typename P, typename = void>
+struct lands_fast : std::false_type {};
+template <typename L>
+struct lands_fast<L, bf16, std::void_t<decltype(L::lands(typename L::F{}, typename L::F{}))>>
+    : std::true_type {};
+template <typename L, typename P>
+inline bool all_land(typename L::F t32, typename L::F pw) {
+  if constexpr (lands_fast<L, P>::value) return L::lands(t32, pw);
+  else return false;
+}
+
 // y: adamw_math's value (x + u; u for kDirect and kUpdate). A 16-bit param
 // lands (docs/algorithms.md#landing-exactly): the mode rounds x' = y to its
 // target t (nearest, stochastic, split's high half), the update is
@@ -817,16 +862,28 @@ inline __attribute__((always_inline)) void adamw_write(
       if constexpr (UPDATE) L::put(p_out, i, u);
       else L::put(p_out, i, landed);
     };
-    // Writes u or the landed param; returns the landed param widened.
-    const auto land = [&](F t32) {
+    // Whether every lane lands on its target t32 (L::lands, where L has it):
+    // u = t - p and p + u = t need no rounding, and the landed param is t.
+    constexpr bool kFast = lands_fast<L, P>::value;
+    const auto lands = [&](F t32) { return __builtin_expect(all_land<L, P>(t32, pw), 1); };
+    // Writes u or the landed param for the target t; returns the landed param widened.
+    const auto land = [&](auto t) {
+      const F t32 = L::widen(t, P{});
+      if constexpr (kFast) {
+        if (lands(t32)) {
+          put_out(L::exact(t32 - pw, P{}), t);
+          return t32;
+        }
+      }
       const auto u = update_to(t32);
       const auto landed = landing(u);
       put_out(u, landed);
       return L::widen(landed, P{});
     };
     if constexpr (MODE == kMaster) {
-      const F t32 = L::widen(L::to(x_new, P{}), P{});
-      const F landed = land(t32);
+      const auto t = L::to(x_new, P{});
+      const F t32 = L::widen(t, P{});
+      const F landed = land(t);
       // Where the param landed elsewhere, the master is the param (it stays its rounding).
       L::put(master, i, L::where_equal(landed, t32, x_new, landed));
     } else if constexpr (MODE == kSplit) {
@@ -834,6 +891,12 @@ inline __attribute__((always_inline)) void adamw_write(
       // landed; then u or the landed param over the high half.
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
       const F t32 = L::get(p_out, i);
+      if constexpr (kFast) {
+        if (lands(t32)) {  // the high half is the landed param
+          if constexpr (UPDATE) L::put(p_out, i, L::exact(t32 - pw, P{}));
+          return;
+        }
+      }
       const auto u = update_to(t32);
       const auto landed = landing(u);
       const F landed32 = L::widen(landed, P{});
@@ -841,13 +904,26 @@ inline __attribute__((always_inline)) void adamw_write(
                    L::where_equal(landed32, t32, x_new, landed32));
       put_out(u, landed);
     } else if constexpr (MODE == kKahan) {
-      const F landed = land(L::widen(L::to(x_new, P{}), P{}));
+      if constexpr (kFast) {
+        // One check for the block's three roundings: x' rounded to t without
+        // fix-ups (to_normal), the residual x' - t (a NaN where x' is a NaN or
+        // an Inf; for Lanes16, subnormal where x' is, which vcvtneps2bf16 reads
+        // as 0) and the landing; a block that needs more takes the general write.
+        const auto t = L::to_normal(x_new, P{});
+        const F t32 = L::widen(t, P{});
+        const F residual = x_new - t32;
+        if (__builtin_expect(L::lands_normal(t32, pw, residual), 1)) {
+          put_out(L::exact(t32 - pw, P{}), t);
+          L::put(comp, i, L::to_normal(residual, P{}));
+          return;
+        }
+      }
+      const F landed = land(L::to(x_new, P{}));
       L::put(comp, i, L::to(x_new - landed, P{}));
     } else if constexpr (MODE == kStochastic) {
-      land(L::widen(
-          L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}), P{}));
+      land(L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}));
     } else {
-      land(L::widen(L::to(x_new, P{}), P{}));
+      land(L::to(x_new, P{}));
     }
   }
 }

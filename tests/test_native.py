@@ -1532,3 +1532,90 @@ def test_every_scaled_adam_configuration_has_its_entry_points():
   for config in configs:
     assert native.scaled_adam_kernels(*config) is not None, config
   assert native.scaled_adam_kernels("F", "F", "B") is None
+
+
+def _landing_edges(n=16 * 48 + 3, seed=31):
+  """bf16 params for the landing's one check per wide block (Lanes16.landing):
+  blocks of ordinary weights (every lane lands through the check) and blocks
+  with one lane, or all lanes, at its edges: zeros of both signs, subnormals,
+  exponents 1 to 9 (below 2^-119 a step's t - p may be subnormal, flushed by
+  XLA), the tops and bottoms of binades (a step crosses them), the largest
+  values, Infs and NaN."""
+  rng = np.random.default_rng(seed)
+  w = rng.standard_normal(n).astype(np.float32)
+  edges = np.float32([0.0, -0.0, 1e-40, -3e-39, 1.5 * 2.0**-126, 2.0**-121, 1.5 * 2.0**-120,
+                      -1.75 * 2.0**-120, 2.0**-119, 1.99 * 2.0**-119, 1.5 * 2.0**-118,
+                      1.9921875, -1.9921875, 1.0, -1.0, 0.5, 3.3e38, -3.3e38, np.inf,
+                      -np.inf, np.nan])
+  for k, e in enumerate(edges):  # one odd lane in block 2k + 1, at lane k % 16
+    w[16 * (2 * k + 1) + k % 16] = e
+  tiny = np.exp2(rng.uniform(-127, -116, 16)) * rng.choice([-1, 1], 16)
+  w[16 * 44:16 * 45] = tiny  # a whole block about 2^-119
+  w[16 * 45:16 * 46] = np.resize(edges, 16)
+  return w
+
+
+@pytest.mark.parametrize("lr", [2.0**-126, 1e-2, 1.0], ids=["lr 2^-126", "lr 1e-2", "lr 1"])
+@pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none", "master"])
+def test_the_kernel_lands_at_the_edges_of_its_block_check(compensation, lr, monkeypatch):
+  """The wide lanes check a block once for landing on its targets (t and p
+  of one sign and binade, normal, at least 2^-119: the landing's roundings
+  are then exact) and take the general write otherwise. At the check's edges
+  (``_landing_edges``), with steps of about 2^-126 (t - p subnormal for the
+  smallest params), 1e-2 (across binade tops) and 1 (sign changes, jumps):
+  torch's kernel equals its eager step, and JAX's kernel, through
+  ``tx.update`` and in place, equals the composed transformation, params and
+  every state leaf (in place, only a zero's sign may differ,
+  docs/algorithms.md#landing-exactly), bit for bit (a NaN only has to be a NaN)."""
+  w = _landing_edges()
+  grads = [_values(40 + t, w.shape, 0.1) for t in range(3)]
+  grads[0][::7] *= 1e-6  # ratios m / sqrt(v) away from 1
+  for g in grads:  # zeros stay zeros: -0.0 lands on +0.0 (p + (t - p))
+    g[w == 0] = 0.0
+
+  def make_torch(params, fused):
+    if compensation == "master":
+      return tb.adam_fp32_master(params, lr, weight_decay=0.0, fused=fused)
+    return tb.adamw_bf16(params, lr, weight_decay=0.0, compensation=compensation, key=3,
+                         fused=fused)
+  runs = []
+  for fused in (None, False):
+    p = torch.nn.Parameter(torch.from_numpy(w).to(torch.bfloat16))
+    opt = make_torch([p], fused)
+    for g in grads:
+      p.grad = torch.from_numpy(g).to(torch.bfloat16)
+      opt.step()
+    runs.append([p.detach()] + [v for k, v in opt.state[p].items() if k != "step"])
+  for a, b in zip(*runs):
+    _same_but_nan_bits(a.float().numpy() if a.dtype == torch.bfloat16 else a.numpy(),
+                       b.float().numpy() if b.dtype == torch.bfloat16 else b.numpy(),
+                       (compensation, lr))
+  if jax.default_backend() != "cpu":
+    return
+
+  def make_jax():
+    if compensation == "master":
+      return oh.adam_fp32_master(lr, weight_decay=0.0)
+    return oh.adamw_bf16(lr, weight_decay=0.0, compensation=compensation, key=3)
+
+  def run(in_place):
+    step = jitted_step(make_jax(), in_place)
+    params = {"w": jnp.asarray(w, jnp.bfloat16)}
+    state = make_jax().init(params)
+    for g in grads:
+      params, state = step(params, state, {"w": jnp.asarray(g, jnp.bfloat16)})
+    return [np.asarray(x) for x in jax.tree.leaves((params, state))]
+
+  with monkeypatch.context() as m:
+    m.setattr(jax_native, "available", lambda: False)
+    composed = run(False)
+  for in_place in (False, True):
+    kernel = run(in_place)
+    for a, b in zip(kernel[1:], composed[1:]):
+      _same_but_nan_bits(a.astype(np.float32), b.astype(np.float32), (compensation, lr, in_place))
+      assert a.dtype == b.dtype
+    a, b = kernel[0].view(np.uint16), composed[0].view(np.uint16)
+    differ = (a != b) & ~(np.isnan(kernel[0].astype(np.float32))
+                          & np.isnan(composed[0].astype(np.float32)))
+    assert not (differ.any() and not in_place), (compensation, lr)
+    assert (((a | b)[differ] & 0x7FFF) == 0).all(), (compensation, lr, in_place)
