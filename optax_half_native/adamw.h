@@ -7,6 +7,7 @@
 // so the bits equal theirs.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -608,19 +609,6 @@ struct Pairs8 {
     return mix32_rest(U{x, x ^ 1u});
   }
 
-  // Lanes16::lands: the landing's roundings are exact (d = t - pw has no
-  // bits below bf16's and pw + d is t, bit for bit).
-  static bool lands(F t, F pw) {
-    const F d = t - pw;
-    const U low = bits(d) & 0xFFFFu, landed = bits(pw + d), want = bits(t);
-    const V ok = (V)((low.e | low.o) == 0u) & (V)(landed.e == want.e) & (V)(landed.o == want.o);
-    return _mm256_movemask_ps(_mm256_castsi256_ps((__m256i)ok)) == 0xFF;
-  }
-  // lands(t, pw), and x has no NaN lane (the integer roundings take subnormals).
-  static bool lands_normal(F t, F pw, F x) { return !any_nan(x) && lands(t, pw); }
-  static V exact(F x, bf16) { return high_words(bits(x)); }
-  // to(x, bf16) where x has no NaN lane.
-  static V to_normal(F x, bf16) { return high_words(nearest_even_high(bits(x))); }
   static F to(F x, float) { return x; }
   static F rounded_bf16(F x) { return floats(nearest_even_high(bits(x)) & 0xFFFF0000u); }
   // The bf16 words of a rounding of x whose high halves are y (a *_high
@@ -823,9 +811,10 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   else return x + u;
 }
 
-// Whether lanes L check a block for an exact landing (L::lands: Lanes16 and
-// Pairs8, bf16 params), so that a block that lands on its targets skips the
-// landing's two roundings.
+// Whether lanes L check a block for an exact landing (L::lands: Lanes16,
+// bf16 params), so that a block that lands on its targets skips the
+// landing's two roundings. (Pairs8 has 16 vector registers: the checks and
+// their bookkeeping made its loop spill, slower than the roundings.)
 template <typename L, typename P, typename = void>
 struct lands_fast : std::false_type {};
 template <typename L>
@@ -844,8 +833,8 @@ inline bool all_land(typename L::F t32, typename L::F pw) {
 // (what optax.apply_updates, p + u and torch's add_ compute), and the buffer
 // is written against the landed param. p_out takes u (UPDATE: JAX's
 // tx.update) or the landed param.
-template <typename L, typename P, int MODE, bool UPDATE = false>
-inline __attribute__((always_inline)) void adamw_write(
+template <typename L, typename P, int MODE, bool UPDATE = false, bool CHECK = false>
+inline __attribute__((always_inline)) bool adamw_write(
     int64_t i, uint64_t index0, const P* p, P* p_out, typename L::F y, float* __restrict master,
     int16_t* __restrict low, P* __restrict comp, uint32_t key_p) {
   using F = typename L::F;
@@ -862,14 +851,22 @@ inline __attribute__((always_inline)) void adamw_write(
       if constexpr (UPDATE) L::put(p_out, i, u);
       else L::put(p_out, i, landed);
     };
-    // Whether every lane lands on its target t32 (L::lands, where L has it):
-    // u = t - p and p + u = t need no rounding, and the landed param is t.
-    constexpr bool kFast = lands_fast<L, P>::value;
-    const auto lands = [&](F t32) { return __builtin_expect(all_land<L, P>(t32, pw), 1); };
-    // Writes u or the landed param for the target t; returns the landed param widened.
-    const auto land = [&](auto t) {
+    // CHECK (adamw_range): whether every lane of the block lands on its target
+    // t32 (L::lands, where L has it): u = t - p and p + u = t then need no
+    // rounding, and the landed param is t. The write returns whether the
+    // check failed.
+    constexpr bool kFast = CHECK && lands_fast<L, P>::value;
+    bool missed = false;
+    const auto lands = [&](F t32) {
+      const bool all = __builtin_expect(all_land<L, P>(t32, pw), 1);
+      missed = !all;
+      return all;
+    };
+    // Writes u or the landed param for the target t; returns the landed param
+    // widened. (Kahan's write makes its own block check: `checks` false.)
+    const auto land = [&](auto t, auto checks) {
       const F t32 = L::widen(t, P{});
-      if constexpr (kFast) {
+      if constexpr (kFast && decltype(checks)::value) {
         if (lands(t32)) {
           put_out(L::exact(t32 - pw, P{}), t);
           return t32;
@@ -883,7 +880,7 @@ inline __attribute__((always_inline)) void adamw_write(
     if constexpr (MODE == kMaster) {
       const auto t = L::to(x_new, P{});
       const F t32 = L::widen(t, P{});
-      const F landed = land(t);
+      const F landed = land(t, std::true_type{});
       // Where the param landed elsewhere, the master is the param (it stays its rounding).
       L::put(master, i, L::where_equal(landed, t32, x_new, landed));
     } else if constexpr (MODE == kSplit) {
@@ -894,7 +891,7 @@ inline __attribute__((always_inline)) void adamw_write(
       if constexpr (kFast) {
         if (lands(t32)) {  // the high half is the landed param
           if constexpr (UPDATE) L::put(p_out, i, L::exact(t32 - pw, P{}));
-          return;
+          return false;
         }
       }
       const auto u = update_to(t32);
@@ -906,26 +903,30 @@ inline __attribute__((always_inline)) void adamw_write(
     } else if constexpr (MODE == kKahan) {
       if constexpr (kFast) {
         // One check for the block's three roundings: x' rounded to t without
-        // fix-ups (to_normal), the residual x' - t (a NaN where x' is a NaN or
-        // an Inf; for Lanes16, subnormal where x' is, which vcvtneps2bf16 reads
-        // as 0) and the landing; a block that needs more takes the general write.
+        // fix-ups (to_normal), the residual r = x' - t (a NaN where x' is a
+        // NaN or an Inf, subnormal where x' is, which vcvtneps2bf16 reads as
+        // 0) and the landing; a block that needs more takes the general write.
         const auto t = L::to_normal(x_new, P{});
         const F t32 = L::widen(t, P{});
-        const F residual = x_new - t32;
-        if (__builtin_expect(L::lands_normal(t32, pw, residual), 1)) {
+        const F r = x_new - t32;
+        if (__builtin_expect(L::lands_normal(t32, pw, r), 1)) {
           put_out(L::exact(t32 - pw, P{}), t);
-          L::put(comp, i, L::to_normal(residual, P{}));
-          return;
+          L::put(comp, i, L::to_normal(r, P{}));
+          return false;
         }
+        missed = true;
       }
-      const F landed = land(L::to(x_new, P{}));
+      const F landed = land(L::to(x_new, P{}), std::false_type{});
       L::put(comp, i, L::to(x_new - landed, P{}));
     } else if constexpr (MODE == kStochastic) {
-      land(L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}));
+      land(L::to_stochastic(x_new, counter_hash<L>(index0 + uint64_t(i), key_p), P{}),
+           std::true_type{});
     } else {
-      land(L::to(x_new, P{}));
+      land(L::to(x_new, P{}), std::true_type{});
     }
+    return missed;
   }
+  return false;
 }
 
 // One AdamW step on elements [begin, end) of one tensor, whose element 0 has
@@ -967,13 +968,14 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
 #endif
   constexpr int64_t W = L::kWidth;
   using F = typename L::F;
-  const auto read = [&](int64_t j) { return read_grad<L, G, READ>(g, j, s, clip_recip); };
-  const auto math = [&](int64_t j, F gj) {
+  // (Every lambda of the loop always inlined: GCC's own choice left some as
+  // calls in the torch library, passing vectors through memory.)
+  const auto read = [&](int64_t j) __attribute__((always_inline)) {
+    return read_grad<L, G, READ>(g, j, s, clip_recip);
+  };
+  const auto math = [&](int64_t j, F gj) __attribute__((always_inline)) {
     return adamw_math<L, P, M, V, MODE, SR>(j, index0, p, gj, mu, nu, master, low, comp, s,
                                             key_m);
-  };
-  const auto write = [&](int64_t j, F y) {
-    adamw_write<L, P, MODE, UPDATE>(j, index0, p, p_out, y, master, low, comp, key_p);
   };
   if constexpr (mixes_counter<L>::value && (SR || MODE == kStochastic)) {  // even counters
     if (i < end && ((index0 + uint64_t(i)) & 1u)) {  // that element alone, as the tail's
@@ -984,35 +986,68 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
       ++i;
     }
   }
-  if constexpr (L::kThreeStages) {
-    if (i + 2 * W <= end) {
-      F y = math(i, read(i));
-      F g_next = read(i + W);
-      for (; i + 3 * W <= end; i += W) {
-        const F g_after = read(i + 2 * W);
+  // The blocks from i to stop (stop - i a multiple of W, or the range's end),
+  // with the write's block check for an exact landing (CHECK: adamw_write) or
+  // without; returns how many blocks failed it.
+  const auto blocks = [&](auto check, int64_t stop) __attribute__((always_inline)) {
+    int misses = 0;
+    const auto write = [&](int64_t j, F y) __attribute__((always_inline)) {
+      misses += adamw_write<L, P, MODE, UPDATE, decltype(check)::value>(
+          j, index0, p, p_out, y, master, low, comp, key_p);
+    };
+    if constexpr (L::kThreeStages) {
+      if (i + 2 * W <= stop) {
+        F y = math(i, read(i));
+        F g_next = read(i + W);
+        for (; i + 3 * W <= stop; i += W) {
+          const F g_after = read(i + 2 * W);
+          const F y_next = math(i + W, g_next);
+          write(i, y);
+          y = y_next;
+          g_next = g_after;
+        }
         const F y_next = math(i + W, g_next);
         write(i, y);
-        y = y_next;
+        write(i + W, y_next);
+        i += 2 * W;
+      }
+    } else if (i + 2 * W <= stop) {  // one stage, the gradients read one block ahead
+      F g_next = read(i);
+      for (; i + 2 * W <= stop; i += W) {
+        const F g_after = read(i + W);
+        write(i, math(i, g_next));
         g_next = g_after;
       }
-      const F y_next = math(i + W, g_next);
-      write(i, y);
-      write(i + W, y_next);
-      i += 2 * W;
-    }
-  } else if (i + 2 * W <= end) {  // one stage, the gradients read one block ahead
-    F g_next = read(i);
-    for (; i + 2 * W <= end; i += W) {
-      const F g_after = read(i + W);
       write(i, math(i, g_next));
-      g_next = g_after;
+      i += W;
     }
-    write(i, math(i, g_next));
-    i += W;
-  }
-  if (i + W <= end) {  // a range of one block (W to 2W - 1 elements)
-    write(i, math(i, read(i)));
-    i += W;
+    if (i + W <= stop) {  // a range of one block (W to 2W - 1 elements)
+      write(i, math(i, read(i)));
+      i += W;
+    }
+    return misses;
+  };
+  // The check saves the landing's roundings where blocks pass it, and costs a
+  // mispredicted branch where one fails, as near zero crossings (weights
+  // within a step of 0) often do. So the blocks go in windows of kWindow:
+  // where more than 1 in 8 of a checked window failed, the next kRest windows
+  // go without the check (each kind of window a loop of its own, so the
+  // unchecked one is the plain write's loop).
+  if constexpr (lands_fast<L, P>::value) {
+    constexpr int64_t kWindow = 64 * W;
+    constexpr int kRest = 31;
+    int rest = 0;
+    while (i + W <= end) {
+      const int64_t stop = std::min(end, i + kWindow);
+      if (rest == 0) {
+        if (blocks(std::true_type{}, stop) > kWindow / W / 8) rest = kRest;
+      } else {
+        blocks(std::false_type{}, stop);
+        --rest;
+      }
+    }
+  } else {
+    blocks(std::false_type{}, end);
   }
 #endif
   // The tail, one element at a time (Scalar). (Written out, as the odd first

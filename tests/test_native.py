@@ -1538,9 +1538,9 @@ def _landing_edges(n=16 * 48 + 3, seed=31):
   """bf16 params for the landing's one check per wide block (Lanes16.landing):
   blocks of ordinary weights (every lane lands through the check) and blocks
   with one lane, or all lanes, at its edges: zeros of both signs, subnormals,
-  exponents 1 to 9 (below 2^-119 a step's t - p may be subnormal, flushed by
-  XLA), the tops and bottoms of binades (a step crosses them), the largest
-  values, Infs and NaN."""
+  exponents near 2^-126 (a step's t - p may be subnormal, which XLA flushes),
+  the tops and bottoms of binades (a step crosses them), the largest
+  values, Infs and NaN; then runs of weights near 0 (adamw_range's windows)."""
   rng = np.random.default_rng(seed)
   w = rng.standard_normal(n).astype(np.float32)
   edges = np.float32([0.0, -0.0, 1e-40, -3e-39, 1.5 * 2.0**-126, 2.0**-121, 1.5 * 2.0**-120,
@@ -1552,15 +1552,20 @@ def _landing_edges(n=16 * 48 + 3, seed=31):
   tiny = np.exp2(rng.uniform(-127, -116, 16)) * rng.choice([-1, 1], 16)
   w[16 * 44:16 * 45] = tiny  # a whole block about 2^-119
   w[16 * 45:16 * 46] = np.resize(edges, 16)
-  return w
+  # Then 2048 blocks of weights within a step of 0 and of ordinary ones, in
+  # runs: the kernel stops checking where many blocks fail, and checks again.
+  near = rng.standard_normal(16 * 2048).astype(np.float32)
+  near[:16 * 512] *= 1e-3
+  near[16 * 1024:16 * 1536] *= 1e-3
+  return np.concatenate([w, near])
 
 
 @pytest.mark.parametrize("lr", [2.0**-126, 1e-2, 1.0], ids=["lr 2^-126", "lr 1e-2", "lr 1"])
 @pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none", "master"])
 def test_the_kernel_lands_at_the_edges_of_its_block_check(compensation, lr, monkeypatch):
-  """The wide lanes check a block once for landing on its targets (t and p
-  of one sign and binade, normal, at least 2^-119: the landing's roundings
-  are then exact) and take the general write otherwise. At the check's edges
+  """The wide lanes check a block once for an exact landing (t - p has no
+  bits below bf16's and p + (t - p) is t), in windows of blocks that stop
+  checking where many fail, and take the general write otherwise. At the check's edges
   (``_landing_edges``), with steps of about 2^-126 (t - p subnormal for the
   smallest params), 1e-2 (across binade tops) and 1 (sign changes, jumps):
   torch's kernel equals its eager step, and JAX's kernel, through
@@ -1614,6 +1619,10 @@ def test_the_kernel_lands_at_the_edges_of_its_block_check(compensation, lr, monk
     for a, b in zip(kernel[1:], composed[1:]):
       _same_but_nan_bits(a.astype(np.float32), b.astype(np.float32), (compensation, lr, in_place))
       assert a.dtype == b.dtype
+    for a in kernel:  # the kernel's bf16 NaNs are round_nearest's
+      if a.dtype == jnp.bfloat16:
+        assert (a.view(np.uint16)[np.isnan(a.astype(np.float32))] == 0x7FC0).all(), (
+            compensation, lr, in_place)
     a, b = kernel[0].view(np.uint16), composed[0].view(np.uint16)
     differ = (a != b) & ~(np.isnan(kernel[0].astype(np.float32))
                           & np.isnan(composed[0].astype(np.float32)))
