@@ -290,15 +290,15 @@ struct Lanes16 {
   // below bf16's, so u = round(d) is d, and pw + d is t (bit for bit, a zero's
   // sign included), so the landed param is t. The same fp32 ops as the
   // landing's, on this thread's MXCSR (where XLA flushes d, d is 0 here too).
-  static __mmask16 landing(F t, F pw) {
+  static __mmask16 landed_lanes(F t, F pw) {
     const F d = t - pw;
     const __mmask16 whole = _mm512_testn_epi32_mask((__m512i)bits(d), _mm512_set1_epi32(0xFFFF));
     return _mm512_mask_cmpeq_epi32_mask(whole, (__m512i)bits(pw + d), (__m512i)bits(t));
   }
-  static bool lands(F t, F pw) { return landing(t, pw) == 0xFFFF; }
+  static bool lands(F t, F pw) { return landed_lanes(t, pw) == 0xFFFF; }
   // lands(t, pw), and x has no NaN or subnormal lane.
   static bool lands_normal(F t, F pw, F x) {
-    return (landing(t, pw) & ~_mm512_fpclass_ps_mask(x, kNanOrSubnormal)) == 0xFFFF;
+    return (landed_lanes(t, pw) & ~_mm512_fpclass_ps_mask(x, kNanOrSubnormal)) == 0xFFFF;
   }
   // x, a bf16 value (the low half of each lane 0), as bf16: its high halves.
   static __m256i exact(F x, bf16) { return narrow16(bits(x) >> 16); }

@@ -1535,7 +1535,7 @@ def test_every_scaled_adam_configuration_has_its_entry_points():
 
 
 def _landing_edges(n=16 * 48 + 3, seed=31):
-  """bf16 params for the landing's one check per wide block (Lanes16.landing):
+  """bf16 params for the landing's one check per wide block (Lanes16.landed_lanes):
   blocks of ordinary weights (every lane lands through the check) and blocks
   with one lane, or all lanes, at its edges: zeros of both signs, subnormals,
   exponents near 2^-126 (a step's t - p may be subnormal, which XLA flushes),
