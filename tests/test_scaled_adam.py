@@ -1070,3 +1070,19 @@ def test_update_and_apply_writes_the_params_in_place_same_bits(case, dtype_name)
 def _find_clipping(state):
   return next(x for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(
       x, oh.ScaledAdamClippingState)) if isinstance(x, oh.ScaledAdamClippingState))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_jitted_init_reads_the_rms_of_params_rounded_in_the_graph(dtype):
+  # docs/algorithms.md#exact-upcasts: XLA:CPU drops the round trip of `astype` (and of a
+  # bf16 dot) fused into a sum. Three quarters of the values round up a ULP, so the RMS of
+  # the rounded params and that of the fp32 values round apart.
+  ulp = float(jnp.finfo(dtype).eps)
+  x = jnp.where(jnp.arange(4096) % 4 == 0, 1.0, 1.0 + 0.55 * ulp).astype(jnp.float32)
+  tx = oh.scaled_adam(1e-3)
+  rms = jax.jit(lambda x: tx.init({"w": x.reshape(64, 64).astype(dtype)}).param_rms["w"])(x)
+  rounded = np.asarray(x.astype(dtype), np.float64)
+  want = jnp.asarray(np.sqrt(np.mean(rounded ** 2)), jnp.float32).astype(dtype)
+  unrounded = jnp.asarray(np.sqrt(np.mean(np.asarray(x, np.float64) ** 2)), jnp.float32)
+  assert float(unrounded.astype(dtype)) != float(want)
+  assert float(rms) == float(want)
