@@ -203,6 +203,7 @@ def _fsdp_worker(rank, port, out):
   import os  # noqa: PLC0415
   import torch.distributed as dist  # noqa: PLC0415
   from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+  from torch.distributed.tensor import DTensor  # noqa: PLC0415
   os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
   dist.init_process_group("gloo", rank=rank, world_size=2)
   torch.set_num_threads(1)
@@ -215,7 +216,10 @@ def _fsdp_worker(rank, port, out):
   x = torch.ones(8, 4, dtype=torch.float16)
   for k in range(8):  # 8 micro-batches, scaled gradients of 8192 each: 65536 in all
     scaler.scale(model(x[k:k + 1]).float().sum()).backward()
-  assert model.weight.grad is None
+  grad = model.weight.grad  # the alias: a DTensor laid out like the param
+  out[f"alias{rank}"] = (isinstance(grad, DTensor) and grad.placements == model.weight.placements
+                         and isinstance(grad._local_tensor, MainGradAlias)
+                         and grad.dtype == torch.float16)
   out[f"main_grad{rank}"] = model.weight.main_grad.full_tensor().clone()
   try:
     handle.all_reduce()
@@ -245,6 +249,7 @@ def test_fsdp2_reduces_each_micro_batch_and_main_grad_sums_the_shards_in_fp32():
   mp.spawn(_fsdp_worker, args=(port, out), nprocs=2, join=True)
   expected = torch.full((2, 4), 8 * 8192.0)
   assert torch.equal(out["main_grad0"], expected) and torch.equal(out["main_grad1"], expected)
+  assert out["alias0"] and out["alias1"]
   assert "already reduce-scattered" in out["all_reduce0"]
   assert out["skipped0"] == out["skipped1"] == 0
   assert torch.equal(out["weight0"], out["weight1"])
@@ -252,6 +257,75 @@ def test_fsdp2_reduces_each_micro_batch_and_main_grad_sums_the_shards_in_fp32():
   w0 = torch.nn.Linear(4, 2).to(torch.float16).weight.detach()
   assert (out["weight0"] != w0).all()  # every element stepped
   assert out["freed0"] and out["freed1"]
+
+
+def _fsdp_clip_worker(rank, port, out):
+  import os  # noqa: PLC0415
+  import torch.distributed as dist  # noqa: PLC0415
+  from torch.distributed.fsdp import fully_shard  # noqa: PLC0415
+  os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+  dist.init_process_group("gloo", rank=rank, world_size=2)
+  torch.set_num_threads(1)
+  full = lambda ts: [t.full_tensor().clone() for t in ts]
+  for max_norm in (0.5, 1e9):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    xs = [torch.randn(4, 6).to(torch.bfloat16) for _ in range(4)]
+    fully_shard(model)
+    handle = tb.accumulate_in_fp32(model.parameters())
+    opt = tb.adamw_bf16(model.parameters(), lr=1e-2)
+    backward = lambda x: model(x[2 * rank:2 * rank + 2]).float().pow(2).sum().backward()
+    backward(xs[0])
+    first = full(p.main_grad for p in model.parameters())
+    model.zero_grad()  # drops the aliases: the next backward starts a new sum
+    backward(xs[0])
+    out[f"restarted{rank}"] = all(
+        torch.equal(a, b) for a, b in zip(first, full(p.main_grad for p in model.parameters())))
+    sums = [p.main_grad for p in model.parameters()]
+    for x in xs[1:]:
+      backward(x)  # FSDP2 adds each into the alias: the same fp32 sums, no new ones
+    out[f"kept{rank}"] = all(p.main_grad is m for p, m in zip(model.parameters(), sums))
+    main = full(p.main_grad for p in model.parameters())
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    out[f"{max_norm} main{rank}"] = main
+    out[f"{max_norm} norm{rank}"] = norm.full_tensor().clone()
+    out[f"{max_norm} clipped{rank}"] = full(p.main_grad for p in model.parameters())
+    opt.step()
+    handle.remove()
+  dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two processes (gloo)
+@pytest.mark.parametrize("max_norm", [0.5, 1e9])
+def test_fsdp2_torch_clip_grad_norm_clips_what_the_step_uses(fsdp_clip_runs, max_norm):
+  """Sharded params get the alias too, as a DTensor laid out like the param:
+  torch.nn.utils.clip_grad_norm_ (what accelerate and Lightning call under
+  FSDP2) returns the fp32 sums' norm over every shard and scales main_grad, the
+  gradient the step reads, by torch's coefficient, bit for bit."""
+  out = fsdp_clip_runs
+  main, norm, clipped = (out[f"{max_norm} {k}0"] for k in ("main", "norm", "clipped"))
+  for k in ("main", "norm", "clipped"):
+    a, b = out[f"{max_norm} {k}0"], out[f"{max_norm} {k}1"]
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) if k != "norm" else torch.equal(a, b)
+  assert norm.dtype == torch.float32
+  want = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m) for m in main]))
+  assert torch.allclose(norm, want, rtol=1e-6)
+  coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+  assert all(torch.equal(c, m * coef) for c, m in zip(clipped, main))
+  assert (coef < 0.1) if max_norm < 1 else (coef == 1.0)
+  assert out["restarted0"] and out["restarted1"] and out["kept0"] and out["kept1"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_clip_runs():
+  import socket  # noqa: PLC0415
+  import torch.multiprocessing as mp  # noqa: PLC0415
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  out = mp.Manager().dict()
+  mp.spawn(_fsdp_clip_worker, args=(port, out), nprocs=2, join=True)
+  return dict(out)
 
 
 # ---------------------------------------------------------------------------

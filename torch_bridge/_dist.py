@@ -32,7 +32,7 @@ try:  # torch.distributed may be built without DTensor
 except ImportError:  # pragma: no cover - depends on the torch build
   DTensor = None
 
-__all__ = ["is_dtensor", "local", "layout", "like", "index", "sum_over_shards",
+__all__ = ["is_dtensor", "local", "layout", "like", "held", "wrap_as", "index", "sum_over_shards",
            "norm_over_shards", "any_rank"]
 
 
@@ -61,6 +61,18 @@ def like(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     return local_tensor
   return DTensor.from_local(local_tensor, param.device_mesh, param.placements, run_check=False,
                             shape=param.shape, stride=param.stride())
+
+
+def held(t: torch.Tensor) -> torch.Tensor:
+  """The tensor a DTensor holds, as it is (``to_local`` applies a view op, which
+  a tensor subclass may answer with another type), or ``t`` itself."""
+  return t._local_tensor if is_dtensor(t) else t
+
+
+def wrap_as(local_tensor: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+  """``local_tensor``, with ``param``'s local shape, dtype and strides, wrapped
+  without an op on it as a DTensor with ``param``'s layout."""
+  return DTensor(local_tensor, param._spec, requires_grad=False)
 
 
 def index(param: torch.Tensor) -> Union[int, torch.Tensor]:

@@ -27,14 +27,12 @@ ranks once per step (without ``no_sync`` DDP would reduce each 16-bit
 micro-batch gradient after this hook has moved it). Under FSDP2
 (``fully_shard``: DTensor params) FSDP2 reduce-scatters each micro-batch's
 16-bit gradient (averaged over the ranks, in its ``MixedPrecisionPolicy``'s
-``reduce_dtype``), assigns the shard to the sharded param and runs its
-post-accumulate-grad hooks: each rank adds its shard into an fp32 DTensor
-``main_grad``, so what is summed in fp32 is the reduced micro-batch
-gradients, and nothing is left to all-reduce. Keep gradient sync on for
-every micro-batch (``set_requires_gradient_sync(False)`` makes FSDP2 sum
-the unreduced micro-batches in 16 bits itself and run the hook once).
-Sharded params get no alias (``p.grad`` stays None): clip them with
-``scaler.clip_grad_norm_``.
+``reduce_dtype``) and adds the shard into the sharded param's ``p.grad``: a
+DTensor holding the alias of the fp32 ``main_grad`` shard. So what is summed
+in fp32 is the reduced micro-batch gradients, nothing is left to all-reduce,
+and ``clip_grad_norm_`` takes the norm over every shard. Keep gradient sync
+on for every micro-batch (``set_requires_gradient_sync(False)`` makes FSDP2
+sum the unreduced micro-batches in 16 bits itself and run the hook once).
 """
 
 from __future__ import annotations
@@ -94,28 +92,37 @@ class MainGradAlias(torch.Tensor):
 
 
 def _alias(p: torch.Tensor) -> torch.Tensor:
-  return MainGradAlias(p.main_grad, p.dtype)
+  """``p.main_grad``'s alias, a DTensor laid out like ``p`` for a sharded param."""
+  alias = MainGradAlias(_dist.held(p.main_grad), p.dtype)
+  # Wrapped as is: `DTensor.from_local` takes a view, which the alias makes an fp32 tensor.
+  return _dist.wrap_as(alias, p) if _dist.is_dtensor(p) else alias
+
+
+def _is_alias(grad: torch.Tensor, main) -> bool:
+  """Whether ``grad`` is the alias of ``main`` (both DTensors for a sharded param)."""
+  local = _dist.held(grad)
+  return (main is not None and isinstance(local, MainGradAlias)
+          and local.main is _dist.held(main))
 
 
 def _accumulate(p: torch.Tensor) -> None:
-  """The hook: ``p.main_grad += widen(p.grad)`` (fp32 adds), then ``p.grad``
-  becomes the alias of ``p.main_grad`` (None for a sharded param)."""
+  """The hook: ``p.main_grad = f32(p.grad)``, then ``p.grad`` becomes the alias
+  of ``p.main_grad``, into which the next micro-batch's gradient is added."""
   grad = p.grad
   if grad is None:
     return
   main = getattr(p, "main_grad", None)
-  if isinstance(grad, MainGradAlias) and grad.main is main:
-    return  # autograd added this micro-batch into main through the alias (fp32 +=)
-  sharded = _dist.is_dtensor(p)
+  if _is_alias(grad, main):
+    # Autograd (or FSDP2, into the sharded alias's local tensor) added this
+    # micro-batch into main through the alias: fp32 += widen(16-bit).
+    return
   with torch.no_grad():
     # A p.grad that is not main's alias (a plain 16-bit grad) starts a new sum
     # when the alias was dropped (model.zero_grad(), p.grad = None) since.
-    if main is None or not sharded:
-      p.main_grad = (grad.main if isinstance(grad, MainGradAlias) else grad).to(
-          torch.float32, copy=True)
-    else:
-      main.add_(grad)  # fp32 += fp16/bf16: the 16-bit values widen exactly
-  p.grad = None if sharded else _alias(p)
+    local = _dist.held(grad)
+    local = local.main if isinstance(local, MainGradAlias) else local
+    p.main_grad = _dist.like(local.to(torch.float32, copy=True), p)
+  p.grad = _alias(p)
 
 
 class FP32Accumulation:
