@@ -22,7 +22,7 @@ from optax_half.adam import ScaleByAdamWState, adam_fp32_master, adamw_bf16, sca
 from optax_half.loss_scale import (
     DynamicLossScale,
     DynamicLossScaleState,
-    LossScale,
+    LossScale,  # noqa: F401 (see below)
     NoOpLossScale,
     NotABooleanScalar,
     StaticLossScale,

@@ -184,15 +184,21 @@ def _ddp_worker(rank, port, out):
   dist.destroy_process_group()
 
 
-@pytest.mark.slow  # two processes (gloo)
-def test_ddp_no_sync_then_all_reduce_averages_the_fp32_sums():
+def _two_processes(worker) -> dict:
+  """``worker(rank, port, out)`` run in 2 processes; ``out`` as they left it."""
   import socket  # noqa: PLC0415
   import torch.multiprocessing as mp  # noqa: PLC0415
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   out = mp.Manager().dict()
-  mp.spawn(_ddp_worker, args=(port, out), nprocs=2, join=True)
+  mp.spawn(worker, args=(port, out), nprocs=2, join=True)
+  return dict(out)
+
+
+@pytest.mark.slow  # two processes (gloo)
+def test_ddp_no_sync_then_all_reduce_averages_the_fp32_sums():
+  out = _two_processes(_ddp_worker)
   x = (torch.arange(16, dtype=torch.float32).reshape(4, 4).to(torch.bfloat16) / 16).float()
   expected = x.sum(0) / 2  # each rank's two rows summed, averaged over the ranks
   assert torch.equal(out[0], out[1])
@@ -240,13 +246,7 @@ def test_fsdp2_reduces_each_micro_batch_and_main_grad_sums_the_shards_in_fp32():
   main_grad shard sums the 8 reduce-scattered micro-batch gradients (8192
   each: 65536, inf in fp16), the loss scaler unscales and checks them, and the
   step is taken (not skipped), the same on both ranks."""
-  import socket  # noqa: PLC0415
-  import torch.multiprocessing as mp  # noqa: PLC0415
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  out = mp.Manager().dict()
-  mp.spawn(_fsdp_worker, args=(port, out), nprocs=2, join=True)
+  out = _two_processes(_fsdp_worker)
   expected = torch.full((2, 4), 8 * 8192.0)
   assert torch.equal(out["main_grad0"], expected) and torch.equal(out["main_grad1"], expected)
   assert out["alias0"] and out["alias1"]
@@ -318,14 +318,7 @@ def test_fsdp2_torch_clip_grad_norm_clips_what_the_step_uses(fsdp_clip_runs, max
 
 @pytest.fixture(scope="module")
 def fsdp_clip_runs():
-  import socket  # noqa: PLC0415
-  import torch.multiprocessing as mp  # noqa: PLC0415
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  out = mp.Manager().dict()
-  mp.spawn(_fsdp_clip_worker, args=(port, out), nprocs=2, join=True)
-  return dict(out)
+  return _two_processes(_fsdp_clip_worker)
 
 
 # ---------------------------------------------------------------------------
