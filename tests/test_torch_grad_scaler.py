@@ -321,6 +321,35 @@ def test_fp16_grads_stay_scaled_and_are_guarded():
     grad_scaler.unscale_(opt)
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_sparse_gradients_of_a_plain_optimizer_as_grad_scaler(dtype):
+  """``nn.Embedding(sparse=True)`` under a plain optimizer: the sparse values
+  are unscaled and checked as GradScaler does (an inf in one skips the step),
+  the same bits with either scaler; fp16 is refused with GradScaler's error."""
+  ends = {}
+  for name, make in SCALERS.items():
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(6, 3, sparse=True).to(DTYPES[dtype])
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    scaler = make(init_scale=64.0, growth_interval=1)
+    for i, idx in enumerate(([1, 4], [2, 2, 5], [0], [3, 1])):
+      opt.zero_grad()
+      loss = emb(torch.tensor(idx)).float().pow(2).sum() * (float("inf") if i == 2 else 1.0)
+      scaler.scale(loss).backward()
+      scaler.step(opt)
+      scaler.update()
+    ends[name] = (emb.weight.detach().clone(), scaler.get_scale())
+  (w_a, scale_a), (w_b, scale_b) = ends.values()
+  assert torch.equal(w_a, w_b) and scale_a == scale_b == 64.0 * 2 * 2 / 2 * 2
+  emb = torch.nn.Embedding(4, 2, sparse=True).half()
+  emb(torch.tensor([1])).float().sum().backward()
+  for make in SCALERS.values():
+    scaler = make()
+    scaler.scale(torch.ones(()))
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
+      scaler.unscale_(torch.optim.SGD(emb.parameters(), lr=0.1))
+
+
 # ---------------------------------------------------------------------------
 # The rest of GradScaler's API.
 # ---------------------------------------------------------------------------

@@ -161,7 +161,7 @@ def test_fp16_grads_reach_the_step_in_fp32():
                         g_hat.numpy().astype(np.float64) / 2.0**16)
   assert torch.equal(p.grad, g_hat)
   plain = torch.optim.Adam([p])
-  with pytest.raises(TypeError, match=r"master_weights\(optimizer\)"):
+  with pytest.raises(ValueError, match=r"master_weights\(optimizer\)"):
     tb.dynamic_loss_scale().unscale_(plain)
 
 
@@ -404,8 +404,12 @@ def test_misuse_gets_clear_errors():
     tb.dynamic_loss_scale(growth_factor=0.5)
   emb = torch.nn.Embedding(4, 2, sparse=True)
   emb(torch.tensor([1])).sum().backward()
-  with pytest.raises(RuntimeError, match="sparse gradient"):
-    tb.dynamic_loss_scale().unscale_(torch.optim.SGD(emb.parameters(), lr=0.1))
+  with pytest.raises(RuntimeError, match="sparse gradient; torch_bridge optimizers need dense"):
+    tb.dynamic_loss_scale().unscale_(tb.master_weights(torch.optim.SGD(emb.parameters(), lr=0.1)))
+  scaler = tb.dynamic_loss_scale()
+  scaler.unscale_(torch.optim.SGD(emb.parameters(), lr=0.1))  # a plain optimizer: unscaled
+  with pytest.raises(RuntimeError, match="sparse"):
+    scaler.clip_grad_norm_(torch.optim.SGD(emb.parameters(), lr=0.1), 1.0)
 
 
 def test_step_takes_a_none_closure_and_passes_arguments_on():
@@ -538,6 +542,6 @@ def test_unscale_checks_everything_before_changing_anything():
                                 master_dtype=torch.float16)):
     p32.grad = torch.full((2,), 8.0)
     p16.grad = torch.ones(2, dtype=torch.float16)
-    with pytest.raises(TypeError, match="fp16 gradient"):
+    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients"):
       tb.dynamic_loss_scale(init_scale=4.0).unscale_(opt)
     assert torch.equal(p32.grad, torch.full((2,), 8.0))

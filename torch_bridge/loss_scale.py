@@ -24,7 +24,9 @@ The scale and growth-tracker arithmetic is GradScaler's
   would underflow): clip those with ``scaler.clip_grad_norm_``, which clips
   what the step will use; a change to such a ``p.grad`` after ``unscale_``
   is an error. fp16 gradients of a plain ``torch.optim`` optimizer are
-  refused with the fix, as GradScaler refuses them.
+  refused with the fix, as GradScaler refuses them (a ``ValueError``).
+  Sparse gradients of a plain optimizer are unscaled in their values, as
+  GradScaler's; torch_bridge optimizers refuse them.
 * fp32 and bf16 gradients are unscaled in place, as GradScaler does (a
   power-of-two scale is exact there), so ``clip_grad_norm_`` after
   ``unscale_`` works on them unchanged.
@@ -168,24 +170,26 @@ class DynamicLossScaler:
               f"param {position - 1} accumulates its gradient in p.main_grad "
               f"(accumulate_in_fp32), which {type(optimizer).__name__} does not read. Use a "
               "torch_bridge optimizer, or wrap this one: torch_bridge.master_weights(optimizer).")
-        if g.is_sparse:
+        if g.is_sparse and takes_fp32_grads(optimizer):
           raise RuntimeError(
-              f"param {position - 1} has a sparse gradient; dynamic_loss_scale needs dense "
-              "gradients.")
+              f"param {position - 1} has a sparse gradient; torch_bridge optimizers need "
+              "dense gradients.")
         hand_over = g.dtype == torch.float16 and takes_fp32_grads(optimizer, p)
         if g.dtype == torch.float16 and not hand_over:
-          raise TypeError(
-              f"param {position - 1} has an fp16 gradient and {type(optimizer).__name__} "
-              "steps in fp16: unscaling fp16 in fp16 underflows. Wrap the optimizer so it "
-              "steps fp32 masters: torch_bridge.master_weights(optimizer), or use a "
-              "torch_bridge optimizer.")
+          raise ValueError(  # GradScaler's error type
+              f"Attempting to unscale FP16 gradients: param {position - 1}'s, which "
+              f"{type(optimizer).__name__} steps in fp16, where the unscaled gradient "
+              "underflows. Wrap the optimizer so it steps fp32 masters: "
+              "torch_bridge.master_weights(optimizer), or use a torch_bridge optimizer.")
         todo.append((p, g, hand_over))
     if todo:
       self._to(todo[0][1].device)  # the state lives where the gradients are
     inv_scale = torch.ones((), dtype=torch.float32, device=self._scale.device) / self._scale
     found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
     for p, g, hand_over in todo:
-      g_local = _dist.local(g)  # a sharded gradient: this rank's shard
+      # A sharded gradient: this rank's shard; a sparse one (a plain optimizer's,
+      # as GradScaler): its values.
+      g_local = g._values() if g.is_sparse else _dist.local(g)
       inv = inv_scale.to(g_local.device)
       if g.dtype.itemsize >= 4:
         g_local.mul_(inv)  # fp32 math, like GradScaler
@@ -228,6 +232,9 @@ class DynamicLossScaler:
     grads = self._step_grads(optimizer)
     if not grads:
       return torch.zeros((), dtype=torch.float32)
+    if any(g.is_sparse for g in grads):
+      raise RuntimeError("clip_grad_norm_: a gradient is sparse, and norms of sparse "
+                         "gradients are not taken (nor by torch.nn.utils.clip_grad_norm_).")
     local = [_dist.local(g) for g in grads]
     device = local[0].device
 

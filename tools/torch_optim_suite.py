@@ -1,0 +1,165 @@
+"""Run PyTorch's own OptimizerInfo tests on CPU with AdamW swapped for a torch_bridge optimizer.
+
+Usage (from the repo root)::
+
+    .venv/bin/python tools/torch_optim_suite.py PATH/TO/test_optim.py \
+        [--optimizer adamw_bf16|adam_fp32_master] [--torch] [-n 2] [PYTEST_ARGS...]
+
+``PATH/TO/test_optim.py`` is PyTorch's ``test/test_optim.py`` (of the torch
+release installed: it must match ``torch.testing._internal.common_optimizers``;
+it needs ``expecttest`` and ``hypothesis``, and ``pytest-xdist`` for ``-n``).
+Only the AdamW tests of ``TestOptimRenewedCPU`` run (``-k`` below). Before
+collection, the ``optim_db`` entry whose ``optim_cls`` is ``torch.optim.AdamW``
+gets ``optim_cls = AdamW``, a function of that name that returns
+``tb.<optimizer>(params, **kwargs)`` with the test's keywords as they are
+(torch.optim.AdamW's: lr, betas, eps, weight_decay, amsgrad, maximize,
+foreach, capturable, differentiable, fused); the test ids keep "AdamW" and
+nothing else in ``optim_db`` changes. ``--torch`` runs the same tests
+unpatched (the baseline: all should pass). The sibling modules that
+test_optim.py imports (``optim.test_lrscheduler``, ``optim.test_optim``,
+``optim.test_swa_utils``: other test classes) are stubbed when absent.
+``--lenient`` (a diagnostic, to look past the first blocker of each test)
+gives ``lr=1e-3`` (torch's default) when a test passes none, and builds
+``torch.optim.AdamW`` instead for configs with amsgrad/capturable/
+differentiable=True, which torch_bridge refuses.
+
+Prints passed/failed/skipped/errors counts and each failing test id with a
+one-line reason; exits 1 if any test failed. The file is a pytest plugin
+too (``-p torch_optim_suite``, so that ``-n`` workers patch as well); it
+patches only when the environment variable ``TB_OPTIM_SUITE`` names an optimizer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import types
+
+ENV = "TB_OPTIM_SUITE"
+SELECT = "TestOptimRenewedCPU and AdamW_cpu"  # the OptimizerInfo tests (ids end in _AdamW_cpu_<dtype>)
+OPTIMIZERS = ("adamw_bf16", "adam_fp32_master")
+REFUSED = ("amsgrad", "capturable", "differentiable")  # keywords torch_bridge refuses when True
+
+
+def _stub_sibling_modules(test_dirs) -> None:
+  """test_optim.py imports three test classes from test/optim/; stub them if missing."""
+  sys.path[:0] = [d for d in test_dirs if d not in sys.path]
+  try:
+    importlib.import_module("optim.test_optim")
+    return
+  except ImportError:
+    pass
+  from torch.testing._internal.common_utils import TestCase
+  package = types.ModuleType("optim")
+  package.__path__ = []
+  sys.modules["optim"] = package
+  for module, cls in (("test_lrscheduler", "TestLRScheduler"),
+                      ("test_optim", "TestDifferentiableOptimizer"),
+                      ("test_swa_utils", "TestSWAUtils")):
+    stub = types.ModuleType(f"optim.{module}")
+    setattr(stub, cls, type(cls, (TestCase,), {}))
+    sys.modules[stub.__name__] = stub
+    setattr(package, module, stub)
+
+
+def patch_optim_db(name: str, lenient: bool = False) -> None:
+  """Point the AdamW OptimizerInfo at ``tb.<name>`` (``lenient``: see ``--lenient``)."""
+  import torch
+  import torch_bridge as tb
+  from torch.testing._internal.common_optimizers import optim_db
+  factory = getattr(tb, name)
+
+  def AdamW(params, **kwargs):  # noqa: N802  (the name makes the test ids)
+    if lenient:
+      params = list(params) if hasattr(params, "__next__") else params  # a generator
+      groups = [kwargs] + [g for g in params if isinstance(g, dict)] if isinstance(
+          params, list) else [kwargs]
+      if any(g.get(k) is True for g in groups for k in REFUSED):
+        return torch.optim.AdamW(params, **kwargs)
+      kwargs.setdefault("lr", 1e-3)
+    return factory(params, **kwargs)
+
+  infos = [info for info in optim_db if info.optim_cls is torch.optim.AdamW]
+  assert len(infos) == 1, "expected one AdamW entry in optim_db"
+  infos[0].optim_cls = AdamW
+
+
+def pytest_configure(config):  # runs in the controller and in every -n worker
+  _stub_sibling_modules([os.path.dirname(os.path.abspath(str(a).split("::")[0]))
+                         for a in config.args])
+  name, _, lenient = os.environ.get(ENV, "").partition(":")
+  if name:
+    patch_optim_db(name, lenient == "lenient")
+
+
+class _Collector:
+  """One outcome and a one-line reason per test id, gathered in the controller."""
+
+  def __init__(self):
+    self.outcomes: dict[str, tuple[str, str]] = {}
+
+  def pytest_runtest_logreport(self, report):
+    if report.skipped:
+      reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+      self.outcomes.setdefault(report.nodeid, ("skipped", reason))
+    elif report.failed:
+      outcome = "failed" if report.when == "call" else "error"
+      self.outcomes[report.nodeid] = (outcome, _reason(report))
+    elif report.when == "call":
+      self.outcomes.setdefault(report.nodeid, ("passed", ""))
+
+
+def _reason(report) -> str:
+  crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+  text = crash.message if crash is not None else str(report.longrepr)
+  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+  first = lines[0] if lines else "?"
+  if len(lines) > 1 and first.endswith(("!", ":")):  # assertEqual's headline alone says little
+    first += " " + lines[1]
+  return first[:300]
+
+
+def main(argv: list[str]) -> int:
+  import pytest
+  if not argv or argv[0].startswith("-"):
+    print(__doc__)
+    return 2
+  path, rest = os.path.abspath(argv[0]), argv[1:]
+  baseline, lenient = "--torch" in rest, "--lenient" in rest
+  name = "adamw_bf16"
+  if "--optimizer" in rest:
+    i = rest.index("--optimizer")
+    name = rest[i + 1]
+    del rest[i:i + 2]
+  if name not in OPTIMIZERS:
+    raise SystemExit(f"--optimizer must be one of {OPTIMIZERS}; got {name!r}")
+  rest = [a for a in rest if a not in ("--torch", "--lenient")]
+  here = os.path.dirname(os.path.abspath(__file__))
+  repo = os.path.dirname(here)
+  os.environ[ENV] = "" if baseline else name + (":lenient" if lenient else "")
+  os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "cpu"
+  # -n workers import this plugin and torch_bridge by name.
+  os.environ["PYTHONPATH"] = os.pathsep.join(
+      [here, repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+  sys.path[:0] = [here, repo]
+  collector = _Collector()
+  args = [path, "-c", os.devnull, "--rootdir", os.path.dirname(path), "-p", "no:cacheprovider",
+          "-p", "torch_optim_suite", "-k", SELECT, "-q", "--tb=short", "-W",
+          "ignore::DeprecationWarning", *rest]
+  pytest.main(args, plugins=[collector])
+  counts = dict.fromkeys(("passed", "failed", "skipped", "error"), 0)
+  for outcome, _ in collector.outcomes.values():
+    counts[outcome] += 1
+  mode = ("torch.optim.AdamW (baseline)" if baseline
+          else f"tb.{name}" + (" (lenient)" if lenient else ""))
+  print(f"\n== PyTorch AdamW OptimizerInfo tests on CPU with {mode}: "
+        + ", ".join(f"{v} {k}" for k, v in counts.items()) + f" (of {len(collector.outcomes)})")
+  for nodeid, (outcome, reason) in sorted(collector.outcomes.items()):
+    if outcome in ("failed", "error"):
+      print(f"{outcome.upper():7} {nodeid.split('::', 1)[-1]}\n        {reason}")
+  return 1 if counts["failed"] or counts["error"] or not collector.outcomes else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
