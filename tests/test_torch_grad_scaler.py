@@ -350,6 +350,80 @@ def test_sparse_gradients_of_a_plain_optimizer_as_grad_scaler(dtype):
       scaler.unscale_(torch.optim.SGD(emb.parameters(), lr=0.1))
 
 
+FUSED = {
+    "AdamW(fused)": lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True),
+    "Adam(fused)": lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True),
+    "SGD(fused)": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True),
+}
+
+
+@pytest.mark.parametrize("unscale", [False, True])
+@pytest.mark.parametrize("opt_name", list(FUSED))
+def test_optimizers_that_unscale_inside_their_step_as_grad_scaler(opt_name, unscale):
+  """GradScaler's ``_step_supports_amp_scaling`` contract (torch's fused
+  optimizers unscale and skip inside their kernel): the gradients stay
+  scaled unless ``unscale_`` was called, an inf skips the step, and params,
+  gradients, optimizer state and scale equal GradScaler's bit for bit."""
+  ends = {}
+  for name, make in SCALERS.items():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    opt = FUSED[opt_name](model.parameters())
+    scaler = make(init_scale=128.0, growth_interval=1)
+    for i in range(4):
+      opt.zero_grad()
+      loss = model(torch.randn(6, 5)).pow(2).sum()
+      scaler.scale(loss * (float("inf") if i == 2 else 1.0)).backward()
+      if unscale:
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+      scaler.step(opt)
+      assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+      scaler.update()
+    ends[name] = (_snapshot(opt, list(model.parameters())),
+                  [p.grad.clone() for p in model.parameters()], scaler.get_scale())
+  (snap_a, grads_a, scale_a), (snap_b, grads_b, scale_b) = ends.values()
+  assert scale_a == scale_b == 128.0 * 2 * 2 / 2 * 2
+  assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b))
+  assert len(snap_a) == len(snap_b) and all(torch.equal(a, b) for a, b in zip(snap_a, snap_b))
+
+
+def test_the_step_contracts_of_grad_scaler():
+  """An optimizer with ``_step_supports_amp_scaling`` sees ``grad_scale`` and
+  ``found_inf`` (fp32 tensors) during its step, with scaled gradients; one
+  whose step takes ``grad_scaler`` gets the scaler, with a FutureWarning."""
+  class Seeing(torch.optim.SGD):
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None):
+      self.seen.append((self.grad_scale.item(), self.found_inf.dtype, self.found_inf.item(),
+                        self.param_groups[0]["params"][0].grad.item()))
+
+  class Taking(torch.optim.SGD):
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
+      self.seen.append(grad_scaler)
+
+  for make in SCALERS.values():
+    p = torch.nn.Parameter(torch.ones(()))
+    opt = Seeing([p], lr=0.1)
+    opt.seen = []
+    scaler = make(init_scale=8.0)
+    for factor in (1.0, float("inf")):
+      scaler.scale(p * 3.0 * factor).backward()
+      scaler.step(opt)
+      scaler.update()
+      p.grad = None
+    assert opt.seen == [(8.0, torch.float32, 0.0, 24.0), (8.0, torch.float32, 1.0, float("inf"))]
+    opt = Taking([p], lr=0.1)
+    opt.seen = []
+    scaler.scale(p * 3.0).backward()
+    with pytest.warns(FutureWarning):
+      scaler.step(opt)
+    assert opt.seen == [scaler]
+
+
 # ---------------------------------------------------------------------------
 # The rest of GradScaler's API.
 # ---------------------------------------------------------------------------

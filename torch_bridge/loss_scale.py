@@ -37,7 +37,9 @@ The scale and growth-tracker arithmetic is GradScaler's
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from typing import Optional
 
 import torch
@@ -58,6 +60,13 @@ def takes_fp32_grads(optimizer, p=None) -> bool:
   if not isinstance(getattr(optimizer, "_unscaled_grads", None), dict):
     return False
   return p is None or optimizer._takes_fp32_grad(p)
+
+
+def _main_grad_unread(position: int, optimizer) -> TypeError:
+  return TypeError(
+      f"param {position} accumulates its gradient in p.main_grad (accumulate_in_fp32), "
+      f"which {type(optimizer).__name__} does not read. Use a torch_bridge optimizer, or "
+      "wrap this one: torch_bridge.master_weights(optimizer).")
 
 
 class DynamicLossScaler:
@@ -166,10 +175,7 @@ class DynamicLossScaler:
         if g is None:
           continue
         if g is not p.grad and not takes_fp32_grads(optimizer):
-          raise TypeError(
-              f"param {position - 1} accumulates its gradient in p.main_grad "
-              f"(accumulate_in_fp32), which {type(optimizer).__name__} does not read. Use a "
-              "torch_bridge optimizer, or wrap this one: torch_bridge.master_weights(optimizer).")
+          raise _main_grad_unread(position - 1, optimizer)
         if g.is_sparse and takes_fp32_grads(optimizer):
           raise RuntimeError(
               f"param {position - 1} has a sparse gradient; torch_bridge optimizers need "
@@ -271,6 +277,8 @@ class DynamicLossScaler:
     state = self._opt_state(optimizer)
     if state["stage"] == _STEPPED:
       raise RuntimeError("step() has already been called since the last update().")
+    if getattr(optimizer, "_step_supports_amp_scaling", False):
+      return self._step_scaling_inside(optimizer, state, args, kwargs)
     if state["stage"] == _READY:
       self.unscale_(optimizer)
     for p, (grad, version) in state["versions"].items():
@@ -294,6 +302,46 @@ class DynamicLossScaler:
       state["versions"] = {}
       state["stage"] = _STEPPED
     return retval
+
+  def _step_scaling_inside(self, optimizer, state, args, kwargs):
+    """GradScaler's contract with optimizers that unscale and skip inside their
+    step (``_step_supports_amp_scaling``: torch's fused Adam, AdamW, SGD and
+    Adagrad): ``optimizer.grad_scale`` and ``optimizer.found_inf`` (fp32
+    tensors) are set for the step and removed after; the gradients stay
+    scaled. A step taking a ``grad_scaler`` argument gets the scaler instead
+    (GradScaler's older contract, with its ``FutureWarning``)."""
+    if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+      warnings.warn(
+          "dynamic_loss_scale passes itself as grad_scaler, as GradScaler still does; "
+          "GradScaler is going to set optimizer.grad_scale and optimizer.found_inf instead.",
+          FutureWarning, stacklevel=3)
+      try:
+        return optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+      finally:
+        state["stage"] = _STEPPED
+    if state["stage"] == _READY:  # the scaled gradients' check, without unscaling them
+      grads = []
+      for position, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+        if grad_of(p) is not p.grad:
+          raise _main_grad_unread(position, optimizer)
+        if p.grad is not None:
+          grads.append(p.grad)
+      if grads:
+        self._to(grads[0].device)
+      found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
+      for g in grads:
+        values = g._values() if g.is_sparse else _dist.local(g)
+        found_inf |= ~torch.isfinite(values).all().to(found_inf.device)
+      state["found_inf"] = _dist.any_rank(found_inf, grads)
+      optimizer.grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+    else:  # unscale_ was called: the gradients are unscaled already
+      optimizer.grad_scale = getattr(optimizer, "grad_scale", None)
+    optimizer.found_inf = state["found_inf"].to(torch.float32)
+    try:
+      return optimizer.step(*args, **kwargs)
+    finally:
+      state["stage"] = _STEPPED
+      del optimizer.grad_scale, optimizer.found_inf
 
   @torch.no_grad()
   def update(self, new_scale: Optional[float] = None) -> None:
