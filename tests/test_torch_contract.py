@@ -291,10 +291,10 @@ def test_torch_spellings_are_the_same_optimizer(factory):
     make(_params(), lr=1e-2, betas=0.9)
 
 
-def test_learning_rate_is_required_by_the_factories_but_not_the_class():
-  with pytest.raises(TypeError, match="needs a learning rate"):
-    tb.adamw_bf16(_params())
-  assert tb.LowPrecisionAdamW(_params()).param_groups[0]["lr"] == 1e-3  # torch's default
+@pytest.mark.parametrize("make", [tb.LowPrecisionAdamW, tb.adamw_bf16, tb.adam_fp32_master,
+                                  tb.scale_by_adamw])
+def test_the_learning_rate_defaults_to_torchs(make):
+  assert make(_params()).param_groups[0]["lr"] == torch.optim.AdamW(_params()).defaults["lr"]
 
 
 @pytest.mark.parametrize("factory", list(ADAM_LIKE))

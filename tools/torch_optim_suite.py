@@ -1,32 +1,23 @@
-"""Run PyTorch's own OptimizerInfo tests on CPU with AdamW swapped for a torch_bridge optimizer.
+"""Run PyTorch's OptimizerInfo tests on CPU with AdamW swapped for a torch_bridge optimizer.
 
-Usage (from the repo root)::
+Usage (from the repo root; a measuring tool, not part of the test suite)::
 
     .venv/bin/python tools/torch_optim_suite.py PATH/TO/test_optim.py \
-        [--optimizer adamw_bf16|adam_fp32_master] [--torch] [-n 2] [PYTEST_ARGS...]
+        [--optimizer adamw_bf16|adam_fp32_master] [--torch] [--lenient] [-n 2] [PYTEST_ARGS...]
 
-``PATH/TO/test_optim.py`` is PyTorch's ``test/test_optim.py`` (of the torch
-release installed: it must match ``torch.testing._internal.common_optimizers``;
-it needs ``expecttest`` and ``hypothesis``, and ``pytest-xdist`` for ``-n``).
-Only the AdamW tests of ``TestOptimRenewedCPU`` run (``-k`` below). Before
-collection, the ``optim_db`` entry whose ``optim_cls`` is ``torch.optim.AdamW``
-gets ``optim_cls = AdamW``, a function of that name that returns
-``tb.<optimizer>(params, **kwargs)`` with the test's keywords as they are
-(torch.optim.AdamW's: lr, betas, eps, weight_decay, amsgrad, maximize,
-foreach, capturable, differentiable, fused); the test ids keep "AdamW" and
-nothing else in ``optim_db`` changes. ``--torch`` runs the same tests
-unpatched (the baseline: all should pass). The sibling modules that
-test_optim.py imports (``optim.test_lrscheduler``, ``optim.test_optim``,
-``optim.test_swa_utils``: other test classes) are stubbed when absent.
-``--lenient`` (a diagnostic, to look past the first blocker of each test)
-gives ``lr=1e-3`` (torch's default) when a test passes none, and builds
-``torch.optim.AdamW`` instead for configs with amsgrad/capturable/
-differentiable=True, which torch_bridge refuses.
-
-Prints passed/failed/skipped/errors counts and each failing test id with a
-one-line reason; exits 1 if any test failed. The file is a pytest plugin
-too (``-p torch_optim_suite``, so that ``-n`` workers patch as well); it
-patches only when the environment variable ``TB_OPTIM_SUITE`` names an optimizer.
+PATH/TO/test_optim.py: PyTorch's test/test_optim.py matching the installed
+torch's ``torch.testing._internal.common_optimizers`` (needs expecttest,
+hypothesis; pytest-xdist for ``-n``); the test/optim/ modules it imports are
+stubbed when absent. Only ``TestOptimRenewedCPU``'s AdamW OptimizerInfo tests
+run (SELECT). Before collection, optim_db's ``torch.optim.AdamW`` entry gets
+``optim_cls = AdamW``: a function of that name (the test ids keep it) that
+returns ``tb.<optimizer>(params, **kwargs)`` with the test's torch keywords as
+they are. ``--torch``: the same tests unpatched (baseline). ``--lenient``: a
+diagnostic that looks past the configs torch_bridge refuses by design
+(amsgrad/capturable/differentiable=True): torch.optim.AdamW itself steps those.
+Prints passed/failed/skipped/error counts and each failing id with a one-line
+reason. The file is also the pytest plugin (``-p torch_optim_suite``, so that
+``-n`` workers patch too), active when $TB_OPTIM_SUITE names an optimizer.
 """
 
 from __future__ import annotations
@@ -37,7 +28,7 @@ import sys
 import types
 
 ENV = "TB_OPTIM_SUITE"
-SELECT = "TestOptimRenewedCPU and AdamW_cpu"  # the OptimizerInfo tests (ids end in _AdamW_cpu_<dtype>)
+SELECT = "TestOptimRenewedCPU and AdamW_cpu"  # ids end in _AdamW_cpu_<dtype>
 OPTIMIZERS = ("adamw_bf16", "adam_fp32_master")
 REFUSED = ("amsgrad", "capturable", "differentiable")  # keywords torch_bridge refuses when True
 
@@ -66,18 +57,18 @@ def _stub_sibling_modules(test_dirs) -> None:
 def patch_optim_db(name: str, lenient: bool = False) -> None:
   """Point the AdamW OptimizerInfo at ``tb.<name>`` (``lenient``: see ``--lenient``)."""
   import torch
-  import torch_bridge as tb
   from torch.testing._internal.common_optimizers import optim_db
+
+  import torch_bridge as tb
   factory = getattr(tb, name)
 
-  def AdamW(params, **kwargs):  # noqa: N802  (the name makes the test ids)
+  def AdamW(params, **kwargs):  # this name makes the test ids
     if lenient:
       params = list(params) if hasattr(params, "__next__") else params  # a generator
-      groups = [kwargs] + [g for g in params if isinstance(g, dict)] if isinstance(
-          params, list) else [kwargs]
+      groups = [kwargs] + ([g for g in params if isinstance(g, dict)]
+                           if isinstance(params, list) else [])
       if any(g.get(k) is True for g in groups for k in REFUSED):
         return torch.optim.AdamW(params, **kwargs)
-      kwargs.setdefault("lr", 1e-3)
     return factory(params, **kwargs)
 
   infos = [info for info in optim_db if info.optim_cls is torch.optim.AdamW]

@@ -26,6 +26,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from optax_half_native import checks
 from optax_half_native.checks import f32, float64_message
 from torch_bridge import _dist
 
@@ -331,6 +332,41 @@ def check_tensor_lr(lr) -> None:
   """A tensor lr must hold one element: torch.optim.AdamW's error, word for word."""
   if isinstance(lr, torch.Tensor) and lr.numel() != 1:
     raise ValueError("Tensor lr must be 1-element")
+
+
+def check_torch_adamw_args(lr, b1, b2, eps, weight_decay, *, betas_given: bool,
+                           foreach, capturable, fused, differentiable) -> None:
+  """torch.optim.AdamW's argument checks with its words (its OptimizerInfo error
+  tests match them), then the checks shared with JAX (``check_adamw_args``),
+  whose message follows torch's words where both refuse a value."""
+  if isinstance(lr, torch.Tensor) and foreach and not capturable:
+    raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+  check_tensor_lr(lr)
+  if betas_given:  # torch's spelling: its types
+    if not (all(isinstance(b, float) for b in (b1, b2))
+            or all(isinstance(b, torch.Tensor) for b in (b1, b2))):
+      raise ValueError("betas must be either both floats or both Tensors")
+    for i, beta in enumerate((b1, b2)):
+      if isinstance(beta, torch.Tensor):
+        if not capturable and foreach:
+          raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False "
+                           "and foreach=True")
+        if beta.numel() != 1:
+          raise ValueError(f"Tensor betas[{i}] must be 1-element")
+  if fused and differentiable:
+    raise RuntimeError("`fused` does not support `differentiable`")
+  if fused and foreach:
+    raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+  try:
+    checks.check_adamw_args(lr, b1, b2, eps, weight_decay)
+  except ValueError as e:
+    torch_words = [words for bad, words in (
+        (not callable(lr) and not 0.0 <= lr, f"Invalid learning rate: {lr}"),
+        (not 0.0 <= eps, f"Invalid epsilon value: {eps}"),
+        (not 0.0 <= b1 < 1.0, f"Invalid beta parameter at index 0: {b1}"),
+        (not 0.0 <= b2 < 1.0, f"Invalid beta parameter at index 1: {b2}"),
+        (not 0.0 <= weight_decay, f"Invalid weight_decay value: {weight_decay}")) if bad]
+    raise ValueError(f"{torch_words[0]}: {e}" if torch_words else str(e)) from None
 
 
 def check_fused_devices(optimizer: torch.optim.Optimizer) -> None:

@@ -31,7 +31,8 @@ from optax_half_native import checks
 from torch_bridge import _dist, _native, _triton, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_grad,
-                                 check_no_float64, check_param, check_torch_keys, grad_of,
+                                 check_no_float64, check_param, check_torch_adamw_args,
+                                 check_torch_keys, grad_of,
                                  init_skip_nonfinite, seed_from_key, stale_state_message,
                                  step_count, step_grad, torch_spellings)
 
@@ -297,8 +298,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   are. State per param, made at its first step as in ``torch.optim``:
   ``step`` (CPU int64), ``mu``, ``nu``, and ``master`` (fp32 copy, or the
   int16 low half with ``compensation="split"``) or ``compensation`` (Kahan
-  buffer in the param dtype). ``learning_rate``/``lr`` defaults to 1e-3
-  here, as in ``torch.optim.AdamW``; the factories ask for it.
+  buffer in the param dtype). ``learning_rate``/``lr`` defaults to 1e-3,
+  as in ``torch.optim.AdamW`` (here and in the factories).
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -324,10 +325,13 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                lr=None, betas=None, maximize: bool = False, amsgrad: bool = False,
                foreach: Optional[bool] = None, capturable: bool = False,
                differentiable: bool = False, _factory: str = "LowPrecisionAdamW"):
-    if learning_rate is None and lr is None and _factory == "LowPrecisionAdamW":
-      lr = 1e-3  # torch.optim.AdamW's default; the factories ask for it
+    if learning_rate is None and lr is None:
+      lr = 1e-3  # torch.optim.AdamW's default
     learning_rate, b1, b2 = torch_spellings(_factory, learning_rate, lr, b1, b2, betas,
                                             (0.9, 0.999))
+    check_torch_adamw_args(learning_rate, b1, b2, eps, weight_decay, betas_given=betas is not None,
+                           foreach=foreach, capturable=capturable, fused=fused,
+                           differentiable=differentiable)
     check_torch_keys(_factory, dict(maximize=maximize, amsgrad=amsgrad, foreach=foreach,
                                     capturable=capturable, differentiable=differentiable))
     if compensation != "master":  # adam_fp32_master's, not an adamw_bf16 choice
@@ -336,7 +340,6 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     for name, d in (("mu_dtype", mu_dtype), ("nu_dtype", nu_dtype)):
       if d is not None and not (isinstance(d, torch.dtype) and d.is_floating_point):
         raise ValueError(f"{name} must be None or a torch float dtype; got {d!r}.")
-    checks.check_adamw_args(learning_rate, b1, b2, eps, weight_decay)
     schedule: Optional[Callable] = learning_rate if callable(learning_rate) else None
     lr0 = float(learning_rate(0)) if schedule is not None else float(learning_rate)
     self._compensation = COMPENSATIONS[compensation]
@@ -634,7 +637,8 @@ def adam_fp32_master(
 
   Args:
     params: an iterable of tensors or of param-group dicts.
-    learning_rate: a float or a schedule ``count -> lr`` (torch's ``lr=`` also works).
+    learning_rate: a float or a schedule ``count -> lr`` (torch's ``lr=`` also works);
+      1e-3 if neither is given, as ``torch.optim.AdamW``.
     b1, b2, eps: Adam coefficients (torch's ``betas=(b1, b2)`` also works).
     weight_decay: decoupled weight decay, multiplied by the lr.
     skip_nonfinite: skip (and count in ``optimizer.nonfinite``) every step whose
@@ -717,7 +721,8 @@ def adamw_bf16(
 
   Args:
     params: an iterable of tensors or of param-group dicts.
-    learning_rate: a float or a schedule ``count -> lr`` (torch's ``lr=`` also works).
+    learning_rate: a float or a schedule ``count -> lr`` (torch's ``lr=`` also works);
+      1e-3 if neither is given, as ``torch.optim.AdamW``.
     b1, b2, eps: Adam coefficients (torch's ``betas=(b1, b2)`` also works).
     weight_decay: decoupled weight decay, multiplied by the lr.
     compensation: one of "kahan", "split", "stochastic", "none".
