@@ -28,6 +28,8 @@ from __future__ import annotations
 import os
 import sys
 
+import suite_runner
+
 ENV = "TB_GRAD_SCALER_SUITE"
 SELECT = ("TestTorchDeviceTypeCPU and (grad_scal or gradscaler or grad_scaler "
           "or params_invalidated)")
@@ -65,65 +67,17 @@ def pytest_configure(config):  # runs in the controller and in every -n worker
     patch_torch()
 
 
-class _Collector:
-  """Collects one outcome (and a one-line reason) per test id, in the controller."""
-
-  def __init__(self):
-    self.outcomes: dict[str, tuple[str, str]] = {}
-
-  def pytest_runtest_logreport(self, report):
-    if report.skipped:
-      reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-      self.outcomes[report.nodeid] = ("skipped", reason)
-    elif report.failed:  # a failure in setup/teardown counts too
-      self.outcomes[report.nodeid] = ("failed", _reason(report))
-    elif report.when == "call" and report.nodeid not in self.outcomes:
-      self.outcomes[report.nodeid] = ("passed", "")
-
-
-def _reason(report) -> str:
-  crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-  text = crash.message if crash is not None else str(report.longrepr)
-  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-  first = lines[0] if lines else "?"
-  # assertEqual's first line is often just "Tensor-likes are not close!" / "Scalars are not equal!":
-  # add the next informative line.
-  if len(lines) > 1 and first.endswith("!"):
-    first += " " + lines[1]
-  return first[:300]
-
-
 def main(argv: list[str]) -> int:
-  import pytest
   if not argv or argv[0].startswith("-"):
     print(__doc__)
     return 2
   path, rest = os.path.abspath(argv[0]), argv[1:]
   baseline = "--torch" in rest
   rest = [a for a in rest if a != "--torch"]
-  here = os.path.dirname(os.path.abspath(__file__))
-  repo = os.path.dirname(here)
-  os.environ[ENV] = "" if baseline else "patch"
-  os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "cpu"
-  # -n workers import this plugin and torch_bridge by name.
-  os.environ["PYTHONPATH"] = os.pathsep.join(
-      [here, repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-  sys.path[:0] = [here, repo]
-  collector = _Collector()
-  args = [path, "-c", os.devnull, "--rootdir", os.path.dirname(path), "-p", "no:cacheprovider",
-          "-p", "torch_grad_scaler_suite", "-k", SELECT, "-q", "--tb=short", "-W",
-          "ignore::DeprecationWarning", *rest]
-  pytest.main(args, plugins=[collector])
-  counts = {"passed": 0, "failed": 0, "skipped": 0}
-  for outcome, _ in collector.outcomes.values():
-    counts[outcome] += 1
   mode = "torch.amp.GradScaler (baseline)" if baseline else "tb.dynamic_loss_scale"
-  print(f"\n== PyTorch GradScaler tests on CPU with {mode}: " +
-        ", ".join(f"{v} {k}" for k, v in counts.items()))
-  for nodeid, (outcome, reason) in sorted(collector.outcomes.items()):
-    if outcome != "passed":
-      print(f"{outcome.upper():8} {nodeid.split('::', 1)[-1]}\n         {reason}")
-  return 1 if counts["failed"] or not collector.outcomes else 0
+  return suite_runner.run(path, "torch_grad_scaler_suite", SELECT,
+                          {ENV: "" if baseline else "patch"},
+                          f"PyTorch GradScaler tests on CPU with {mode}", rest)
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ import os
 import sys
 import types
 
+import suite_runner
+
 ENV = "TB_OPTIM_SUITE"
 SELECT = "TestOptimRenewedCPU and AdamW_cpu"  # ids end in _AdamW_cpu_<dtype>
 OPTIMIZERS = ("adamw_bf16", "adam_fp32_master")
@@ -84,35 +86,7 @@ def pytest_configure(config):  # runs in the controller and in every -n worker
     patch_optim_db(name, lenient == "lenient")
 
 
-class _Collector:
-  """One outcome and a one-line reason per test id, gathered in the controller."""
-
-  def __init__(self):
-    self.outcomes: dict[str, tuple[str, str]] = {}
-
-  def pytest_runtest_logreport(self, report):
-    if report.skipped:
-      reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-      self.outcomes.setdefault(report.nodeid, ("skipped", reason))
-    elif report.failed:
-      outcome = "failed" if report.when == "call" else "error"
-      self.outcomes[report.nodeid] = (outcome, _reason(report))
-    elif report.when == "call":
-      self.outcomes.setdefault(report.nodeid, ("passed", ""))
-
-
-def _reason(report) -> str:
-  crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-  text = crash.message if crash is not None else str(report.longrepr)
-  lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-  first = lines[0] if lines else "?"
-  if len(lines) > 1 and first.endswith(("!", ":")):  # assertEqual's headline alone says little
-    first += " " + lines[1]
-  return first[:300]
-
-
 def main(argv: list[str]) -> int:
-  import pytest
   if not argv or argv[0].startswith("-"):
     print(__doc__)
     return 2
@@ -126,30 +100,11 @@ def main(argv: list[str]) -> int:
   if name not in OPTIMIZERS:
     raise SystemExit(f"--optimizer must be one of {OPTIMIZERS}; got {name!r}")
   rest = [a for a in rest if a not in ("--torch", "--lenient")]
-  here = os.path.dirname(os.path.abspath(__file__))
-  repo = os.path.dirname(here)
-  os.environ[ENV] = "" if baseline else name + (":lenient" if lenient else "")
-  os.environ["PYTORCH_TESTING_DEVICE_ONLY_FOR"] = "cpu"
-  # -n workers import this plugin and torch_bridge by name.
-  os.environ["PYTHONPATH"] = os.pathsep.join(
-      [here, repo] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-  sys.path[:0] = [here, repo]
-  collector = _Collector()
-  args = [path, "-c", os.devnull, "--rootdir", os.path.dirname(path), "-p", "no:cacheprovider",
-          "-p", "torch_optim_suite", "-k", SELECT, "-q", "--tb=short", "-W",
-          "ignore::DeprecationWarning", *rest]
-  pytest.main(args, plugins=[collector])
-  counts = dict.fromkeys(("passed", "failed", "skipped", "error"), 0)
-  for outcome, _ in collector.outcomes.values():
-    counts[outcome] += 1
   mode = ("torch.optim.AdamW (baseline)" if baseline
           else f"tb.{name}" + (" (lenient)" if lenient else ""))
-  print(f"\n== PyTorch AdamW OptimizerInfo tests on CPU with {mode}: "
-        + ", ".join(f"{v} {k}" for k, v in counts.items()) + f" (of {len(collector.outcomes)})")
-  for nodeid, (outcome, reason) in sorted(collector.outcomes.items()):
-    if outcome in ("failed", "error"):
-      print(f"{outcome.upper():7} {nodeid.split('::', 1)[-1]}\n        {reason}")
-  return 1 if counts["failed"] or counts["error"] or not collector.outcomes else 0
+  env = {ENV: "" if baseline else name + (":lenient" if lenient else "")}
+  return suite_runner.run(path, "torch_optim_suite", SELECT, env,
+                          f"PyTorch AdamW OptimizerInfo tests on CPU with {mode}", rest)
 
 
 if __name__ == "__main__":
