@@ -292,6 +292,7 @@ def _fsdp_clip_worker(rank, port, out):
     out[f"{max_norm} clipped{rank}"] = full(p.main_grad for p in model.parameters())
     opt.step()
     handle.remove()
+    out[f"removed{rank}"] = all(p.grad is None for p in model.parameters())
   dist.destroy_process_group()
 
 
@@ -314,6 +315,7 @@ def test_fsdp2_torch_clip_grad_norm_clips_what_the_step_uses(fsdp_clip_runs, max
   assert all(torch.equal(c, m * coef) for c, m in zip(clipped, main))
   assert (coef < 0.1) if max_norm < 1 else (coef == 1.0)
   assert out["restarted0"] and out["restarted1"] and out["kept0"] and out["kept1"]
+  assert out["removed0"] and out["removed1"]  # remove() drops the sharded aliases too
 
 
 @pytest.fixture(scope="module")

@@ -149,7 +149,7 @@ class FP32Accumulation:
       hook.remove()
     self._hooks = []
     for p in self.params:
-      if isinstance(p.grad, MainGradAlias):
+      if isinstance(_dist.held(p.grad), MainGradAlias):  # a sharded param's too
         p.grad = None
 
   @torch.no_grad()
