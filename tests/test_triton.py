@@ -148,6 +148,25 @@ def test_step_equals_eager(name, launches):
   assert all(int(s["step"]) == 3 for s in triton[1].state.values())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fp32_main_grads_step_as_eager(dtype, launches):
+  """accumulate_in_fp32's fp32 ``main_grad`` of 16-bit params: stepped in the
+  one launch, with the eager step's bits."""
+  runs = []
+  for triton in (True, False):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in SHAPES]
+    opt = tb.adamw_bf16(params, lr=1e-2, weight_decay=0.1, fused=None if triton else False)
+    opt._triton = triton
+    for _ in range(3):
+      for p in params:
+        p.main_grad = torch.randn(p.shape, generator=gen) * 0.1  # not 16-bit values
+      opt.step()
+    runs.append((params, opt))
+  assert launches == {len(SHAPES): 3}
+  assert_same_torch_runs(*runs)
+
+
 def _scalars(lr=1e-2, t=1, device="cpu"):
   opt = tb.adamw_bf16([torch.zeros(1, dtype=torch.bfloat16)], lr=lr, weight_decay=0.1)
   return opt._scalars(opt.param_groups[0], t, lr, torch.device(device), {})
