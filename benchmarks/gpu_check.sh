@@ -35,7 +35,7 @@ part() {  # part NAME SECONDS COMMAND...: runs it, its output appended to OUT/lo
   echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$out/status.txt"
 }
 
-part env 60 "$py" -c "
+part env 30 "$py" -c "
 import jax, torch, sys
 print(sys.version.split()[0], 'jax', jax.__version__, jax.devices())
 print('torch', torch.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')
@@ -44,25 +44,20 @@ try:
 except ImportError:
   print('no triton')
 "
-part test_gpu 120 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs
+part test_gpu 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs
 
 # JAX: the reference, the naive bf16 step, every compensation, the wrappers and the
 # Flax paths, through tx.update and in place. The 1.3B tree holds fewer rows (each
 # row keeps its params, gradients and state on the device for the interleaved timing).
-jax_rows="optax.adamw bf16 (naive),adamw_bf16 kahan,adamw_bf16 stochastic,adamw_bf16 split,\
-adam_fp32_master,kahan_summation(scale_by_adamw) (no kernel),\
-master_weights(scale_by_adamw) (no kernel),scaled_adam clip 2.0,\
-dynamic_loss_scale(adamw_bf16 kahan),adamw_bf16 kahan (update_and_apply),\
-adamw_bf16 stochastic (update_and_apply),adam_fp32_master (update_and_apply),\
-oh.clip_by_global_norm + kahan (update_and_apply),\
-oh.nnx.Optimizer adamw_bf16 kahan (jit_partial),oh.TrainState adamw_bf16 kahan"
-jax_rows_big="adamw_bf16 kahan,adamw_bf16 kahan (update_and_apply),\
-adamw_bf16 stochastic (update_and_apply),adam_fp32_master (update_and_apply)"
+# JAX compiles each row for about 25 s on an H200 (jax 0.11.2), so few rows fit: the
+# Kahan step through tx.update and in place (the reference is always timed too).
+jax_rows="adamw_bf16 kahan,adamw_bf16 kahan (update_and_apply)"
+jax_rows_big="adamw_bf16 kahan (update_and_apply)"
 torch_rows="torch AdamW foreach fp32,torch AdamW fused bf16 (naive),adamw_bf16 kahan,\
 adamw_bf16 stochastic,adamw_bf16 split,adam_fp32_master,adamw_bf16 kahan (fused=True),\
 scaled_adam clip 2.0"
 torch_rows_big="torch AdamW fused bf16 (naive),adamw_bf16 kahan,adam_fp32_master"
-# Limits: 60 + 120 + (100 + 60) + (80 + 60) s = 8 minutes at most.
+# Limits: 30 + 150 + (100 + 60) + (80 + 60) s = 8 minutes at most.
 for tree in $trees; do
   if [ "$tree" = "1.3b" ]; then
     jr=$jax_rows_big tr=$torch_rows_big jl=80
