@@ -69,6 +69,12 @@ def _main_grad_unread(position: int, optimizer) -> TypeError:
       "wrap this one: torch_bridge.master_weights(optimizer).")
 
 
+def _values(g: torch.Tensor) -> torch.Tensor:
+  """What of ``g`` this process unscales and checks: a sharded gradient's local
+  shard, a sparse one's values (a plain optimizer's, as GradScaler), else ``g``."""
+  return g._values() if g.is_sparse else _dist.local(g)
+
+
 class DynamicLossScaler:
   """GradScaler-like dynamic loss scaling; build it with ``dynamic_loss_scale``.
 
@@ -193,9 +199,7 @@ class DynamicLossScaler:
     inv_scale = torch.ones((), dtype=torch.float32, device=self._scale.device) / self._scale
     found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
     for p, g, hand_over in todo:
-      # A sharded gradient: this rank's shard; a sparse one (a plain optimizer's,
-      # as GradScaler): its values.
-      g_local = g._values() if g.is_sparse else _dist.local(g)
+      g_local = _values(g)
       inv = inv_scale.to(g_local.device)
       if g.dtype.itemsize >= 4:
         g_local.mul_(inv)  # fp32 math, like GradScaler
@@ -330,8 +334,7 @@ class DynamicLossScaler:
         self._to(grads[0].device)
       found_inf = torch.zeros((), dtype=torch.bool, device=self._scale.device)
       for g in grads:
-        values = g._values() if g.is_sparse else _dist.local(g)
-        found_inf |= ~torch.isfinite(values).all().to(found_inf.device)
+        found_inf |= ~torch.isfinite(_values(g)).all().to(found_inf.device)
       state["found_inf"] = _dist.any_rank(found_inf, grads)
       optimizer.grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
     else:  # unscale_ was called: the gradients are unscaled already
