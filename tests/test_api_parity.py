@@ -32,12 +32,13 @@ TORCH_ONLY = {
     "enabled": "torch.amp.GradScaler's switch: a disabled scaler is a no-op",
     "maximize": "torch.optim.AdamW's (drop-in): ascend; optax maximizes by negating the "
                 "gradients first (optax.scale(-1))",
-    "amsgrad": "torch.optim.AdamW's (drop-in): only False; optax_half has no AMSGrad",
+    "amsgrad": "torch.optim.AdamW's (drop-in): the running max of nu, stepped per tensor; "
+               "optax.adamw has no amsgrad (optax.amsgrad is another optimizer)",
     "foreach": "torch.optim.AdamW's (drop-in): accepted and not used; fused= picks the step",
     "capturable": "torch.optim.AdamW's (drop-in): only False (the step count is read on the "
                   "host); XLA compiles the whole step",
-    "differentiable": "torch.optim.AdamW's (drop-in): only False (the step writes in place); "
-                      "JAX differentiates through an update as it is",
+    "differentiable": "torch.optim.AdamW's (drop-in): autograd records the step (params of "
+                      "32 bits or more); JAX differentiates through an update as it is",
 }
 # Parameters JAX requires that torch may leave out, each with its reason.
 TORCH_OPTIONAL = {

@@ -710,9 +710,7 @@ def test_torch_adamw_keywords_are_taken_and_refused_with_the_fix(name):
   for foreach in (None, True, False):
     make(_params(), amsgrad=False, foreach=foreach, maximize=False, capturable=False,
          differentiable=False)
-  for key, fix in (("amsgrad", "tb.master_weights(torch.optim.AdamW(params, amsgrad=True))"),
-                   ("capturable", "torch.optim.AdamW(capturable=True)"),
-                   ("differentiable", "torch.optim.AdamW(differentiable=True)")):
+  for key, fix in (("capturable", "torch.optim.AdamW(capturable=True)"),):
     with pytest.raises(ValueError, match=re.escape(f"{key}=True is not supported")) as e:
       make(_params(), **{key: True})
     assert fix in str(e.value) and f"Pass {key}=False" in str(e.value)
@@ -722,9 +720,8 @@ def test_torch_adamw_keywords_are_taken_and_refused_with_the_fix(name):
     make(_params(), maximize="yes")
   with pytest.raises(TypeError, match="foreach must be None, True or False"):
     make(_params(), foreach=1)
-  # The fix named for amsgrad works.
-  ps = _params()
-  _run(tb.master_weights(torch.optim.AdamW(ps, lr=1e-2, amsgrad=True)), ps, _grads(2))
+  with pytest.raises(TypeError, match="amsgrad must be True or False"):
+    make(_params(), amsgrad=1)
 
 
 def test_param_groups_copied_from_torch_optimizers_are_taken():
@@ -751,8 +748,140 @@ def test_param_groups_copied_from_torch_optimizers_are_taken():
   assert opt.state_dict()["param_groups"][2]["maximize"] is True
   with pytest.raises(ValueError, match="decoupled_weight_decay=False"):
     tb.adamw_bf16([dict(torch.optim.Adam(_params(), weight_decay=0.1).param_groups[0])], 1e-2)
-  with pytest.raises(ValueError, match="amsgrad=True"):
-    tb.adamw_bf16([dict(torch.optim.AdamW(_params(), amsgrad=True).param_groups[0])], 1e-2)
+  opt = tb.adamw_bf16([dict(torch.optim.AdamW(_params(), amsgrad=True).param_groups[0])], 1e-2)
+  assert opt.param_groups[0]["amsgrad"] is True
+
+
+# ---------------------------------------------------------------------------
+# AMSGrad (torch.optim.AdamW(amsgrad=True)).
+# ---------------------------------------------------------------------------
+
+def _amsgrad_grads(n, dtype, seed=3):
+  """Gradients whose size falls after a large first one, so that the running
+  max of nu, not nu itself, sets the denominator."""
+  gen = torch.Generator().manual_seed(seed)
+  return [[(torch.randn(s, generator=gen) * (3.0 if t == 0 else 0.05)).to(dtype)
+           for s in SHAPES] for t in range(n)]
+
+
+@pytest.mark.parametrize("factory", ["adam_fp32_master", "scale_by_adamw"])
+def test_amsgrad_fp32_params_follow_torch_adamw(factory):
+  """fp32 params: the step of torch.optim.AdamW(amsgrad=True) within a few
+  ULP, nu_max its max_exp_avg_sq, and far from the step without amsgrad."""
+  grads = _amsgrad_grads(12, torch.float32)
+  runs = {}
+  kw = dict(lr=1e-2, betas=(0.9, 0.9), weight_decay=0.1)  # nu decays fast: the max matters
+  for name, make in (("torch", lambda ps, a: torch.optim.AdamW(ps, **kw, amsgrad=a)),
+                     ("ours", lambda ps, a: getattr(tb, factory)(ps, **kw, amsgrad=a))):
+    for amsgrad in (True, False):
+      ps = _params(torch.float32)
+      opt = make(ps, amsgrad)
+      _run(opt, ps, grads)
+      runs[name, amsgrad] = (ps, opt)
+  (ref, ref_opt), (ps, opt) = runs["torch", True], runs["ours", True]
+  for p, r in zip(ps, ref):
+    torch.testing.assert_close(p, r, rtol=4e-6, atol=1e-6)
+    # (1 - b2) is f32(1) - f32(b2) here, as in optax; torch rounds 1 - b2 from a double
+    torch.testing.assert_close(opt.state[p]["nu_max"], ref_opt.state[r]["max_exp_avg_sq"],
+                               rtol=2e-5, atol=0)
+    # the max mostly holds the first step's large second moment; nu decayed below it
+    nu_max, nu = opt.state[p]["nu_max"], opt.state[p]["nu"]
+    assert (nu_max >= nu).all() and (nu_max > nu).float().mean() > 0.9
+  plain = runs["ours", False][0]
+  assert min((p - q).abs().max().item() for p, q in zip(ps, plain)) > 1e-3
+
+
+@pytest.mark.parametrize("moments", [None, torch.float32])
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_amsgrad_bf16_params(compensation, moments):
+  """bf16 params: nu_max is the running max of the stored nu (in nu's dtype),
+  the eager, compiled (fused=True) and default steps give the same bits, and
+  with fp32 moments Kahan tracks torch.optim.AdamW(amsgrad=True) on fp32."""
+  grads = _amsgrad_grads(8, torch.bfloat16)
+  snaps = []
+  for fused in (None, False, True):
+    ps = _params()
+    opt = tb.adamw_bf16(ps, lr=1e-2, weight_decay=0.1, compensation=compensation, fused=fused,
+                        mu_dtype=moments, nu_dtype=moments, amsgrad=True, key=7)
+    running = None
+    for g in grads:
+      _run(opt, ps, [g])
+      nus = [opt.state[p]["nu"].clone() for p in ps]
+      running = nus if running is None else [torch.maximum(a, b) for a, b in zip(running, nus)]
+      assert all(torch.equal(opt.state[p]["nu_max"], r) for p, r in zip(ps, running))
+      assert all(opt.state[p]["nu_max"].dtype == opt.state[p]["nu"].dtype for p in ps)
+    snaps.append(_snapshot(opt, ps))
+  assert _same(snaps[0], snaps[1]) and _same(snaps[0], snaps[2])
+  if compensation == "kahan" and moments is not None:
+    ref = [p.detach().float().requires_grad_() for p in _params()]
+    _run(torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1, amsgrad=True), ref,
+         [[x.float() for x in g] for g in grads])
+    for p, r in zip(ps, ref):  # the weight, param + compensation, near fp32's
+      x = p.detach().float() + opt.state[p]["compensation"].float()
+      torch.testing.assert_close(x, r.detach(), rtol=2 ** -12, atol=1e-5)
+
+
+def test_amsgrad_switched_on_later_starts_the_max_and_resumes_bitwise():
+  ps = _params()
+  opt = tb.adamw_bf16(ps, lr=1e-2)
+  grads = _amsgrad_grads(6, torch.bfloat16)
+  _run(opt, ps, grads[:2])
+  assert "nu_max" not in opt.state[ps[0]]
+  opt.param_groups[0]["amsgrad"] = True  # the max starts from this step's nu
+  _run(opt, ps, grads[2:3])
+  assert all(torch.equal(opt.state[p]["nu_max"], opt.state[p]["nu"]) for p in ps)
+  saved = copy.deepcopy(opt.state_dict())
+  qs = [p.detach().clone().requires_grad_() for p in ps]
+  _run(opt, ps, grads[3:])
+  resumed = tb.adamw_bf16(qs, lr=1e-2, amsgrad=True)
+  resumed.load_state_dict(saved)
+  _run(resumed, qs, grads[3:])
+  assert _same(_snapshot(resumed, qs), _snapshot(opt, ps))
+  opt.param_groups[0]["amsgrad"] = False  # the max is dropped
+  _run(opt, ps, grads[:1])
+  assert "nu_max" not in opt.state[ps[0]]
+
+
+# ---------------------------------------------------------------------------
+# differentiable=True (torch.optim.AdamW's: the step recorded by autograd).
+# ---------------------------------------------------------------------------
+
+def _differentiable_run(make, steps=3):
+  """Params that are a function of a leaf ``w``, gradients too; returns the
+  params after ``steps`` steps and d(sum p^2)/dw through every step."""
+  gen = torch.Generator().manual_seed(5)
+  w = torch.randn(5, 3, generator=gen).requires_grad_()
+  p = w * 1.5
+  opt = make([p])
+  for t in range(steps):
+    p.grad = (w ** 3) * (t + 1)
+    opt.step()
+  (p ** 2).sum().backward()
+  return p.detach(), w.grad
+
+
+def test_differentiable_step_has_torch_adamws_gradient():
+  kw = dict(lr=0.1, weight_decay=0.1, differentiable=True)
+  ref_p, ref_grad = _differentiable_run(lambda ps: torch.optim.AdamW(ps, **kw))
+  for factory in ("adam_fp32_master", "adamw_bf16", "scale_by_adamw"):
+    p, grad = _differentiable_run(lambda ps: getattr(tb, factory)(ps, **kw))
+    torch.testing.assert_close(p, ref_p, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-5, atol=1e-5)
+  # the step's values are those of the plain step, bit for bit, amsgrad too
+  for amsgrad in (False, True):
+    p, grad = _differentiable_run(lambda ps: tb.adamw_bf16(ps, **kw, amsgrad=amsgrad))
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(5))
+    plain = [(w * 1.5).requires_grad_()]
+    opt = tb.adamw_bf16(plain, lr=0.1, weight_decay=0.1, amsgrad=amsgrad)
+    for t in range(3):
+      plain[0].grad = (w ** 3) * (t + 1)
+      opt.step()
+    assert torch.equal(p, plain[0].detach()) and torch.isfinite(grad).all()
+  # 16-bit params: the rounding has no gradient
+  q = [torch.ones(3, dtype=torch.bfloat16).requires_grad_()]
+  q[0].grad = torch.ones_like(q[0])
+  with pytest.raises(ValueError, match="differentiable=True steps params of 32 bits or more"):
+    tb.adamw_bf16(q, lr=0.1, differentiable=True).step()
 
 
 MAXIMIZE = {

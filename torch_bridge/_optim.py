@@ -399,14 +399,10 @@ def torch_spellings(name: str, learning_rate, lr, b1, b2, betas, default_betas) 
 
 
 # torch.optim.AdamW's keywords and group keys besides the hyperparameters,
-# with the values the AdamW optimizers honour (maximize: both).
+# with the values the AdamW optimizers honour (maximize, amsgrad, differentiable: both).
 TORCH_ADAMW_KEYS = ("maximize", "amsgrad", "foreach", "capturable", "differentiable", "fused",
                     "decoupled_weight_decay")
 _REFUSED = {
-    "amsgrad": "AMSGrad (the running max of nu) is not implemented; for it wrap torch's: "
-               "tb.master_weights(torch.optim.AdamW(params, amsgrad=True))",
-    "differentiable": "the step writes params and state in place under torch.no_grad(); for a "
-                      "differentiable step use torch.optim.AdamW(differentiable=True)",
     "capturable": "the step reads each param's step count on the host, which a CUDA graph "
                   "cannot capture; for that use torch.optim.AdamW(capturable=True)",
 }
@@ -416,7 +412,8 @@ def check_torch_keys(where: str, values: dict, weight_decay=0.0) -> None:
   """torch.optim.AdamW's ``values`` (keywords or group keys, ``TORCH_ADAMW_KEYS``):
   ``foreach`` and ``fused`` None or a bool (how torch would run the step; a
   group's are not used: the optimizer's ``fused=`` picks the step), the others
-  bools, True only for ``maximize`` and ``decoupled_weight_decay`` (False,
+  bools, True only for ``maximize``, ``amsgrad``, ``differentiable`` and
+  ``decoupled_weight_decay`` (False,
   torch.optim.Adam's, only where ``weight_decay`` is 0)."""
   for key, value in values.items():
     if key in ("foreach", "fused"):

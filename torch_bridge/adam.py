@@ -40,6 +40,8 @@ __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdam
            "adamw_step"]
 
 _CORE_NAME = "scale_by_adamw (the fp32 AdamW core of adamw_bf16 and adam_fp32_master)"
+# torch.optim.AdamW's keys that param groups keep (the step reads them).
+_KEPT = ("maximize", "amsgrad", "differentiable")
 
 def _param_compensation(compensation: Compensation,
                         dtype: torch.dtype) -> Optional[Compensation]:
@@ -59,10 +61,13 @@ def _kernel_mode(compensation: Optional[Compensation]) -> str:
 
 
 @functools.lru_cache(maxsize=None)
-def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.dtype) -> dict:
+def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.dtype,
+                  amsgrad: bool = False) -> dict:
   """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
-  param: name -> dtype."""
+  param: name -> dtype (``amsgrad``: with ``nu_max``, nu's running max)."""
   layout = {"mu": mu_dtype or moment_dtype(dtype), "nu": nu_dtype or moment_dtype(dtype)}
+  if amsgrad:
+    layout["nu_max"] = layout["nu"]
   rules = _param_compensation(compensation, dtype)
   if rules is not None and rules.buffer:
     layout[rules.buffer] = rules.buffer_dtype_of(dtype)
@@ -71,7 +76,7 @@ def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.d
 
 def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
                compensation: Optional[Compensation], state_rounding: str, index=0,
-               maximize: bool = False) -> None:
+               maximize: bool = False, nu_max=None) -> None:
   """One AdamW step on one tensor, in place, in fp32 (the core + compensation).
 
   ``scalars``: fp32 0-dim tensors ``(lr, b1, b2, one_minus_b1, one_minus_b2,
@@ -82,7 +87,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
   offset, or every element's); ``compensation``: the param's
   (``_param_compensation``), None for a wide param; ``maximize``: the
   gradient is negated as it is read (exact: the bits of a step on
-  ``-grad``). Written with tensor scalars only, so that ``torch.compile``
+  ``-grad``); ``nu_max``: AMSGrad's running max of the stored ``nu`` (in
+  nu's dtype), or None. Written with tensor scalars only, so that ``torch.compile``
   turns it into one loop without recompiling when the learning rate or the
   step change. Every op rounds to fp32 (no FMA: Inductor's
   CPU backend compiles with ``-ffp-contract=off``); the JAX side matches with
@@ -98,7 +104,14 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
   m32 = b1 * rounding.widen(mu) + one_minus_b1 * g
   v32 = b2 * rounding.widen(nu) + one_minus_b2 * (g * g)
   m_hat = m32 * inv_bc1
-  v_hat = v32 * inv_bc2
+  # AMSGrad: the denominator takes the largest second moment so far
+  v_den = v32
+  if nu_max is not None:
+    held = rounding.widen(nu_max)
+    if torch.is_grad_enabled():  # differentiable: autograd keeps it; nu_max is written below
+      held = held.clone()
+    v_den = torch.maximum(held, v32)
+  v_hat = v_den * inv_bc2
   u = m_hat / (rounding.sqrt(v_hat) + eps)
   u = u + weight_decay * x
   u = -lr * u
@@ -113,6 +126,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
                                         index)
   mu.copy_(m_new)
   nu.copy_(v_new)
+  if nu_max is not None:  # the running max of the stored nu (torch's max_exp_avg_sq)
+    nu_max.copy_(torch.maximum(held.to(nu_max.dtype), v_new))
 
 
 @functools.lru_cache(maxsize=None)
@@ -290,13 +305,13 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
      mu, nu = round(m), round(v)            # nearest or stochastic
 
   Param groups carry torch's keys ``lr``, ``betas``, ``eps``,
-  ``weight_decay`` and ``maximize`` (so ``torch.optim.lr_scheduler``,
+  ``weight_decay``, ``maximize``, ``amsgrad`` and ``differentiable`` (so ``torch.optim.lr_scheduler``,
   ``OneCycleLR`` with momentum cycling included, works), ``lr_schedule`` (the
   group's schedule, or None) and a host-side ``count`` of steps; a group
   copied from a ``torch.optim.AdamW`` (with ``amsgrad``, ``foreach``,
   ``fused``, ``capturable``, ``differentiable``) is taken as the keywords
   are. State per param, made at its first step as in ``torch.optim``:
-  ``step`` (CPU int64), ``mu``, ``nu``, and ``master`` (fp32 copy, or the
+  ``step`` (CPU int64), ``mu``, ``nu`` (and ``nu_max`` with amsgrad), and ``master`` (fp32 copy, or the
   int16 low half with ``compensation="split"``) or ``compensation`` (Kahan
   buffer in the param dtype). ``learning_rate``/``lr`` defaults to 1e-3,
   as in ``torch.optim.AdamW`` (here and in the factories).
@@ -352,21 +367,22 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     # accept scale_by_adamw (the bare core) but refuse adamw_bf16.
     self._factory = _factory
     defaults = dict(lr=lr0, lr_schedule=schedule, betas=(b1, b2), eps=eps,
-                    weight_decay=weight_decay, maximize=maximize, count=0)
+                    weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad,
+                    differentiable=differentiable, count=0)
     super().__init__(params, defaults)
 
   # -- construction ----------------------------------------------------------
 
   def _normalize_group(self, param_group: dict) -> dict:
     # torch.optim.AdamW's other group keys (a group copied from a torch
-    # optimizer): checked as the keywords are, then dropped (maximize is kept).
+    # optimizer): checked as the keywords are, then dropped (_KEPT stay).
     # Called by torch.optim.Optimizer.__init__ after self.defaults is set.
     if isinstance(param_group, dict):
       check_torch_keys("param group", {k: v for k, v in param_group.items()
                                        if k in TORCH_ADAMW_KEYS},
                        param_group.get("weight_decay", self.defaults["weight_decay"]))
       param_group = {k: v for k, v in param_group.items()
-                     if k not in TORCH_ADAMW_KEYS or k == "maximize"}
+                     if k not in TORCH_ADAMW_KEYS or k in _KEPT}
     return super()._normalize_group(param_group)
 
   def _check_group(self, group: dict, first: int) -> None:
@@ -382,22 +398,24 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     self._remember(group["params"])
 
   @torch.no_grad()
-  def _new_state(self, p: torch.Tensor) -> dict:
+  def _new_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
     """The state of ``p`` before its first step (for its dtype and shape now)."""
     state = {"step": torch.tensor(0, dtype=torch.int64),
              "mu": torch.zeros_like(p, dtype=self._mu_dtype or moment_dtype(p.dtype)),
              "nu": torch.zeros_like(p, dtype=self._nu_dtype or moment_dtype(p.dtype))}
+    if amsgrad:
+      state["nu_max"] = torch.zeros_like(state["nu"])
     compensation = _param_compensation(self._compensation, p.dtype)
     buffer = None if compensation is None else compensation.init_buffer(p)
     if buffer is not None:
       state[compensation.buffer] = buffer
     return state
 
-  def _layout(self, dtype: torch.dtype) -> dict:
+  def _layout(self, dtype: torch.dtype, amsgrad: bool = False) -> dict:
     """The dtype of each state tensor (``step`` aside) of a param of ``dtype``."""
-    return _state_layout(self._compensation, self._mu_dtype, self._nu_dtype, dtype)
+    return _state_layout(self._compensation, self._mu_dtype, self._nu_dtype, dtype, amsgrad)
 
-  def _state_of(self, p: torch.Tensor, position: int) -> dict:
+  def _state_of(self, p: torch.Tensor, position: int, amsgrad: bool) -> dict:
     """``p``'s state: made now if ``p`` has none yet, else checked against
     ``p``'s dtype and shape (a ``model.to(dtype)`` after the state was made
     would have the step read buffers of another dtype, or none)."""
@@ -405,25 +423,31 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     # Checked once per param while its dtype, shape and keys stay (a load
     # clears these marks); a step count set from outside is still taken up.
     fits = self.__dict__.setdefault("_state_fits", {})
-    mark = (p.dtype, p.shape, len(state))
+    mark = (p.dtype, p.shape, len(state), amsgrad)
     if fits.get(p) == mark and type(state["step"]) is torch.Tensor:
       return state
     if not state:
       check_param(p, position)
       check_no_float64(p, position, _CORE_NAME)
-      state.update(self._new_state(p))
-      fits[p] = (p.dtype, p.shape, len(state))
+      state.update(self._new_state(p, amsgrad))
+      fits[p] = (p.dtype, p.shape, len(state), amsgrad)
       return state
-    layout = self._layout(p.dtype)
+    if amsgrad != ("nu_max" in state):  # the group's amsgrad switched: start or drop the max
+      if amsgrad and torch.is_tensor(state.get("nu")):
+        state["nu_max"] = torch.zeros_like(state["nu"])
+      elif not amsgrad:
+        del state["nu_max"]
+    layout = self._layout(p.dtype, amsgrad)
     ok = len(state) == len(layout) + 1 and "step" in state
     for k, dtype in layout.items():
       t = state.get(k)
       ok = ok and torch.is_tensor(t) and t.dtype == dtype and t.shape == p.shape
     if not ok:
-      raise ValueError(stale_state_message(p, position, state, self._layout,
+      raise ValueError(stale_state_message(p, position, state,
+                                           lambda d: self._layout(d, amsgrad),
                                            shaped=tuple(layout)))
     step_count(state)
-    self._state_fits[p] = mark
+    self._state_fits[p] = (p.dtype, p.shape, len(state), amsgrad)
     return state
 
   # -- checkpoints -----------------------------------------------------------
@@ -436,7 +460,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   def _template(self, group: dict, p: torch.Tensor) -> Optional[dict]:
     # A param with no state yet is checked against the state its first step
     # makes; a wrapper's stand-in between steps (no elements) is not checked.
-    return self._new_state(p) if p.numel() else None
+    return self._new_state(p, group["amsgrad"]) if p.numel() else None
 
   def _load(self, state_dict: dict) -> None:
     super()._load(state_dict)
@@ -467,7 +491,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     for group in self.param_groups:
       for p in group["params"]:
         if grad_of(p) is not None:
-          self._state_of(p, position)
+          self._state_of(p, position, group["amsgrad"])
         position += 1
     # CPU tensors go to the native kernel, one call per configuration, after the loop.
     native = _native.Batch(self._seed, self._state_rounding) if self._fused is not False else None
@@ -499,6 +523,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
       count = group["count"]
       lr = self._group_lr(group, count)
       maximize = group["maximize"]
+      amsgrad = group["amsgrad"]
+      differentiable = group["differentiable"]
       cache: dict = {}
       for p in group["params"]:
         leaf = position
@@ -526,20 +552,34 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           # random-bit counter is the elements' index in the whole tensor.
           tensors = tuple(_dist.local(t) for t in tensors)
           index = _dist.index(p)
-        if triton is not None and triton.add(
+        if differentiable and compensation is not None:
+          raise ValueError(
+              f"param {leaf} is {p.dtype}: differentiable=True steps params of 32 bits or more "
+              "(a rounding to 16 bits has no gradient). Pass float32 params, or "
+              "differentiable=False.")
+        # AMSGrad's running max: the per-tensor step (eager, or compiled with fused=True)
+        nu_max = _dist.local(state["nu_max"]) if amsgrad else None
+        if differentiable:  # the eager step, recorded by autograd
+          with torch.enable_grad():
+            adamw_step(*tensors, self._scalars(group, step + 1, lr, tensors[0].device, cache),
+                       _leaf_keys(self._seed, step, leaf, tensors[0].device), None,
+                       self._state_rounding, index, maximize, nu_max)
+          state["step"] += 1
+          continue
+        if nu_max is None and triton is not None and triton.add(
             tensors, _kernel_mode(compensation), step, leaf,
             self._scalars(group, step + 1, lr, tensors[0].device, cache), state, index,
             maximize):
           continue
-        if native is not None and native.add(
+        if nu_max is None and native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
             lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index,
             maximize):
           continue
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache)
-        if grouped is not None and grouped.add(tensors, compensation, step, leaf, scalars, state,
-                                               index, maximize):
+        if nu_max is None and grouped is not None and grouped.add(
+            tensors, compensation, step, leaf, scalars, state, index, maximize):
           continue
         keys = _leaf_keys(self._seed, step, leaf, device)
         if self._fused and all(t is None or t.is_contiguous() for t in tensors):
@@ -547,11 +587,14 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           # row-major index either way.
           tensors = tuple(None if t is None else t.view(-1) for t in tensors)
           index = index.reshape(-1) if torch.is_tensor(index) else index
+          nu_max = None if nu_max is None else nu_max.view(-1)
         kernel = adamw_step
         if self._fused:
           kernel = _compiled_step((_kernel_mode(compensation), self._state_rounding, p.dtype,
-                                   grad.dtype, state["mu"].dtype, state["nu"].dtype, maximize))
-        kernel(*tensors, scalars, keys, compensation, self._state_rounding, index, maximize)
+                                   grad.dtype, state["mu"].dtype, state["nu"].dtype, maximize,
+                                   nu_max is not None))
+        kernel(*tensors, scalars, keys, compensation, self._state_rounding, index, maximize,
+               nu_max)
         state["step"] += 1
       group["count"] = count + 1
 
@@ -660,8 +703,10 @@ def adam_fp32_master(
     lr, betas: torch's spellings of ``learning_rate`` and ``(b1, b2)``.
     maximize, amsgrad, foreach, capturable, differentiable: torch.optim.AdamW's
       (also as param-group keys). ``maximize=True`` ascends (the gradient is
-      negated as it is read); ``foreach`` is accepted and not used;
-      ``amsgrad``, ``capturable`` and ``differentiable`` must be False.
+      negated as it is read); ``amsgrad=True`` keeps the running max of nu
+      (state ``nu_max``) for the denominator; ``differentiable=True`` lets
+      autograd record the step (params of 32 bits or more); ``foreach`` is
+      accepted and not used; ``capturable`` must be False.
 
   Example:
     >>> import torch, torch_bridge as tb

@@ -318,6 +318,7 @@ def _groups_with(state_dict: dict, **values) -> dict:
 
 
 def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
+  _no_amsgrad(optimizer)
   what = f"a LowPrecisionAdamW (compensation={optimizer._compensation.name!r})"
   counters, state = _skip_counters(state, optimizer)
   wrapper, core = _core_of(state, optimizer._compensation.name, what)
@@ -403,9 +404,14 @@ def _adam_parts(state):
   return adam[0], [s for s in found if isinstance(s, optax.ScaleByScheduleState)]
 
 
-def _adam_dict(state, optimizer, leaves: _Leaves) -> dict:
+def _no_amsgrad(optimizer) -> None:
   if any(g.get("amsgrad") for g in optimizer.param_groups):
-    raise ValueError("convert: amsgrad has no optax.adam counterpart.")
+    raise ValueError("convert: amsgrad=True (the running max of the second moment) has no "
+                     "counterpart in optax.adam(w) or optax_half's AdamW states.")
+
+
+def _adam_dict(state, optimizer, leaves: _Leaves) -> dict:
+  _no_amsgrad(optimizer)
   adam, _ = _adam_parts(state)
   count = int(adam.count)
   out = copy.copy(optimizer.state_dict())
@@ -510,6 +516,7 @@ def _from_torch(leaves: _Leaves, states: list, key: str, tree):
 
 
 def _adamw_state(state, optimizer: LowPrecisionAdamW, leaves: _Leaves):
+  _no_amsgrad(optimizer)
   what = f"a LowPrecisionAdamW (compensation={optimizer._compensation.name!r})"
 
   def fill(state):
@@ -571,6 +578,7 @@ def _fill_wrapper(wrapper, new, inner_state, seed: int, count: int):
 
 
 def _adam_state(state, optimizer, leaves: _Leaves):
+  _no_amsgrad(optimizer)
   adam, schedules = _adam_parts(state)
   states = _states(optimizer)
   count = _one_count(states) or 0
