@@ -884,6 +884,70 @@ def test_differentiable_step_has_torch_adamws_gradient():
     tb.adamw_bf16(q, lr=0.1, differentiable=True).step()
 
 
+# ---------------------------------------------------------------------------
+# float64 and complex params (torch.optim.AdamW's: complex as pairs of reals).
+# ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("fused", [None, False, True])
+@pytest.mark.parametrize("factory", ["adamw_bf16", "adam_fp32_master"])
+def test_float64_params_step_in_float64_as_torch_adamw(factory, fused, amsgrad):
+  gen = torch.Generator().manual_seed(4)
+  w = torch.randn(6, 5, dtype=torch.float64, generator=gen)
+  grads = [torch.randn(6, 5, dtype=torch.float64, generator=gen) for _ in range(6)]
+  kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+  ours, ref = [w.clone().requires_grad_()], [w.clone().requires_grad_()]
+  opt = getattr(tb, factory)(ours, fused=fused, **kw)
+  ref_opt = torch.optim.AdamW(ref, **kw)
+  for g in grads:
+    ours[0].grad, ref[0].grad = g.clone(), g.clone()
+    opt.step()
+    ref_opt.step()
+  assert {v.dtype for k, v in opt.state[ours[0]].items() if k != "step"} == {torch.float64}
+  torch.testing.assert_close(ours[0], ref[0], rtol=1e-14, atol=1e-15)
+  # fp32 math would be ~1e-7 off
+  assert not torch.equal(ours[0].detach().float().double(), ours[0].detach())
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("fused", [None, False])
+@pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])
+def test_complex_params_step_as_their_real_pairs(dtype, fused, amsgrad):
+  """A complex param steps as its view_as_real pairs would, bit for bit,
+  with state of its dtype, and within a few ULP of torch.optim.AdamW."""
+  gen = torch.Generator().manual_seed(2)
+  w = torch.randn(4, 3, dtype=dtype, generator=gen)
+  grads = [torch.randn(4, 3, dtype=dtype, generator=gen) for _ in range(5)]
+  kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=amsgrad)
+  cplx, pairs, ref = ([w.clone().requires_grad_()],
+                      [torch.view_as_real(w).clone().requires_grad_()],
+                      [w.clone().requires_grad_()])
+  opts = (tb.adam_fp32_master(cplx, fused=fused, **kw), tb.adam_fp32_master(pairs, fused=fused,
+                                                                             **kw),
+          torch.optim.AdamW(ref, **kw))
+  for g in grads:
+    cplx[0].grad, pairs[0].grad, ref[0].grad = g.clone(), torch.view_as_real(g).clone(), g.clone()
+    for opt in opts:
+      opt.step()
+  assert torch.equal(torch.view_as_real(cplx[0].detach()), pairs[0].detach())
+  state = opts[0].state[cplx[0]]
+  assert {k: v.dtype for k, v in state.items() if k != "step"} == {
+      k: dtype for k in ("mu", "nu", "nu_max")[:3 if amsgrad else 2]}
+  assert torch.equal(torch.view_as_real(state["nu"]), opts[1].state[pairs[0]]["nu"])
+  tol = 4e-6 if dtype == torch.complex64 else 1e-14
+  torch.testing.assert_close(cplx[0], ref[0], rtol=tol, atol=tol / 4)
+
+
+def test_params_the_step_cannot_take_are_refused_with_the_fix():
+  for dtype in (torch.complex64, torch.float64):
+    with pytest.raises(ValueError, match=f"is {dtype}, whose moments are {dtype}"):
+      tb.adamw_bf16([torch.zeros(2, dtype=dtype, requires_grad=True)], mu_dtype=torch.bfloat16)
+  with pytest.raises(RuntimeError, match="fused=True"):  # torch's own check, as its AdamW
+    p = torch.zeros(2, dtype=torch.complex64, requires_grad=True)
+    p.grad = torch.ones_like(p)
+    tb.adamw_bf16([p], fused=True).step()
+
+
 MAXIMIZE = {
     "adamw_bf16 kahan": lambda ps, f, m: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, fused=f,
                                                        maximize=m),

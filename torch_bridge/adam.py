@@ -31,7 +31,7 @@ from optax_half_native import checks
 from torch_bridge import _dist, _native, _triton, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_grad,
-                                 check_no_float64, check_param, check_torch_adamw_args,
+                                 check_param, check_torch_adamw_args,
                                  check_torch_keys, grad_of,
                                  init_skip_nonfinite, seed_from_key, stale_state_message,
                                  step_count, step_grad, torch_spellings)
@@ -39,7 +39,6 @@ from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_
 __all__ = ["adam_fp32_master", "adamw_bf16", "scale_by_adamw", "LowPrecisionAdamW",
            "adamw_step"]
 
-_CORE_NAME = "scale_by_adamw (the fp32 AdamW core of adamw_bf16 and adam_fp32_master)"
 # torch.optim.AdamW's keys that param groups keep (the step reads them).
 _KEPT = ("maximize", "amsgrad", "differentiable")
 
@@ -48,6 +47,13 @@ def _param_compensation(compensation: Compensation,
   """What a param of ``dtype`` takes: its 16-bit compensation, or None for a
   param of 32 bits or more (``p += u`` in its own dtype)."""
   return None if dtype.itemsize >= 4 else compensation.for_dtype(dtype)
+
+
+def _own_moments(dtype: torch.dtype) -> bool:
+  """Whether a param of ``dtype`` keeps moments of its own dtype whatever
+  mu_dtype/nu_dtype say (None or float32, _check_param): float64 (stepped in
+  float64) and complex params (stepped as real pairs, as torch.optim.AdamW)."""
+  return dtype.is_complex or dtype == torch.float64
 
 
 def moment_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -66,6 +72,8 @@ def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.d
   """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
   param: name -> dtype (``amsgrad``: with ``nu_max``, nu's running max)."""
   layout = {"mu": mu_dtype or moment_dtype(dtype), "nu": nu_dtype or moment_dtype(dtype)}
+  if _own_moments(dtype):
+    layout = {"mu": dtype, "nu": dtype}
   if amsgrad:
     layout["nu_max"] = layout["nu"]
   rules = _param_compensation(compensation, dtype)
@@ -97,17 +105,19 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
   """
   lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay = scalars
   key_p, key_m = keys
-  g = rounding.widen(grad)
+  # fp32 math; a float64 param's in float64 (its scalars too, LowPrecisionAdamW._scalars)
+  widen = rounding.widen if param.dtype != torch.float64 else torch.Tensor.double
+  g = widen(grad)
   if maximize:
     g = -g
-  x = rounding.widen(param) if compensation is None else compensation.read(param, buffer)
-  m32 = b1 * rounding.widen(mu) + one_minus_b1 * g
-  v32 = b2 * rounding.widen(nu) + one_minus_b2 * (g * g)
+  x = widen(param) if compensation is None else compensation.read(param, buffer)
+  m32 = b1 * widen(mu) + one_minus_b1 * g
+  v32 = b2 * widen(nu) + one_minus_b2 * (g * g)
   m_hat = m32 * inv_bc1
   # AMSGrad: the denominator takes the largest second moment so far
   v_den = v32
   if nu_max is not None:
-    held = rounding.widen(nu_max)
+    held = widen(nu_max)
     if torch.is_grad_enabled():  # differentiable: autograd keeps it; nu_max is written below
       held = held.clone()
     v_den = torch.maximum(held, v32)
@@ -389,8 +399,22 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     b1, b2 = group["betas"]
     checks.check_adamw_args(group["lr"], b1, b2, group["eps"], group["weight_decay"])
     for position, p in enumerate(group["params"], first):
+      self._check_param(p, position)
+
+  def _check_param(self, p: torch.Tensor, position: int) -> None:
+    """A param the step can take: float, or complex, stepped as
+    torch.optim.AdamW steps complex params: as pairs of reals (view_as_real)."""
+    if not (isinstance(p, torch.Tensor) and p.is_complex()):
       check_param(p, position)
-      check_no_float64(p, position, _CORE_NAME)
+    elif p.dtype == torch.complex32:
+      raise ValueError(
+          f"param {position} is complex32, whose fp16 parts no compensation here steps. Cast "
+          "it to complex64.")
+    if _own_moments(p.dtype) and {self._mu_dtype, self._nu_dtype} - {None, torch.float32}:
+      raise ValueError(
+          f"param {position} is {p.dtype}, whose moments are {p.dtype}, not "
+          f"mu_dtype={self._mu_dtype}, nu_dtype={self._nu_dtype}. Keep such params in an "
+          "optimizer with fp32 (or default) moments.")
 
   def _init_group(self, group: dict) -> None:
     # A param's state is made at its first step (_state_of), as in torch.optim,
@@ -400,11 +424,10 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   @torch.no_grad()
   def _new_state(self, p: torch.Tensor, amsgrad: bool) -> dict:
     """The state of ``p`` before its first step (for its dtype and shape now)."""
+    layout = self._layout(p.dtype, amsgrad)
     state = {"step": torch.tensor(0, dtype=torch.int64),
-             "mu": torch.zeros_like(p, dtype=self._mu_dtype or moment_dtype(p.dtype)),
-             "nu": torch.zeros_like(p, dtype=self._nu_dtype or moment_dtype(p.dtype))}
-    if amsgrad:
-      state["nu_max"] = torch.zeros_like(state["nu"])
+             **{k: torch.zeros_like(p, dtype=layout[k]) for k in ("mu", "nu", "nu_max")
+                if k in layout}}
     compensation = _param_compensation(self._compensation, p.dtype)
     buffer = None if compensation is None else compensation.init_buffer(p)
     if buffer is not None:
@@ -427,8 +450,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     if fits.get(p) == mark and type(state["step"]) is torch.Tensor:
       return state
     if not state:
-      check_param(p, position)
-      check_no_float64(p, position, _CORE_NAME)
+      self._check_param(p, position)
       state.update(self._new_state(p, amsgrad))
       fits[p] = (p.dtype, p.shape, len(state), amsgrad)
       return state
@@ -469,9 +491,17 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
 
   # -- the step --------------------------------------------------------------
 
-  def _scalars(self, group: dict, t: int, lr: float, device, cache: dict):
-    key = (t, device)
-    if key not in cache:
+  def _scalars(self, group: dict, t: int, lr: float, device, cache: dict,
+               dtype: torch.dtype = torch.float32):
+    key = (t, device, dtype)
+    if key in cache:
+      return cache[key]
+    if dtype == torch.float64:  # a float64 param's step: torch.optim.AdamW's double scalars
+      b1, b2 = (float(b) for b in group["betas"])
+      values = (lr, b1, b2, 1 - b1, 1 - b2, 1 / (1 - b1 ** t), 1 / (1 - b2 ** t),
+                group["eps"], group["weight_decay"])
+      cache[key] = tuple(rounding.device_scalar(float(v), dtype, device) for v in values)
+    else:
       # fp32 numpy scalar ops on the host (each rounded once, whatever torch's
       # default dtype); each value goes to the device by a fill (no sync).
       one = np.float32(1)
@@ -552,6 +582,9 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           # random-bit counter is the elements' index in the whole tensor.
           tensors = tuple(_dist.local(t) for t in tensors)
           index = _dist.index(p)
+        if p.is_complex():  # as torch.optim.AdamW: each real and imaginary part a param
+          tensors = tuple(None if t is None else torch.view_as_real(t) for t in tensors)
+        math_dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
         if differentiable and compensation is not None:
           raise ValueError(
               f"param {leaf} is {p.dtype}: differentiable=True steps params of 32 bits or more "
@@ -559,9 +592,12 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
               "differentiable=False.")
         # AMSGrad's running max: the per-tensor step (eager, or compiled with fused=True)
         nu_max = _dist.local(state["nu_max"]) if amsgrad else None
+        if nu_max is not None and nu_max.is_complex():
+          nu_max = torch.view_as_real(nu_max)
         if differentiable:  # the eager step, recorded by autograd
           with torch.enable_grad():
-            adamw_step(*tensors, self._scalars(group, step + 1, lr, tensors[0].device, cache),
+            adamw_step(*tensors, self._scalars(group, step + 1, lr, tensors[0].device, cache,
+                                               math_dtype),
                        _leaf_keys(self._seed, step, leaf, tensors[0].device), None,
                        self._state_rounding, index, maximize, nu_max)
           state["step"] += 1
@@ -577,7 +613,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
             maximize):
           continue
         device = tensors[0].device
-        scalars = self._scalars(group, step + 1, lr, device, cache)
+        scalars = self._scalars(group, step + 1, lr, device, cache, math_dtype)
         if nu_max is None and grouped is not None and grouped.add(
             tensors, compensation, step, leaf, scalars, state, index, maximize):
           continue

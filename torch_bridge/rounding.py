@@ -269,9 +269,9 @@ def sqrt(x: torch.Tensor) -> torch.Tensor:
     >>> rounding.sqrt(torch.tensor([4.0, 2.0])).tolist()
     [2.0, 1.4142135381698608]
   """
-  if x.device.type == "cpu" and not torch.compiler.is_compiling():
+  if x.dtype == torch.float32 and x.device.type == "cpu" and not torch.compiler.is_compiling():
     return torch.sqrt(x.double()).float()
-  return torch.sqrt(x)
+  return torch.sqrt(x)  # IEEE in float64 (the step of float64 params)
 
 
 def one_minus_pow(b: float, n: int, one_minus_b=None) -> float:
