@@ -877,6 +877,14 @@ def test_differentiable_step_has_torch_adamws_gradient():
       plain[0].grad = (w ** 3) * (t + 1)
       opt.step()
     assert torch.equal(p, plain[0].detach()) and torch.isfinite(grad).all()
+  # hyperparameters that require grad would get none: refused
+  lr = torch.tensor(0.1, requires_grad=True)
+  for make in (lambda ps: tb.adamw_bf16(ps, lr=lr, differentiable=True),
+               lambda ps: tb.adamw_bf16(ps, betas=(lr, torch.tensor(0.9))),
+               lambda ps: tb.adamw_bf16([{"params": ps, "lr": lr}]),
+               lambda ps: tb.scaled_adam(ps, lr=lr)):
+    with pytest.raises(ValueError, match="is a tensor that requires grad, but the step reads"):
+      make([torch.ones(3, requires_grad=True)])
   # 16-bit params: the rounding has no gradient
   q = [torch.ones(3, dtype=torch.bfloat16).requires_grad_()]
   q[0].grad = torch.ones_like(q[0])

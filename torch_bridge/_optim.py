@@ -32,7 +32,7 @@ from torch_bridge import _dist
 
 __all__ = ["f32", "seed_from_key",
            "prepare_load", "check_kind", "stale_state_message", "step_count",
-           "TORCH_ADAMW_KEYS", "check_torch_keys", "check_tensor_lr", "check_fused_devices", "optimizer_kind", "check_param", "check_grad",
+           "TORCH_ADAMW_KEYS", "check_torch_keys", "check_tensor_lr", "check_no_grad_hyperparams", "check_fused_devices", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
            "stepping_params", "torch_spellings", "LowPrecisionOptimizer"]
 
@@ -328,6 +328,19 @@ def _betas(betas) -> tuple:
   return (b1, b2)
 
 
+def check_no_grad_hyperparams(where: str, values: dict) -> None:
+  """Hyperparameters (``values``: name -> value or tuple) given as tensors
+  that require grad: refused, since the step reads them as numbers and they
+  would get no gradient (torch.optim.AdamW(differentiable=True) gives one)."""
+  for name, value in values.items():
+    if any(isinstance(v, torch.Tensor) and v.requires_grad
+           for v in (value if isinstance(value, (tuple, list)) else (value,))):
+      raise ValueError(
+          f"{where}: {name} is a tensor that requires grad, but the step reads its "
+          "hyperparameters as fp32 numbers, so it would get no gradient. Pass it detached, "
+          "or differentiate through torch.optim.AdamW(differentiable=True).")
+
+
 def check_tensor_lr(lr) -> None:
   """A tensor lr must hold one element: torch.optim.AdamW's error, word for word."""
   if isinstance(lr, torch.Tensor) and lr.numel() != 1:
@@ -383,6 +396,8 @@ def check_fused_devices(optimizer: torch.optim.Optimizer) -> None:
 def torch_spellings(name: str, learning_rate, lr, b1, b2, betas, default_betas) -> tuple:
   """``(learning_rate, b1, b2)`` from optax_half's keywords or torch's (``lr=``,
   ``betas=``); giving both spellings of one hyperparameter is an error."""
+  check_no_grad_hyperparams(name, dict(learning_rate=learning_rate, lr=lr, b1=b1, b2=b2,
+                                       betas=betas))
   if lr is not None:
     if learning_rate is not None:
       raise TypeError(f"{name}: pass learning_rate or torch's lr, not both.")
@@ -445,6 +460,8 @@ def _mark(p: torch.Tensor) -> tuple:
   return (local._version, local.data_ptr())
 
 
+# Group keys holding hyperparameters (check_no_grad_hyperparams).
+_HYPERPARAMS = ("lr", "learning_rate", "betas", "b1", "b2", "eps", "weight_decay")
 # Keys torch's LR and momentum schedulers write into param groups themselves.
 _SCHEDULER_KEYS = frozenset({"initial_lr", "max_lr", "min_lr", "base_momentum", "max_momentum",
                              "swa_lr"})
@@ -504,6 +521,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
       group["betas"] = (group.pop("b1", b1), group.pop("b2", b2))
     if "betas" in group:
       group["betas"] = _betas(group["betas"])
+    check_no_grad_hyperparams("param group", {k: group[k] for k in _HYPERPARAMS if k in group})
     if "lr" in group:
       check_tensor_lr(group["lr"])
     if "lr" in group and "lr_schedule" in self.defaults and "lr_schedule" not in group:

@@ -31,7 +31,7 @@ from optax_half_native import checks
 from torch_bridge import _dist, _native, _triton, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_grad,
-                                 check_param, check_torch_adamw_args,
+                                 check_no_grad_hyperparams, check_param, check_torch_adamw_args,
                                  check_torch_keys, grad_of,
                                  init_skip_nonfinite, seed_from_key, stale_state_message,
                                  step_count, step_grad, torch_spellings)
@@ -350,6 +350,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                lr=None, betas=None, maximize: bool = False, amsgrad: bool = False,
                foreach: Optional[bool] = None, capturable: bool = False,
                differentiable: bool = False, _factory: str = "LowPrecisionAdamW"):
+    check_no_grad_hyperparams(_factory, dict(eps=eps, weight_decay=weight_decay))
     if learning_rate is None and lr is None:
       lr = 1e-3  # torch.optim.AdamW's default
     learning_rate, b1, b2 = torch_spellings(_factory, learning_rate, lr, b1, b2, betas,
