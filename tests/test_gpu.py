@@ -215,6 +215,39 @@ def test_torch_step_on_cuda_equals_cpu(name, fused, request):
   assert worst == 0 and not any(worst_state.values()), (worst, worst_state)
 
 
+# torch.optim.AdamW's keywords and dtypes that take the per-tensor or grouped step.
+TORCH_KEYWORD_CASES = {
+    "amsgrad bf16 kahan": (lambda ps, f: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, amsgrad=True,
+                                                       fused=f), torch.bfloat16),
+    "float64": (lambda ps, f: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, fused=f), torch.float64),
+    "complex64": (lambda ps, f: tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1, fused=f),
+                  torch.complex64),
+}
+
+
+@torch_cuda
+@pytest.mark.parametrize("fused", [None, False], ids=["default", "eager"])
+@pytest.mark.parametrize("name", list(TORCH_KEYWORD_CASES))
+def test_torch_keywords_and_dtypes_on_cuda_equal_cpu(name, fused):
+  make, dtype = TORCH_KEYWORD_CASES[name]
+
+  def run(device):
+    gen = torch.Generator().manual_seed(0)
+    real = dtype if dtype.is_complex else torch.float32
+    ps = [torch.randn(s, generator=gen, dtype=real).to(dtype).to(device).requires_grad_()
+          for s in ((64, 33), (129,), ())]
+    opt = make(ps, fused if device.type == "cuda" else False)
+    for _ in range(STEPS):
+      for p in ps:
+        p.grad = (torch.randn(p.shape, generator=gen, dtype=real) * 0.1).to(dtype).to(device)
+      opt.step()
+    return [t.detach().cpu() for p in ps for t in (p, *(v for k, v in opt.state[p].items()
+                                                       if k != "step"))]
+  for a, b in zip(run(torch.device("cuda")), run(torch.device("cpu"))):
+    assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                              b.reshape(-1).view(torch.uint8)), name
+
+
 @torch_cuda
 @pytest.mark.parametrize("fused", [None, True], ids=["default", "compiled"])
 def test_torch_step_on_cuda_does_not_sync(fused):

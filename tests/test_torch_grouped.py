@@ -38,12 +38,13 @@ def grouped_on_cpu(monkeypatch):
 
 def _train(make, fused, dtype=torch.bfloat16, steps=4, no_grad_at=None, shapes=SHAPES):
   gen = torch.Generator().manual_seed(0)
-  params = [torch.randn(s, generator=gen).to(dtype).requires_grad_() for s in shapes]
+  real = dtype if dtype.is_complex else torch.float32  # complex params: both parts random
+  params = [torch.randn(s, generator=gen, dtype=real).to(dtype).requires_grad_() for s in shapes]
   opt = make(params, fused)
   for t in range(steps):
     for i, p in enumerate(params):
       p.grad = None if no_grad_at == (t, i) else (
-          torch.randn(p.shape, generator=gen) * 0.1).to(dtype)
+          torch.randn(p.shape, generator=gen, dtype=real) * 0.1).to(dtype)
     opt.step()
   return params, opt
 
@@ -63,6 +64,10 @@ CASES = {
     "kahan fp16": (lambda ps, f: tb.adamw_bf16(ps, 1e-2, fused=f), torch.float16),
     "fp32 params": (lambda ps, f: tb.scale_by_adamw(ps, 1e-2, weight_decay=0.1, fused=f),
                     torch.float32),
+    "float64 params": (lambda ps, f: tb.adamw_bf16(ps, 1e-2, weight_decay=0.1, fused=f),
+                       torch.float64),
+    "complex64 params": (lambda ps, f: tb.adam_fp32_master(ps, 1e-2, weight_decay=0.1, fused=f),
+                         torch.complex64),
     "param groups": (lambda ps, f: tb.adamw_bf16(
         [{"params": ps[:3], "lr": 1e-2}, {"params": ps[3:], "lr": 3e-3, "weight_decay": 0.1}],
         lr=1e-2, fused=f), torch.bfloat16),
