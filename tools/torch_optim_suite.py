@@ -14,7 +14,7 @@ run (SELECT). Before collection, optim_db's ``torch.optim.AdamW`` entry gets
 returns ``tb.<optimizer>(params, **kwargs)`` with the test's torch keywords as
 they are. ``--torch``: the same tests unpatched (baseline). ``--lenient``: a
 diagnostic that looks past the configs torch_bridge refuses by design
-(amsgrad/capturable/differentiable=True): torch.optim.AdamW itself steps those.
+(capturable=True, CUDA-only configs): torch.optim.AdamW itself steps those.
 Prints passed/failed/skipped/error counts and each failing id with a one-line
 reason. The file is also the pytest plugin (``-p torch_optim_suite``, so that
 ``-n`` workers patch too), active when $TB_OPTIM_SUITE names an optimizer.
@@ -32,7 +32,7 @@ import suite_runner
 ENV = "TB_OPTIM_SUITE"
 SELECT = "TestOptimRenewedCPU and AdamW_cpu"  # ids end in _AdamW_cpu_<dtype>
 OPTIMIZERS = ("adamw_bf16", "adam_fp32_master")
-REFUSED = ("amsgrad", "capturable", "differentiable")  # keywords torch_bridge refuses when True
+REFUSED = ("capturable",)  # keywords torch_bridge refuses when True
 
 
 def _stub_sibling_modules(test_dirs) -> None:
