@@ -32,7 +32,8 @@ from torch_bridge import _dist
 
 __all__ = ["f32", "seed_from_key",
            "prepare_load", "check_kind", "stale_state_message", "step_count",
-           "TORCH_ADAMW_KEYS", "check_torch_keys", "check_tensor_lr", "check_no_grad_hyperparams", "check_fused_devices", "optimizer_kind", "check_param", "check_grad",
+           "TORCH_ADAMW_KEYS", "check_torch_keys", "check_tensor_lr", "check_no_grad_hyperparams",
+           "check_fused_devices", "optimizer_kind", "check_param", "check_grad",
            "step_grad", "run_step", "init_skip_nonfinite", "load_nonfinite",
            "stepping_params", "torch_spellings", "LowPrecisionOptimizer"]
 

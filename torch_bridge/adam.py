@@ -315,14 +315,16 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
      mu, nu = round(m), round(v)            # nearest or stochastic
 
   Param groups carry torch's keys ``lr``, ``betas``, ``eps``,
-  ``weight_decay``, ``maximize``, ``amsgrad`` and ``differentiable`` (so ``torch.optim.lr_scheduler``,
-  ``OneCycleLR`` with momentum cycling included, works), ``lr_schedule`` (the
+  ``weight_decay``, ``maximize``, ``amsgrad`` and ``differentiable`` (so
+  ``torch.optim.lr_scheduler``, ``OneCycleLR`` with momentum cycling
+  included, works), ``lr_schedule`` (the
   group's schedule, or None) and a host-side ``count`` of steps; a group
   copied from a ``torch.optim.AdamW`` (with ``amsgrad``, ``foreach``,
   ``fused``, ``capturable``, ``differentiable``) is taken as the keywords
   are. State per param, made at its first step as in ``torch.optim``:
-  ``step`` (CPU int64), ``mu``, ``nu`` (and ``nu_max`` with amsgrad), and ``master`` (fp32 copy, or the
-  int16 low half with ``compensation="split"``) or ``compensation`` (Kahan
+  ``step`` (CPU int64), ``mu``, ``nu`` (and ``nu_max`` with amsgrad), and
+  ``master`` (fp32 copy, or the int16 low half with
+  ``compensation="split"``) or ``compensation`` (Kahan
   buffer in the param dtype). ``learning_rate``/``lr`` defaults to 1e-3,
   as in ``torch.optim.AdamW`` (here and in the factories).
 
