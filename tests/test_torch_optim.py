@@ -633,6 +633,19 @@ def test_a_dtype_change_after_the_state_is_made_is_named(name):
     _run(opt, params, grads)
 
 
+def test_a_complex_param_cast_after_its_state_is_made_is_named():
+  p = torch.nn.Parameter(torch.randn(3, dtype=torch.complex64))
+  opt = tb.adamw_bf16([p], amsgrad=True)
+  p.grad = torch.ones_like(p)
+  opt.step()
+  p.data = p.data.to(torch.complex128)
+  p.grad = torch.ones_like(p)
+  with pytest.raises(ValueError, match=re.escape(
+      "param 0 is torch.complex128[3], but its optimizer state (mu torch.complex64[3], nu "
+      "torch.complex64[3], nu_max torch.complex64[3]) was made for a torch.complex64 param")):
+    opt.step()
+
+
 @pytest.mark.parametrize("into", ["a fresh optimizer", "a stepped optimizer", "state set by hand"])
 @pytest.mark.parametrize("how", ["int", "float", "numpy int", "numpy 0-dim"])
 def test_a_number_as_step_resumes_bitwise_on_the_kernel_path(how, into, monkeypatch):

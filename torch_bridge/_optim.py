@@ -78,9 +78,9 @@ def stale_state_message(p: torch.Tensor, position: int, state: dict, layout_of,
   tensors shaped like the param."""
   held = {k: v for k, v in state.items() if k != "step" and torch.is_tensor(v)}
   dtypes = {k: v.dtype for k, v in held.items()}
-  made = [str(d) for d in (torch.float32, torch.bfloat16, torch.float16)
-          if layout_of(d) == dtypes]
-  was = " or ".join(made) if made else "another dtype's"
+  made = [str(d) for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                           torch.complex64, torch.complex128) if layout_of(d) == dtypes]
+  was = "a " + " or ".join(made) if made else "another dtype's"
   shapes = sorted({tuple(held[k].shape) for k in shaped if k in held})
   if shapes and shapes != [tuple(p.shape)]:
     was += f" param of shape {' or '.join(str(list(s)) for s in shapes)}"
@@ -88,7 +88,7 @@ def stale_state_message(p: torch.Tensor, position: int, state: dict, layout_of,
     was += " param"
   listed = ", ".join(f"{k} {v.dtype}{list(v.shape)}" for k, v in held.items()) or "no buffers"
   return (f"param {position} is {p.dtype}{list(p.shape)}, but its optimizer state "
-          f"({listed}) was made for a {was}: the param's dtype or shape changed after its "
+          f"({listed}) was made for {was}: the param's dtype or shape changed after its "
           "state was made (e.g. model.to(dtype) after a step or a load_state_dict). Build "
           "the optimizer after model.to(dtype), or load a state dict saved for "
           f"{p.dtype} params.")
