@@ -285,6 +285,9 @@ def _moved_kahan_state():
     (lambda ps: tb.adamw_bf16(ps[:3], 1e-3), "the optimizer has 3 params; the params tree has 4"),
     (lambda ps: tb.adamw_bf16(ps, 1e-3, skip_nonfinite=True),
      "skip_nonfinite=True; the JAX state has no skip counters"),
+    (lambda ps: tb.adamw_bf16(ps, 1e-3, amsgrad=True), "amsgrad=True .* has no counterpart"),
+    (lambda ps: tb.kahan_summation(torch.optim.AdamW(ps, 1e-3, amsgrad=True)),
+     "amsgrad=True .* has no counterpart"),
 ])
 def test_a_state_that_does_not_fit_is_refused_and_nothing_loads(make_opt, message):
   jparams, state = _moved_kahan_state()
@@ -295,6 +298,14 @@ def test_a_state_that_does_not_fit_is_refused_and_nothing_loads(make_opt, messag
     convert.optax_state_to_torch(state, jparams, opt)
   after = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
   assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+
+
+def test_an_amsgrad_state_is_not_dropped_on_the_way_to_jax():
+  """torch's running max of nu has no place in an optax_half state: refused."""
+  jparams, state = _moved_kahan_state()
+  opt = tb.adamw_bf16(_torch_params(jparams), 1e-3, amsgrad=True)
+  with pytest.raises(ValueError, match="amsgrad=True .* has no counterpart"):
+    convert.torch_state_to_optax(opt, jparams, state)
 
 
 def test_loss_scale_needs_the_scaler_both_ways():

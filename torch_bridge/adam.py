@@ -71,9 +71,10 @@ def _state_layout(compensation: Compensation, mu_dtype, nu_dtype, dtype: torch.d
                   amsgrad: bool = False) -> dict:
   """``LowPrecisionAdamW``'s state tensors (``step`` aside) of a ``dtype``
   param: name -> dtype (``amsgrad``: with ``nu_max``, nu's running max)."""
-  layout = {"mu": mu_dtype or moment_dtype(dtype), "nu": nu_dtype or moment_dtype(dtype)}
   if _own_moments(dtype):
     layout = {"mu": dtype, "nu": dtype}
+  else:
+    layout = {"mu": mu_dtype or moment_dtype(dtype), "nu": nu_dtype or moment_dtype(dtype)}
   if amsgrad:
     layout["nu_max"] = layout["nu"]
   rules = _param_compensation(compensation, dtype)
@@ -593,31 +594,25 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
               f"param {leaf} is {p.dtype}: differentiable=True steps params of 32 bits or more "
               "(a rounding to 16 bits has no gradient). Pass float32 params, or "
               "differentiable=False.")
-        # AMSGrad's running max: the per-tensor step (eager, or compiled with fused=True)
         nu_max = _dist.local(state["nu_max"]) if amsgrad else None
         if nu_max is not None and nu_max.is_complex():
           nu_max = torch.view_as_real(nu_max)
-        if differentiable:  # the eager step, recorded by autograd
-          with torch.enable_grad():
-            adamw_step(*tensors, self._scalars(group, step + 1, lr, tensors[0].device, cache,
-                                               math_dtype),
-                       _leaf_keys(self._seed, step, leaf, tensors[0].device), None,
-                       self._state_rounding, index, maximize, nu_max)
-          state["step"] += 1
-          continue
-        if nu_max is None and triton is not None and triton.add(
+        # AMSGrad's running max and a differentiable step: the per-tensor step (eager,
+        # recorded by autograd where differentiable; else compiled with fused=True)
+        per_tensor = amsgrad or differentiable
+        if not per_tensor and triton is not None and triton.add(
             tensors, _kernel_mode(compensation), step, leaf,
             self._scalars(group, step + 1, lr, tensors[0].device, cache), state, index,
             maximize):
           continue
-        if nu_max is None and native is not None and native.add(
+        if not per_tensor and native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
             lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index,
             maximize):
           continue
         device = tensors[0].device
         scalars = self._scalars(group, step + 1, lr, device, cache, math_dtype)
-        if nu_max is None and grouped is not None and grouped.add(
+        if not per_tensor and grouped is not None and grouped.add(
             tensors, compensation, step, leaf, scalars, state, index, maximize):
           continue
         keys = _leaf_keys(self._seed, step, leaf, device)
@@ -628,12 +623,13 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
           index = index.reshape(-1) if torch.is_tensor(index) else index
           nu_max = None if nu_max is None else nu_max.view(-1)
         kernel = adamw_step
-        if self._fused:
+        if self._fused and not differentiable:
           kernel = _compiled_step((_kernel_mode(compensation), self._state_rounding, p.dtype,
                                    grad.dtype, state["mu"].dtype, state["nu"].dtype, maximize,
                                    nu_max is not None))
-        kernel(*tensors, scalars, keys, compensation, self._state_rounding, index, maximize,
-               nu_max)
+        with torch.enable_grad() if differentiable else contextlib.nullcontext():
+          kernel(*tensors, scalars, keys, compensation, self._state_rounding, index, maximize,
+                 nu_max)
         state["step"] += 1
       group["count"] = count + 1
 

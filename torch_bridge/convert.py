@@ -276,6 +276,7 @@ def _skip_counters(state, optimizer) -> tuple:
 
 def _codec(optimizer) -> tuple:
   """(JAX state -> state_dict, torch optimizer -> JAX state) for ``optimizer``."""
+  _no_amsgrad(optimizer)  # every codec, the wrapped optimizers' too
   for kind, to_torch, to_jax in _CODECS:
     if isinstance(optimizer, kind):
       return to_torch, to_jax
@@ -318,7 +319,6 @@ def _groups_with(state_dict: dict, **values) -> dict:
 
 
 def _adamw_dict(state, optimizer: LowPrecisionAdamW, leaves: _Leaves) -> dict:
-  _no_amsgrad(optimizer)
   what = f"a LowPrecisionAdamW (compensation={optimizer._compensation.name!r})"
   counters, state = _skip_counters(state, optimizer)
   wrapper, core = _core_of(state, optimizer._compensation.name, what)
@@ -411,7 +411,6 @@ def _no_amsgrad(optimizer) -> None:
 
 
 def _adam_dict(state, optimizer, leaves: _Leaves) -> dict:
-  _no_amsgrad(optimizer)
   adam, _ = _adam_parts(state)
   count = int(adam.count)
   out = copy.copy(optimizer.state_dict())
@@ -516,7 +515,6 @@ def _from_torch(leaves: _Leaves, states: list, key: str, tree):
 
 
 def _adamw_state(state, optimizer: LowPrecisionAdamW, leaves: _Leaves):
-  _no_amsgrad(optimizer)
   what = f"a LowPrecisionAdamW (compensation={optimizer._compensation.name!r})"
 
   def fill(state):
@@ -578,7 +576,6 @@ def _fill_wrapper(wrapper, new, inner_state, seed: int, count: int):
 
 
 def _adam_state(state, optimizer, leaves: _Leaves):
-  _no_amsgrad(optimizer)
   adam, schedules = _adam_parts(state)
   states = _states(optimizer)
   count = _one_count(states) or 0
