@@ -17,6 +17,7 @@ import optax_half_native as native_lib
 __all__ = [
     "widen",
     "land",
+    "update_of",
     "opaque_zero",
     "no_fma",
     "one_minus_pow",
@@ -140,11 +141,40 @@ def _widen16_jvp(primals, tangents):
   return _widen16(p), jnp.asarray(t).astype(jnp.float32)
 
 
+def update_of(d: jax.Array, dtype) -> jax.Array:
+  """The fp32 update ``d`` in a 16-bit ``dtype``, as a landing takes it: bf16 keeps ``d``'s
+  high half (truncation toward zero, a NaN as ``astype``'s), fp16 rounds to nearest; exact
+  where ``d`` fits (docs/algorithms.md#landing-exactly). Its derivative is the identity.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> d = jnp.float32(1.0 + 2.0**-7 + 2.0**-8 + 2.0**-10)  # bits below bf16's last
+    >>> print(float(rounding.update_of(d, jnp.bfloat16)), float(d.astype(jnp.bfloat16)))
+    1.0078125 1.015625
+  """
+  d = jnp.asarray(d, jnp.float32)
+  return _truncate_bf16(d) if jnp.dtype(dtype) == jnp.bfloat16 else d.astype(dtype)
+
+
+@jax.custom_jvp
+def _truncate_bf16(d: jax.Array) -> jax.Array:
+  word = lax.bitcast_convert_type(d, jnp.uint32) >> 16
+  high = lax.bitcast_convert_type(word.astype(jnp.uint16), jnp.bfloat16)
+  return jnp.where(jnp.isnan(d), d.astype(jnp.bfloat16), high)
+
+
+@_truncate_bf16.defjvp
+def _truncate_bf16_jvp(primals, tangents):
+  (d,), (t,) = primals, tangents
+  return _truncate_bf16(d), jnp.asarray(t).astype(jnp.bfloat16)
+
+
 def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """``(u, p_land)``: the update from ``p`` to ``t`` in ``p``'s dtype, ``round(f32(t) - f32(p))``,
-  and where it lands, ``round(f32(p) + f32(u))`` (what ``optax.apply_updates(p, u)``
-  computes); ``p_land == t`` unless the step crosses binades far
-  (docs/algorithms.md#landing-exactly).
+  """``(u, p_land)``: the update from ``p`` to ``t`` in ``p``'s dtype,
+  ``update_of(f32(t) - f32(p))``, and where it lands, ``round(f32(p) + f32(u))`` (what
+  ``optax.apply_updates(p, u)`` computes); ``p_land == t`` unless the step crosses binades
+  far (docs/algorithms.md#landing-exactly).
 
   Example:
     >>> import jax.numpy as jnp
@@ -155,7 +185,7 @@ def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
   """
   p = jnp.asarray(p)
   pw = widen(p)
-  u = (widen(t) - pw).astype(p.dtype)
+  u = update_of(widen(t) - pw, p.dtype)
   return u, (pw + widen(u)).astype(p.dtype)
 
 

@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #if defined(__SSE__)
 #include <xmmintrin.h>  // _mm_getcsr
 #endif
@@ -74,6 +75,9 @@ inline bf16 round_nearest(float x, bf16) {
   return bf16{x != x ? kBf16QuietNan : r};
 }
 inline float round_nearest(float x, float) { return x; }
+// x's high half, the truncation to bf16 (a NaN as round_nearest's): the
+// bf16 update of a landing (docs/algorithms.md#landing-exactly).
+inline bf16 truncate(float x, bf16) { return bf16{x != x ? kBf16QuietNan : uint16_t(as_u32(x) >> 16)}; }
 
 // Stores through the element, not the struct: GCC does not vectorize a loop
 // that copies a struct local to memory.
@@ -197,10 +201,12 @@ struct Scalar {
   static F where_equal(F a, F b, F x, F y) { return a == b ? x : y; }
   static U counter(uint64_t first) { return uint32_t(first); }
   static U bits(F x) { return as_u32(x); }
+  static F floats(U u) { return as_f32(u); }
   // x rounded to nearest even bf16, as fp32; x neither NaN nor subnormal
   // (kClipFinite, kClipFiniteUnit), where every lane type's rounding gives these bits.
   static F rounded_bf16(F x) { return as_f32(nearest_even_bits(as_u32(x)) << 16); }
   template <typename T> static T to(F x, T tag) { return round_nearest(x, tag); }
+  static bf16 truncated(F x, bf16 tag) { return truncate(x, tag); }
   template <typename T> static T to_stochastic(F x, U bits, T tag) {
     return round_stochastic(x, bits, tag);
   }
@@ -296,6 +302,14 @@ struct Lanes16 {
     return _mm512_mask_cmpeq_epi32_mask(whole, (__m512i)bits(pw + d), (__m512i)bits(t));
   }
   static bool lands(F t, F pw) { return landed_lanes(t, pw) == 0xFFFF; }
+  // truncate: the high halves, NaN lanes as to()'s.
+  static __m256i truncated(F x, bf16) {
+    const __m256i r = narrow16(bits(x) >> 16);
+    const __mmask16 nan = nan_mask(x);
+    if (__builtin_expect(nan != 0, 0))
+      return _mm256_mask_blend_epi16(nan, r, _mm256_set1_epi16(kBf16QuietNan));
+    return r;
+  }
   // lands(t, pw), and x has no NaN or subnormal lane.
   static bool lands_normal(F t, F pw, F x) {
     return (landed_lanes(t, pw) & ~_mm512_fpclass_ps_mask(x, kNanOrSubnormal)) == 0xFFFF;
@@ -437,6 +451,9 @@ struct Lanes8 {
     const U u = bits(x);
     const U r = nearest_even_bits(u);
     return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, r));
+  }
+  static __m128i truncated(F x, bf16) {  // truncate, lane by lane
+    return narrow16(select(nan_lanes(x), U{} + kBf16QuietNan, bits(x) >> 16));
   }
   static F to_stochastic(F x, U, float) { return x; }
   static __m128i to_stochastic(F x, U r, bf16) {
@@ -617,6 +634,7 @@ struct Pairs8 {
     return high_words(__builtin_expect(any_nan(x), 0) ? with_nan(x, y, kBf16QuietNan << 16) : y);
   }
   static V to(F x, bf16) { return rounded_words(x, nearest_even_high(bits(x))); }
+  static V truncated(F x, bf16) { return rounded_words(x, bits(x)); }  // truncate
   static F to_stochastic(F x, U, float) { return x; }
   static V to_stochastic(F x, U r, bf16) { return rounded_words(x, stochastic_high(bits(x), r)); }
   // put_moments_stochastic for two bf16 moments: stochastic_bits before its
@@ -826,10 +844,23 @@ inline bool all_land(typename L::F t32, typename L::F pw) {
   else return false;
 }
 
+// The update d = t - p in P (docs/algorithms.md#landing-exactly), and its
+// fp32 value: bf16 truncates d (its high half, one AND), fp16 rounds it to
+// nearest (one conversion either way). Exact where d fits P.
+template <typename L, typename P>
+inline auto update_of(typename L::F d, P) {
+  if constexpr (std::is_same_v<P, bf16>) {
+    return std::make_pair(L::truncated(d, bf16{}), L::floats(L::bits(d) & 0xFFFF0000u));
+  } else {
+    const auto u = L::to(d, P{});
+    return std::make_pair(u, L::widen(u, P{}));
+  }
+}
+
 // y: adamw_math's value (x + u; u for kDirect and kUpdate). A 16-bit param
 // lands (docs/algorithms.md#landing-exactly): the mode rounds x' = y to its
 // target t (nearest, stochastic, split's high half), the update is
-// u = round(f32(t) - f32(p)), the param lands on round(f32(p) + f32(u))
+// u = update_of(f32(t) - f32(p)), the param lands on round(f32(p) + f32(u))
 // (what optax.apply_updates, p + u and torch's add_ compute), and the buffer
 // is written against the landed param. p_out takes u (UPDATE: JAX's
 // tx.update) or the landed param.
@@ -845,8 +876,8 @@ inline __attribute__((always_inline)) bool adamw_write(
   } else {
     const F x_new = y;
     const F pw = L::get(p, i);  // before p_out's element is written (p_out may be p)
-    const auto update_to = [&](F t32) { return L::to(t32 - pw, P{}); };
-    const auto landing = [&](auto u) { return L::to(pw + L::widen(u, P{}), P{}); };
+    const auto update_to = [&](F t32) { return update_of<L>(t32 - pw, P{}); };
+    const auto landing = [&](auto u) { return L::to(pw + u.second, P{}); };
     const auto put_out = [&](auto u, auto landed) {
       if constexpr (UPDATE) L::put(p_out, i, u);
       else L::put(p_out, i, landed);
@@ -874,7 +905,7 @@ inline __attribute__((always_inline)) bool adamw_write(
       }
       const auto u = update_to(t32);
       const auto landed = landing(u);
-      put_out(u, landed);
+      put_out(u.first, landed);
       return L::widen(landed, P{});
     };
     if constexpr (MODE == kMaster) {
@@ -899,7 +930,7 @@ inline __attribute__((always_inline)) bool adamw_write(
       const F landed32 = L::widen(landed, P{});
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i,
                    L::where_equal(landed32, t32, x_new, landed32));
-      put_out(u, landed);
+      put_out(u.first, landed);
     } else if constexpr (MODE == kKahan) {
       if constexpr (kFast) {
         // One check for the block's three roundings: x' rounded to t without

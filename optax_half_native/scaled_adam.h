@@ -171,13 +171,13 @@ inline __attribute__((always_inline)) void scaled_adam_lanes(
   L::put(delta_buf, i, delta_new);
   if constexpr (KAHAN) {  // kahan_summation's end of the step: p' into p_out (may be p)
     static_assert(!WRITE_P, "the Kahan step writes p' to p_out");
-    // It lands as adamw.h's adamw_write: u = round(t - p), p + u, c against what landed.
+    // It lands as adamw.h's adamw_write: u = update_of(t - p), p + u, c against what landed.
     const F x_new = p32 + L::widen(delta_new, D{});
     const F pw = L::get(p, i);
-    const auto u = L::to(L::widen(L::to(x_new, P{}), P{}) - pw, P{});
-    const auto landed = L::to(pw + L::widen(u, P{}), P{});
+    const auto u = update_of<L>(L::widen(L::to(x_new, P{}), P{}) - pw, P{});
+    const auto landed = L::to(pw + u.second, P{});
     L::put(c, i, L::to(x_new - L::widen(landed, P{}), P{}));
-    if constexpr (UPDATE) L::put(p_out, i, u);
+    if constexpr (UPDATE) L::put(p_out, i, u.first);
     else L::put(p_out, i, landed);
   } else if constexpr (WRITE_P) {
     L::put(p, i, L::to(p32 + L::widen(delta_new, P{}), P{}));

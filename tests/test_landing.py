@@ -158,3 +158,41 @@ def test_equinox_style_loop_keeps_bf16_and_kahan_beats_nearest():
   reference = run(optax.adamw(2e-4, weight_decay=0.0), jnp.float32)
   assert kahan != nearest
   assert abs(kahan - reference) < abs(nearest - reference)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_update_of_truncates_bf16_and_rounds_fp16_in_both_frameworks(dtype):
+  """update_of(d): bf16 keeps the high 16 bits of d (numpy's bit shift), a NaN as the cast's;
+  fp16 is the nearest cast; torch's the same bits (a NaN as its own cast's)."""
+  torch = pytest.importorskip("torch")
+  from torch_bridge import rounding as torch_rounding  # noqa: PLC0415
+  rng = np.random.default_rng(3)
+  d = (rng.standard_normal(4096) * np.exp2(rng.integers(-20, 10, 4096))).astype(np.float32)
+  d[:6] = [np.nan, -np.nan, np.inf, -np.inf, 0.0, -0.0]
+  got = rounding.update_of(jnp.asarray(d), dtype)
+  assert got.dtype == jnp.dtype(dtype)
+  if dtype == "bfloat16":
+    want = (d.view(np.uint32) >> 16).astype(np.uint16)
+    nan = np.isnan(d)
+    want[nan] = _bits(jnp.asarray(d[nan]).astype(dtype))
+    # Truncation: never larger in magnitude than d, and less than one bf16 ULP of d below it.
+    lost = np.abs(d.astype(np.float64)) - np.abs(np.asarray(got, np.float64))
+    nonzero = np.isfinite(d) & (d != 0)
+    assert (lost[nonzero] >= 0).all()
+    assert (lost[nonzero] < np.abs(d[nonzero]) * 2.0**-7).all()
+    assert (lost[nonzero] > 0).any()  # truncation, not the nearest rounding
+  else:
+    want = _bits(jnp.asarray(d).astype(dtype))
+  np.testing.assert_array_equal(_bits(got), want)
+  between = jnp.float32(1.0 + 2.0**-7 + 2.0**-8 + 2.0**-10)  # nearest: 1.015625
+  assert float(rounding.update_of(between, jnp.bfloat16)) == 1.0078125
+  assert float(between.astype(jnp.bfloat16)) == 1.015625
+  def torch_bits(x):
+    return x.view(torch.int16).numpy().view(np.uint16)
+  td = torch.from_numpy(d)
+  got_t = torch_bits(torch_rounding.update_of(td, getattr(torch, dtype)))
+  # A NaN as torch's own cast writes it (0xFFFF on CPU, where XLA keeps the sign: 0x7FC0).
+  cast_t = torch_bits(td.to(getattr(torch, dtype)))
+  nan = np.isnan(d)
+  np.testing.assert_array_equal(got_t[nan], cast_t[nan])
+  np.testing.assert_array_equal(got_t[~nan], want[~nan])

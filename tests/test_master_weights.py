@@ -35,7 +35,7 @@ def _to32(tree):
 
 def _landed(x_new, params, split):
   """``(master, params)`` after a step to the fp32 values ``x_new`` from ``params``, in numpy:
-  ``t`` the rounding of ``x_new`` (split: its high half), ``u = round(t - p)``, the param lands
+  ``t`` the rounding of ``x_new`` (split: its high half), ``u = t - p`` (bf16: truncated), the param lands
   on ``p + u``, and the master keeps ``x_new`` where that is ``t``, else the landed param
   (docs/algorithms.md#landing-exactly)."""
   def one(x, p):
@@ -44,7 +44,11 @@ def _landed(x_new, params, split):
       t = np.asarray(rounding.split_f32(jnp.asarray(x))[0])
     else:
       t = x.astype(p.dtype)
-    u = (t.astype(np.float32) - p.astype(np.float32)).astype(p.dtype)
+    d = t.astype(np.float32) - p.astype(np.float32)
+    if p.dtype == jnp.bfloat16:  # the high half of d's bits (truncation)
+      u = (d.view(np.uint32) >> 16).astype(np.uint16).view(p.dtype)
+    else:
+      u = d.astype(p.dtype)
     landed = (p.astype(np.float32) + u.astype(np.float32)).astype(p.dtype)
     wide = landed.astype(np.float32)
     return jnp.asarray(np.where(wide == t.astype(np.float32), x, wide)), jnp.asarray(landed)

@@ -158,8 +158,12 @@ def store_moment(addr, offs, mask, x, word, KIND: tl.constexpr, SR: tl.constexpr
 
 @triton.jit
 def land_bits(pw, t32, P: tl.constexpr):
-  """rounding.land: u = round(t - p), and the bits of round(p + u)."""
-  u = widen_bits(nearest_bits(t32 - pw, P), P)
+  """rounding.land: u = update_of(t - p) (bf16: its high half), and the bits of round(p + u)."""
+  d = t32 - pw
+  if P == BF16:  # a NaN stays one, and lands as nearest_bits' NaN
+    u = (d.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+  else:
+    u = widen_bits(nearest_bits(d, P), P)
   return nearest_bits(pw + u, P)
 
 

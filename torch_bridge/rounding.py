@@ -19,6 +19,7 @@ import optax_half_native as native_lib
 __all__ = [
     "widen",
     "land",
+    "update_of",
     "sqrt",
     "one_minus_pow",
     "split_f32",
@@ -233,10 +234,27 @@ def widen(t: torch.Tensor) -> torch.Tensor:
   return t.float()
 
 
+def update_of(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+  """``optax_half.rounding.update_of``: the fp32 update ``d`` in a 16-bit ``dtype``
+  (bf16: its high half, a NaN as ``.to``'s; fp16: rounded to nearest).
+
+  Example:
+    >>> import torch
+    >>> from torch_bridge import rounding
+    >>> d = torch.tensor(1.0 + 2.0**-7 + 2.0**-8 + 2.0**-10)  # bits below bf16's last
+    >>> rounding.update_of(d, torch.bfloat16).item(), d.to(torch.bfloat16).item()
+    (1.0078125, 1.015625)
+  """
+  if dtype != torch.bfloat16:
+    return d.to(dtype)
+  high = (d.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+  return torch.where(torch.isnan(d), d.to(dtype), high)
+
+
 def land(p: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
   """``(u, p_land)``: ``optax_half.rounding.land``, the update from ``p`` to
-  ``t`` in ``p``'s dtype and where ``p + u`` lands (``p_land == t`` unless the
-  step crosses binades far).
+  ``t`` in ``p``'s dtype (``update_of``) and where ``p + u`` lands (``p_land ==
+  t`` unless the step crosses binades far).
 
   Example:
     >>> import torch
@@ -247,7 +265,7 @@ def land(p: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     torch.bfloat16 0.0078125 1.0078125
   """
   pw = widen(p)
-  u = (widen(t) - pw).to(p.dtype)
+  u = update_of(widen(t) - pw, p.dtype)
   return u, (pw + widen(u)).to(p.dtype)
 
 
