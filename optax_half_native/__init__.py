@@ -28,6 +28,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple, Optional
 
@@ -42,6 +43,9 @@ __all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels",
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h", "scaled_adam.h")
+# Sources built as several translation units, compiled in parallel (OH_PART in
+# adamw_ffi.cc: the handlers, then one (param type, mode) of the step each).
+PARTS = {"adamw_ffi.cc": 10}
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-pthread"]
 
@@ -236,6 +240,7 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
     for header in sorted(Path(d).glob("xla/ffi/api/*.h")):
       digest.update(header.read_bytes())
   digest.update(" ".join(flags + [cxx, version, _cpu_id(), platform.machine()]).encode())
+  digest.update(str(PARTS.get(source, 1)).encode())
   target = _cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:16]}.so"
   if target.exists():
     return target
@@ -249,17 +254,45 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
   os.close(fd)
   try:
-    out = subprocess.run([cxx, *flags, "-w", "-o", tmp, str(_HERE / source)],
-                         capture_output=True, text=True)
-    if out.returncode != 0:
+    with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+      error = _compile(cxx, flags, source, PARTS.get(source, 1), tmp, Path(objects))
+    if error is not None:
       if extra:
-        failed.write_text(out.stderr[-2000:])
-      raise RuntimeError(f"{cxx} failed:\n{out.stderr[-2000:]}")
+        failed.write_text(error)
+      raise RuntimeError(f"{cxx} failed:\n{error}")
     os.replace(tmp, target)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
   return target
+
+
+def _compile(cxx: str, flags: list, source: str, parts: int, out: str,
+             objects: Path) -> Optional[str]:
+  """Compiles ``source`` into the library ``out``; None, or the compiler's error. A
+  source in ``PARTS`` compiles as that many translation units (``-DOH_PART=k``), as
+  many at a time as this process has CPUs (part 0, the lightest, last), then links."""
+  src = str(_HERE / source)
+  if parts == 1:
+    commands = [[cxx, *flags, "-w", "-o", out, src]]
+  else:
+    commands = [[cxx, *flags, "-w", "-c", f"-DOH_PART={k}", "-o", str(objects / f"{k}.o"), src]
+                for k in [*range(1, parts), 0]]
+  with ThreadPoolExecutor(min(_threads(), len(commands))) as pool:
+    runs = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), commands))
+  if parts > 1 and all(r.returncode == 0 for r in runs):
+    runs.append(subprocess.run(
+        [cxx, *flags, "-o", out, *(str(objects / f"{k}.o") for k in range(parts))],
+        capture_output=True, text=True))
+  failed = [r.stderr for r in runs if r.returncode != 0]
+  return failed[0][-2000:] if failed else None
+
+
+def _threads() -> int:
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not on Linux
+    return os.cpu_count() or 1
 
 
 def _build_and_load(cxx: str, source: str, include_dirs, extra) -> ctypes.CDLL:

@@ -57,35 +57,88 @@ bool run_sr(bool sr, bool update, const oh::Tensor* ts, int n, const oh::Paralle
                 : run_out<P, G, M, V, MODE, false>(sr, ts, n, parallel);
 }
 
-template <typename P, typename G, typename M, typename V>
-bool run_mode(int mode, bool sr, bool update, const oh::Tensor* ts, int n,
-              const oh::ParallelFor& parallel) {
-  if constexpr (std::is_same_v<P, float>) {
-    if (sr || !(std::is_same_v<G, float> && std::is_same_v<M, float> && std::is_same_v<V, float>))
-      return false;
-    if (mode == oh::kDirect) {
-      oh::step_all<float, float, float, float, oh::kDirect, false, true>(ts, n, 1, &parallel);
-      return true;
-    }
-    if (mode == oh::kUpdate) {
-      oh::step_all<float, float, float, float, oh::kUpdate, false, true>(ts, n, 1, &parallel);
-      return true;
-    }
-    return false;
-  } else {
-    switch (mode) {
-      case oh::kMaster: return run_sr<P, G, M, V, oh::kMaster>(sr, update, ts, n, parallel);
-      case oh::kSplit:  // a bf16 high half: fp16 params keep a full fp32 master (kMaster)
-        if constexpr (std::is_same_v<P, bf16>) {
-          return run_sr<P, G, M, V, oh::kSplit>(sr, update, ts, n, parallel);
-        }
-        return false;
-      case oh::kKahan: return run_sr<P, G, M, V, oh::kKahan>(sr, update, ts, n, parallel);
-      case oh::kStochastic: return run_sr<P, G, M, V, oh::kStochastic>(sr, update, ts, n, parallel);
-      case oh::kNearest: return run_sr<P, G, M, V, oh::kNearest>(sr, update, ts, n, parallel);
-      default: return false;
-    }
+// Calls f(type tag) for the 16-bit type H (bf16, or fp16 where built) or
+// F32; false for any other type.
+template <typename H, typename F>
+bool with_type(ffi::DataType d, F&& f) {
+  constexpr ffi::DataType half = std::is_same_v<H, bf16> ? ffi::DataType::BF16 : ffi::DataType::F16;
+  if (d == half) return f(H{});
+  if (d == ffi::DataType::F32) return f(float{});
+  return false;
+}
+
+}  // namespace
+
+// The compile's bulk, the step of every (gradient, mu, nu) type of one
+// 16-bit param type H and mode MODE, is its own translation unit where the
+// build compiles this file in parts (optax_half_native.PARTS): part 0 the
+// handlers, part k (1..9) the k-th pair of OH_STEP_PART, all in parallel.
+// Built as one unit (OH_PART undefined), the file holds everything.
+namespace oh_ffi {
+
+template <typename H, int MODE>
+bool run_typed(const ffi::DataType (&types)[4], bool sr, bool update, const oh::Tensor* ts,
+               int n, const oh::ParallelFor& parallel)
+#if defined(OH_PART) && OH_PART == 0
+    ;
+#else
+{
+  return with_type<H>(types[1], [&](auto gt) {
+    return with_type<H>(types[2], [&](auto mt) {
+      return with_type<H>(types[3], [&](auto vt) {
+        return run_sr<H, decltype(gt), decltype(mt), decltype(vt), MODE>(sr, update, ts, n,
+                                                                         parallel);
+      });
+    });
+  });
+}
+#endif
+
+#if defined(OH_PART) && OH_PART > 0
+#define OH_STEP_PART(K, H, MODE)                                                           \
+  template bool run_typed<H, MODE>(const ffi::DataType (&)[4], bool, bool, const oh::Tensor*, \
+                                   int, const oh::ParallelFor&);
+#if OH_PART == 1
+OH_STEP_PART(1, bf16, oh::kMaster)
+#elif OH_PART == 2
+OH_STEP_PART(2, bf16, oh::kSplit)
+#elif OH_PART == 3
+OH_STEP_PART(3, bf16, oh::kKahan)
+#elif OH_PART == 4
+OH_STEP_PART(4, bf16, oh::kStochastic)
+#elif OH_PART == 5
+OH_STEP_PART(5, bf16, oh::kNearest)
+#elif OH_PART == 6 && defined(OH_F16)
+OH_STEP_PART(6, oh::f16, oh::kMaster)
+#elif OH_PART == 7 && defined(OH_F16)
+OH_STEP_PART(7, oh::f16, oh::kKahan)
+#elif OH_PART == 8 && defined(OH_F16)
+OH_STEP_PART(8, oh::f16, oh::kStochastic)
+#elif OH_PART == 9 && defined(OH_F16)
+OH_STEP_PART(9, oh::f16, oh::kNearest)
+#endif
+#endif
+
+}  // namespace oh_ffi
+
+#if !defined(OH_PART) || OH_PART == 0
+namespace {
+
+// fp32 params (the wrappers hand them to the core as they are): fp32
+// gradients and moments, kDirect or kUpdate.
+bool run_f32(const ffi::DataType (&types)[4], int mode, bool sr, const oh::Tensor* ts, int n,
+             const oh::ParallelFor& parallel) {
+  using T = ffi::DataType;
+  if (sr || types[1] != T::F32 || types[2] != T::F32 || types[3] != T::F32) return false;
+  if (mode == oh::kDirect) {
+    oh::step_all<float, float, float, float, oh::kDirect, false, true>(ts, n, 1, &parallel);
+    return true;
   }
+  if (mode == oh::kUpdate) {
+    oh::step_all<float, float, float, float, oh::kUpdate, false, true>(ts, n, 1, &parallel);
+    return true;
+  }
+  return false;
 }
 
 // Chunks on XLA's intra-op thread pool, claimed one at a time by the calling
@@ -121,30 +174,23 @@ oh::ParallelFor pool_parallel_for(ffi::ThreadPool& pool, int64_t nthreads) {
   };
 }
 
-// Calls f(type tag) for the 16-bit type H (bf16, or fp16 where built) or
-// F32; false for any other type.
-template <typename H, typename F>
-bool with_type(ffi::DataType d, F&& f) {
-  constexpr ffi::DataType half = std::is_same_v<H, bf16> ? ffi::DataType::BF16 : ffi::DataType::F16;
-  if (d == half) return f(H{});
-  if (d == ffi::DataType::F32) return f(float{});
-  return false;
-}
-
-// dispatch for params, gradients and moments each of type H or fp32.
+// dispatch for 16-bit params of type H: the mode's run_typed.
 template <typename H>
 bool dispatch_with(const ffi::DataType (&types)[4], int mode, bool sr, bool update,
                    const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
-  return with_type<H>(types[0], [&](auto pt) {
-    return with_type<H>(types[1], [&](auto gt) {
-      return with_type<H>(types[2], [&](auto mt) {
-        return with_type<H>(types[3], [&](auto vt) {
-          return run_mode<decltype(pt), decltype(gt), decltype(mt), decltype(vt)>(
-              mode, sr, update, ts, n, parallel);
-        });
-      });
-    });
-  });
+  switch (mode) {
+    case oh::kMaster: return oh_ffi::run_typed<H, oh::kMaster>(types, sr, update, ts, n, parallel);
+    case oh::kSplit:  // a bf16 high half: fp16 params keep a full fp32 master (kMaster)
+      if constexpr (std::is_same_v<H, bf16>) {
+        return oh_ffi::run_typed<H, oh::kSplit>(types, sr, update, ts, n, parallel);
+      }
+      return false;
+    case oh::kKahan: return oh_ffi::run_typed<H, oh::kKahan>(types, sr, update, ts, n, parallel);
+    case oh::kStochastic:
+      return oh_ffi::run_typed<H, oh::kStochastic>(types, sr, update, ts, n, parallel);
+    case oh::kNearest: return oh_ffi::run_typed<H, oh::kNearest>(types, sr, update, ts, n, parallel);
+    default: return false;
+  }
 }
 
 void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
@@ -157,12 +203,14 @@ void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 // unsupported combination or mode.
 bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, bool update,
               const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
+  if (types[0] == ffi::DataType::F32) return run_f32(types, mode, sr, ts, n, parallel);
 #if defined(OH_F16)
   if (types[0] == ffi::DataType::F16) {  // fp16 params: fp16 or fp32 gradients and moments
     return dispatch_with<oh::f16>(types, mode, sr, update, ts, n, parallel);
   }
 #endif
-  return dispatch_with<bf16>(types, mode, sr, update, ts, n, parallel);
+  return types[0] == ffi::DataType::BF16 && dispatch_with<bf16>(types, mode, sr, update, ts, n,
+                                                                parallel);
 }
 
 // The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
@@ -590,3 +638,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,
 
 OH_LEAVES_HANDLER(OhAdamw, false)
 OH_LEAVES_HANDLER(OhAdamwFlat, true)
+#endif  // part 0
