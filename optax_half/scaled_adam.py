@@ -288,9 +288,33 @@ def _init_clipping(period: int) -> ScaledAdamClippingState:
       dominant_share=jnp.zeros([], jnp.float32))
 
 
-def _rms(p) -> jax.Array:
-  p32 = rounding.widen(p)
-  return jnp.sqrt(jnp.mean(p32 * p32)).astype(p.dtype)
+def _param_rms(params):
+  """Each leaf's RMS (``MaskedNode()`` for scalars): ``sqrt(mean(p^2))`` in fp32, the mean
+  the kernel's float64 sum, rounded once, where it takes the leaf (as at a size step: no
+  fp32 copy of the params, docs/algorithms.md#memory), else XLA's fp32 mean."""
+  leaves, treedef = jax.tree.flatten(params)
+  takes = [k for k, p in enumerate(leaves) if not _is_scalar(p) and _native.scaled_adam_takes(
+      p, p, jax.ShapeDtypeStruct(p.shape, _second_moment_dtype(p.dtype)))]
+
+  def means(kernel: tuple):
+    out = {}
+    if kernel:
+      zero = jnp.zeros([], jnp.float32)
+      sums = _native.scaled_adam_sums([leaves[k] for k in kernel], [leaves[k] for k in kernel],
+                                      [zero] * len(kernel), [jnp.int32(2)] * len(kernel))
+      out = {k: sums[j, 2] for j, k in enumerate(kernel)}
+    for k, p in enumerate(leaves):
+      if k not in out and not _is_scalar(p):
+        p32 = rounding.widen(p)
+        out[k] = jnp.mean(p32 * p32)
+    return [out[k] if k in out else jnp.zeros([], jnp.float32) for k in range(len(leaves))]
+
+  if takes and _native.on_cpu(params):
+    ms = jax.lax.platform_dependent(cpu=lambda: means(tuple(takes)), default=lambda: means(()))
+  else:
+    ms = means(())
+  return jax.tree.unflatten(treedef, [MaskedNode() if _is_scalar(p) else
+                                      jnp.sqrt(m).astype(p.dtype) for p, m in zip(leaves, ms)])
 
 
 def _init(h: _Hyper, params) -> ScaledAdamState:
@@ -311,7 +335,7 @@ def _init(h: _Hyper, params) -> ScaledAdamState:
       count=jnp.zeros([], jnp.int32),
       delta=jax.tree.map(zeros_like_param, params),
       exp_avg_sq=jax.tree.map(sq_zeros, params),
-      param_rms=jax.tree.map(nonscalar(_rms), params),
+      param_rms=_param_rms(params),
       scale_exp_avg_sq=jax.tree.map(
           nonscalar(lambda p: jnp.zeros([], _second_moment_dtype(p.dtype))), params),
       scale_grads=jax.tree.map(nonscalar(lambda p: jnp.zeros([S], p.dtype)), params),

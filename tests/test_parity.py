@@ -134,7 +134,8 @@ def test_scaled_adam_and_wrapped_stock_optimizers_within_per_tensor_bounds(confi
   assert expected <= set(report.buffers), (expected, set(report.buffers))
   kinds = {kind for kind, _ in report.buffers.values()}
   assert kinds <= {"per-tensor", "per-tensor 16bit", "exact", "residual"}, kinds
-  assert report.worst("params")["equal"] < 1.0 or dtype != "fp32"  # not bitwise: a real bound
+  # Not bitwise in fp32 (a real bound): ScaledAdam's one-element leaves, XLA's and torch's ops.
+  assert min(report.worst(b)["equal"] for b in report.buffers) < 1.0 or dtype != "fp32"
   if hyper.get("clipping_scale"):  # the statistics side by side, and clipping happened
     c = report.clipping
     assert c["steps"] == 50 and c["num_clipped_equal"] == c["dominant_parameter_equal"] == 50

@@ -149,9 +149,15 @@ class ScaledAdam(LowPrecisionOptimizer):
             for v, p, mean in zip(out.unbind(), params, means)]
 
   def _mean_squares(self, params: list) -> list:
-    """``mean(p * p)`` in fp32 for each param, from all its shards."""
+    """``mean(p * p)`` in fp32 for each param, from all its shards: the kernel's
+    float64 sum, rounded once, where it would step ``p`` (as at a size update),
+    else one fp32 copy at a time."""
+    native = _native_mean_squares(params) if self._fused is not False else {}
     values = []
-    for p in params:  # one fp32 copy at a time
+    for k, p in enumerate(params):
+      if k in native:
+        values.append(native[k])
+        continue
       p32 = rounding.widen(_dist.local(p))
       values.append(_local_mean(p32 * p32, p))
     return self._reduce(values, params, [True] * len(params))
@@ -521,6 +527,48 @@ def _stack(values: list, device) -> torch.Tensor:
 _KERNELS: dict = {}  # (param, grad, exp_avg_sq dtypes) -> (sums, step) or None
 
 
+def _kernels(config: tuple):
+  """The kernel's ``(sums, step)`` of a (param, grad, exp_avg_sq) dtype configuration, or
+  None; looked up once per configuration."""
+  if config not in _KERNELS:
+    codes = [_native._CODES.get(d) for d in config]
+    _KERNELS[config] = None if None in codes else native_lib.scaled_adam_kernels(*codes)
+  return _KERNELS[config]
+
+
+def _native_mean_squares(params: list) -> dict:
+  """Position -> ``mean(p * p)`` (a 0-dim fp32 tensor: the float64 sum over ``numel``,
+  rounded once) of the params the kernel sums (``_NativeRows``' conditions, the
+  param as its own gradient), one call per configuration, reading each param once."""
+  by_config: dict = {}
+  for k, p in enumerate(params):
+    if _is_scalar(p) or _dist.is_dtensor(p) or not (p.is_cpu and p.is_contiguous()):
+      continue
+    config = (p.dtype, p.dtype, torch.float32 if p.dtype == torch.float16 else p.dtype)
+    if _kernels(config) is not None:
+      by_config.setdefault(config, []).append(k)
+  out = {}
+  for config, ks in by_config.items():
+    table = np.zeros(len(ks), native_lib.SCALED_ADAM_DTYPE)
+    table["numel"] = [params[k].numel() for k in ks]
+    table["p"] = table["g"] = [params[k].data_ptr() for k in ks]
+    table["want"] = 2
+    for k, sums in zip(ks, _sums(_kernels(config)[0], table)):
+      out[k] = torch.tensor(np.float32(sums[2] / params[k].numel()))
+  return out
+
+
+def _sums(sums_fn, table) -> list:
+  """The kernel's sums of the rows of ``table`` (their ``want``): per row, float64
+  ``sum((g r)^2)``, ``sum(p g)``, ``sum(p p)``."""
+  blocks = (table["numel"] + native_lib.SUM_BLOCK - 1) // native_lib.SUM_BLOCK
+  scratch = np.zeros(3 * int(blocks.sum()), np.float64)
+  offsets = np.cumsum(blocks) - blocks
+  table["sums"] = scratch.ctypes.data + 24 * offsets.astype(np.uint64)
+  sums_fn(table.ctypes.data, len(table), torch.get_num_threads())
+  return [scratch[3 * o:3 * o + 3] for o in offsets]
+
+
 class _NativeRows:
   """The params of one group step that the native kernel (scaled_adam.h) steps.
 
@@ -541,12 +589,7 @@ class _NativeRows:
       if not all(t.is_cpu and t.is_contiguous() for t in tensors) or g.shape != p.shape:
         continue
       config = (p.dtype, g.dtype, state["exp_avg_sq"].dtype)
-      fns = _KERNELS.get(config, False)
-      if fns is False:  # looked up once per configuration
-        codes = [_native._CODES.get(d) for d in config]
-        fns = None if None in codes else native_lib.scaled_adam_kernels(*codes)
-        _KERNELS[config] = fns
-      if fns is not None and state["delta"].dtype == p.dtype:
+      if _kernels(config) is not None and state["delta"].dtype == p.dtype:
         self._rows[k] = (config, *tensors, state)
     self.keys = list(self._rows)
     # The sums each row needs: sum((g r)^2) when clipping, sum(p p) at a size update.
@@ -577,25 +620,18 @@ class _NativeRows:
       table["numel"] = [r[1].numel() for r in rows]
       for name, i in (("p", 1), ("g", 2), ("delta", 3), ("v", 4)):
         table[name] = [r[i].data_ptr() for r in rows]
-      tables.append((_KERNELS[config], np.array(js), table))
+      tables.append((_kernels(config), np.array(js), table))
     return tables
 
   def _take_sums(self) -> dict:
     if not self._rows:
       return {}
-    threads = torch.get_num_threads()
     rms = rounding.widen(torch.stack([self._rows[k][5]["param_rms"] for k in self.keys])).numpy()
     sums = {}
     for (sums_fn, _), js, table in self._tables:
-      blocks = (table["numel"] + native_lib.SUM_BLOCK - 1) // native_lib.SUM_BLOCK
-      scratch = np.zeros(3 * int(blocks.sum()), np.float64)
-      offsets = np.cumsum(blocks) - blocks
-      table["sums"] = scratch.ctypes.data + 24 * offsets.astype(np.uint64)
       table["scalars"][:, native_lib.SCALED_ADAM_SCALARS.index("rms")] = rms[js]
       table["want"] = self._want[js]
-      sums_fn(table.ctypes.data, len(js), threads)
-      for j, o in zip(js, offsets):
-        sums[self.keys[j]] = scratch[3 * o:3 * o + 3]
+      sums.update(zip([self.keys[j] for j in js], _sums(sums_fn, table)))
     return sums
 
   def clip_sums(self) -> dict:
