@@ -4,7 +4,6 @@ with the composed transformation's bits (docs/algorithms.md#the-jax-entry).
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple, Optional
 
 import jax
@@ -95,11 +94,6 @@ def _ffi_call(target, results, **kwargs):
   return bound
 
 
-def _threads() -> int:
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:  # not on Linux
-    return os.cpu_count() or 1
 
 
 _EMPTY = np.zeros((0,), np.float32)
@@ -135,7 +129,7 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
   call = _ffi_call(target, results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(scalars, keys, *leaves, *grads, *state_arrays, mode=np.int32(native.MODES[mode]),
-             sr=bool(sr), update=not in_place, nthreads=np.int32(_threads()))
+             sr=bool(sr), update=not in_place, nthreads=np.int32(native.cpus()))
   per_field = len(states[0])
   new_states = tuple(list(out[n + f * per_field:n + (f + 1) * per_field]) for f in range(3))
   return list(out[:n]), new_states
@@ -160,7 +154,7 @@ def all_finite(tree, inv_scale=None) -> jax.Array:
                    vmap_method="sequential")
 
   def kernel():
-    checks = [call(x, scale, nthreads=np.int32(_threads())) for x in floats]
+    checks = [call(x, scale, nthreads=np.int32(native.cpus())) for x in floats]
     return jnp.all(jnp.stack(checks))
 
   return jax.lax.platform_dependent(cpu=kernel, default=framework)
@@ -506,7 +500,7 @@ def scaled_adam_sums(leaves, grads, rms, want, comps=None) -> jax.Array:
     extra = [comps[k] for k in ks] if comps is not None else []
     out = call(jnp.stack([rms[k] for k in ks]), jnp.stack([want[k] for k in ks]),
                *[leaves[k] for k in ks], *[grads[k] for k in ks], *extra,
-               kahan=comps is not None, nthreads=np.int32(_threads()))
+               kahan=comps is not None, nthreads=np.int32(native.cpus()))
     for j, k in enumerate(ks):
       rows[k] = out[j]
   return jnp.stack(rows)
@@ -554,7 +548,7 @@ def scaled_adam_step(scalars, size, leaves, grads, deltas, vs, comps=None,
     call = _ffi_call(SCALED_STEP_TARGET, results, input_output_aliases=aliases,
                             vmap_method="sequential")
     out = call(scalars[jnp.asarray(ks)], size[jnp.asarray(ks)], *operands, kahan=kahan,
-               update=kahan and not in_place, nthreads=np.int32(_threads()))
+               update=kahan and not in_place, nthreads=np.int32(native.cpus()))
     for r, f in enumerate(fields):
       for j, k in enumerate(ks):
         new[f][k] = out[r * m + j]

@@ -34,7 +34,7 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
-__all__ = ["library", "ffi_library", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
+__all__ = ["library", "ffi_library", "cpus", "has_f16", "kernel", "scaled_adam_kernels", "lanes",
            "leaf_keys", "ADAMW_SCALARS", "TENSOR_DTYPE", "SCALED_ADAM_DTYPE",
            "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation", "Rules",
@@ -278,7 +278,7 @@ def _compile(cxx: str, flags: list, source: str, parts: int, out: str,
   else:
     commands = [[cxx, *flags, "-w", "-c", f"-DOH_PART={k}", "-o", str(objects / f"{k}.o"), src]
                 for k in [*range(1, parts), 0]]
-  with ThreadPoolExecutor(min(_threads(), len(commands))) as pool:
+  with ThreadPoolExecutor(min(cpus(), len(commands))) as pool:
     runs = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), commands))
   if parts > 1 and all(r.returncode == 0 for r in runs):
     runs.append(subprocess.run(
@@ -288,7 +288,8 @@ def _compile(cxx: str, flags: list, source: str, parts: int, out: str,
   return failed[0][-2000:] if failed else None
 
 
-def _threads() -> int:
+def cpus() -> int:
+  """The CPUs this process may run on (its affinity; the kernels' thread count)."""
   try:
     return len(os.sched_getaffinity(0))
   except AttributeError:  # not on Linux

@@ -72,7 +72,7 @@ bool with_type(ffi::DataType d, F&& f) {
 // The compile's bulk, the step of every (gradient, mu, nu) type of one
 // 16-bit param type H and mode MODE, is its own translation unit where the
 // build compiles this file in parts (optax_half_native.PARTS): part 0 the
-// handlers, part k (1..9) the k-th pair of OH_STEP_PART, all in parallel.
+// handlers, part k (1..9) the k-th OH_STEP_PART below, all in parallel.
 // Built as one unit (OH_PART undefined), the file holds everything.
 namespace oh_ffi {
 
@@ -95,27 +95,27 @@ bool run_typed(const ffi::DataType (&types)[4], bool sr, bool update, const oh::
 #endif
 
 #if defined(OH_PART) && OH_PART > 0
-#define OH_STEP_PART(K, H, MODE)                                                           \
+#define OH_STEP_PART(H, MODE)                                                              \
   template bool run_typed<H, MODE>(const ffi::DataType (&)[4], bool, bool, const oh::Tensor*, \
                                    int, const oh::ParallelFor&);
 #if OH_PART == 1
-OH_STEP_PART(1, bf16, oh::kMaster)
+OH_STEP_PART(bf16, oh::kMaster)
 #elif OH_PART == 2
-OH_STEP_PART(2, bf16, oh::kSplit)
+OH_STEP_PART(bf16, oh::kSplit)
 #elif OH_PART == 3
-OH_STEP_PART(3, bf16, oh::kKahan)
+OH_STEP_PART(bf16, oh::kKahan)
 #elif OH_PART == 4
-OH_STEP_PART(4, bf16, oh::kStochastic)
+OH_STEP_PART(bf16, oh::kStochastic)
 #elif OH_PART == 5
-OH_STEP_PART(5, bf16, oh::kNearest)
+OH_STEP_PART(bf16, oh::kNearest)
 #elif OH_PART == 6 && defined(OH_F16)
-OH_STEP_PART(6, oh::f16, oh::kMaster)
+OH_STEP_PART(oh::f16, oh::kMaster)
 #elif OH_PART == 7 && defined(OH_F16)
-OH_STEP_PART(7, oh::f16, oh::kKahan)
+OH_STEP_PART(oh::f16, oh::kKahan)
 #elif OH_PART == 8 && defined(OH_F16)
-OH_STEP_PART(8, oh::f16, oh::kStochastic)
+OH_STEP_PART(oh::f16, oh::kStochastic)
 #elif OH_PART == 9 && defined(OH_F16)
-OH_STEP_PART(9, oh::f16, oh::kNearest)
+OH_STEP_PART(oh::f16, oh::kNearest)
 #endif
 #endif
 
