@@ -13,6 +13,7 @@ import optax
 
 import optax_half_native as native
 from optax_half import _flat, _in_place, rounding
+from optax_half import compensation as compensation_lib
 from optax_half._coefficients import coefficients
 from optax_half._util import (check_state_fits, compiled_init, decay_mask, is_float,
                               leaf_indices, transformation, unscaled, unscaled_all_finite)
@@ -256,8 +257,9 @@ def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
 
 def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, tx_init,
           tx_update, flat_state: bool, name: str, mask=None,
-          kernel: bool = True) -> _in_place.InPlaceTransformation:
-  """``adamw_bf16`` or ``adam_fp32_master`` (``tx_init``, ``tx_update``) with the kernel on CPU:
+          kernel: bool = True, tx_apply=None) -> _in_place.InPlaceTransformation:
+  """``adamw_bf16`` or ``adam_fp32_master`` (``tx_init``, ``tx_update``, and ``tx_apply`` its
+  in-place step) with the kernel on CPU:
   an ``InPlaceTransformation`` with ``tx_update``'s bits; with ``flat_state`` in ``_flat``'s
   layout (docs/algorithms.md#the-jax-entry, docs/algorithms.md#flat-state). ``mask``: the
   weight-decay mask (``_util.decay_mask``), a kernel call per setting; ``kernel=False``:
@@ -279,6 +281,8 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
 
     def elsewhere():
       grads = _read(updates, inv_scale, clip)
+      if in_place and tx_apply is not None:
+        return tx_apply(grads, state, params, **extra_args)
       new_updates, new_state = tx_update(grads, state, params, **extra_args)
       if in_place:
         return optax.apply_updates(params, new_updates), new_state
@@ -362,14 +366,30 @@ def _scalars(hyperparams, count, grad_scale, clip=None, grad_dtype=None) -> jax.
   return jnp.stack([values[name] for name in native.ADAMW_SCALARS]).astype(jnp.float32)
 
 
-def _keys(compensation: Compensation, state, leaf) -> jax.Array:
-  """(param stream, moment stream) keys of leaf index ``leaf`` (or a row per index); the
-  param stream is the wrapper's where it draws bits, else the core's."""
+def _keys(compensation: Compensation, state, leaf, keep=None) -> jax.Array:
+  """(param stream key, moment stream key, keep) of leaf index ``leaf`` (or a row per
+  index); the param stream is the wrapper's where it draws bits, else the core's; ``keep``
+  (bools, master mode): keep the master where the param is not its rounding."""
   core = state.inner_state
   p_seed, p_count = compensation.param_stream(state) or (core.seed, core.count)
-  return jnp.stack([rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, leaf),
-                    rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS, leaf)],
-                   axis=-1)
+  key_p = rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, leaf)
+  keep = jnp.zeros_like(key_p) if keep is None else jnp.asarray(keep).astype(jnp.uint32)
+  return jnp.stack([key_p, rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS,
+                                              leaf), keep], axis=-1)
+
+
+def _kept(p, master, missed) -> jax.Array:
+  """``compensation.kept``, the pass over ``p`` and ``master`` made only where the last
+  update missed somewhere (``missed`` nonzero)."""
+  return jax.lax.cond(missed != 0, compensation_lib.kept, lambda *_: jnp.bool_(False),
+                      p, master, missed)
+
+
+def _mark(in_place, p, out, master) -> jax.Array:
+  """A full master's new ``missed``: in place the params land on its rounding (0)."""
+  if in_place:
+    return jnp.zeros((), jnp.uint32)
+  return compensation_lib.missed_mark(p, out, master)
 
 
 def _stepped(compensation: Compensation, state, mu, nu, buffers):
@@ -387,15 +407,41 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
   core = state.inner_state
   flats = [core.mu, core.nu, compensation.buffers(state)]
   states = [[None] if f is None else list(f.arrays.values()) for f in flats]
+  mode = _mode(compensation, leaves[0].dtype)
+  masters, missed, keep = None, None, None
+  if mode == "master":  # one fp32 array: leaf k's master is its slice
+    missed = treedef.flatten_up_to(state.missed)
+    masters = _slices(states[2][0], leaves)
+    keep = jnp.stack([_kept(p, m, f) for p, m, f in zip(leaves, masters, missed)])
   # Every leaf is a float leaf: its leaf index is its position.
-  keys = _keys(compensation, state, jnp.arange(len(leaves), dtype=jnp.uint32))
+  keys = _keys(compensation, state, jnp.arange(len(leaves), dtype=jnp.uint32), keep)
   scalars = _scalars(hyperparams, core.count, grad_scale, clip, grads[0].dtype)
-  p_out, new = _call(FLAT_TARGET, _mode(compensation, leaves[0].dtype), state_rounding, scalars, keys,
+  p_out, new = _call(FLAT_TARGET, mode, state_rounding, scalars, keys,
                      leaves, grads, states, in_place)
   result = jax.tree.unflatten(treedef, p_out)  # landed params, or updates in their dtype
   mu, nu, buffer = (None if f is None else _flat.Flat(dict(zip(f.arrays, x)))
                     for f, x in zip(flats, new))
-  return result, _stepped(compensation, state, mu, nu, buffer)
+  new_state = _stepped(compensation, state, mu, nu, buffer)
+  if mode == "master":
+    marks = [_mark(in_place, p, u, m) for p, u, m in zip(leaves, p_out, _slices(new[2][0], leaves))]
+    new_state = new_state._replace(missed=jax.tree.unflatten(treedef, marks))
+  elif hasattr(state, "missed"):  # a flat buffer's state keeps its per-leaf marks as they are
+    new_state = new_state._replace(missed=state.missed)
+  return result, new_state
+
+
+def _slices(flat, leaves) -> list:
+  """Leaf k's part of a flat array (``_flat``'s layout), shaped as leaf k."""
+  out, start = [], 0
+  for p in leaves:
+    out.append(jax.lax.slice(flat, (start,), (start + p.size,)).reshape(p.shape))
+    start += p.size
+  return out
+
+
+def _array(buffer):
+  """A leaf buffer's array (a full master's: the master)."""
+  return buffer.master if isinstance(buffer, compensation_lib.MasterBuffer) else buffer
 
 
 def _native_update(compensation, hyperparams, state_rounding, updates, state, params,
@@ -408,7 +454,7 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
   grads, mus, nus, index = (treedef.flatten_up_to(t) for t in (
       updates, state.inner_state.mu, state.inner_state.nu, leaf_indices(params)))
   if compensation.buffer:
-    buffers = treedef.flatten_up_to(compensation.buffers(state))
+    buffers = treedef.flatten_up_to(compensation.leaf_buffers(state))
   else:
     buffers = [optax.MaskedNode()] * len(leaves)
   core = state.inner_state
@@ -416,7 +462,8 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
     # Mode "update" (fp32 leaves) reads no buffer; a leaf's buffer, if any, is kept as it is.
     mode = _mode(compensation, p.dtype)
-    buffer_dtype = None if mode == "update" or isinstance(b, optax.MaskedNode) else b.dtype
+    buffer_dtype = (None if mode == "update" or isinstance(b, optax.MaskedNode)
+                    else _array(b).dtype)
     decay = True if decays is None else decays[k]
     groups.setdefault((decay, mode, p.dtype, g.dtype, m.dtype, v.dtype, buffer_dtype),
                       []).append(k)
@@ -430,8 +477,12 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
     step_hyperparams = hyperparams if decay else (*hyperparams[:4], 0.0)
     scalars = _scalars(step_hyperparams, core.count, grad_scale, clip, grad_dtype)
     has_buffer = buffer_dtype is not None
-    states = [pick(mus), pick(nus), pick(buffers) if has_buffer else [None] * len(ks)]
-    keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32))
+    states = [pick(mus), pick(nus),
+              [_array(buffers[k]) for k in ks] if has_buffer else [None] * len(ks)]
+    keep = None
+    if mode == "master":  # the master kept where the last update missed (and only there)
+      keep = jnp.stack([_kept(leaves[k], *buffers[k]) for k in ks])
+    keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32), keep)
     p_out, (m, v, b) = _call(TARGET, mode, state_rounding, scalars, keys, pick(leaves),
                              pick(grads), states, in_place and mode != "update")
     for j, k in enumerate(ks):
@@ -441,7 +492,9 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
       else:  # the landed param, or the update in its dtype
         out[k] = p_out[j]
       new_mu[k], new_nu[k] = m[j], v[j]
-      if has_buffer:
+      if mode == "master":
+        new_buffers[k] = compensation_lib.MasterBuffer(b[j], _mark(in_place, p, p_out[j], b[j]))
+      elif has_buffer:
         new_buffers[k] = b[j]
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
   buffers_tree = unflat(new_buffers) if compensation.buffer else None

@@ -302,7 +302,8 @@ def adam_fp32_master(
   tx = wrappers.wrap(compensation, core, check_state=False)  # fused checks it
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), "nearest",
                      tx.init, tx.update, flat_state, "adam_fp32_master",
-                     mask=mask, kernel=_kernel_has(eps_root, nesterov))
+                     mask=mask, kernel=_kernel_has(eps_root, nesterov),
+                     tx_apply=tx.update_and_apply)
   return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)
 
 
@@ -413,5 +414,6 @@ def adamw_bf16(
 
   tx = _native.fused(compensation, (learning_rate, b1, b2, eps, weight_decay), state_rounding,
                      init, wrapped.update, flat_state, "adamw_bf16",
-                     mask=mask, kernel=_kernel_has(eps_root, nesterov))
+                     mask=mask, kernel=_kernel_has(eps_root, nesterov),
+                     tx_apply=wrapped.update_and_apply)
   return maybe_skip_nonfinite(tx, skip_nonfinite, _native.all_finite)

@@ -16,7 +16,30 @@ from optax_half import rounding
 from optax_half._util import zeros_like_param
 
 __all__ = ["BUFFER_FIELDS", "COMPENSATIONS", "Compensation", "MasterWeightsState", "KahanSummationState",
-           "StochasticRoundingState", "RoundToNearestState"]
+           "StochasticRoundingState", "RoundToNearestState", "landing_mark"]
+
+
+def landing_mark(p: jax.Array, where: jax.Array) -> jax.Array:
+  """The uint32 mark of ``p``'s elements where ``where``: the wrapping sum over them of
+  ``mix32(i ^ mix32(bits | 0x10000))``, ``i`` the row-major index and ``bits`` the
+  element's bits (docs/algorithms.md#landing-exactly). 0 where ``where`` is all False.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half.compensation import landing_mark
+    >>> p = jnp.array([1.0, -2.0, 0.5], jnp.bfloat16)
+    >>> int(landing_mark(p, jnp.array([False, False, False])))
+    0
+    >>> a = landing_mark(p, jnp.array([False, True, False]))
+    >>> bool(a != 0), bool(a != landing_mark(p.at[1].set(-3.0), jnp.array([False, True, False])))
+    (True, True)
+  """
+  p = jnp.asarray(p)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[p.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(p, unsigned).astype(jnp.uint32)
+  index = jax.lax.iota(jnp.uint32, p.size).reshape(p.shape)
+  marks = rounding.mix32(index ^ rounding.mix32(bits | jnp.uint32(0x10000)))
+  return jnp.sum(jnp.where(where, marks, jnp.uint32(0)), dtype=jnp.uint32)
 
 
 class MasterWeightsState(NamedTuple):
@@ -25,6 +48,10 @@ class MasterWeightsState(NamedTuple):
   Attributes:
     master: per leaf, the ``master_dtype`` copy; with ``split=True`` the int16
       low half for bf16 leaves; ``MaskedNode()`` for leaves without a buffer.
+    missed: per leaf with a full master copy, a uint32 scalar: the mark
+      (``landing_mark``) of the params where the last update landed off the
+      master's rounding, 0 where none did; ``MaskedNode()`` for other leaves.
+      The next step keeps the master there (docs/algorithms.md#landing-exactly).
     inner_state: the inner transformation's state, built on the master params.
 
   Example:
@@ -39,6 +66,7 @@ class MasterWeightsState(NamedTuple):
   """
   lands_exactly = True  # its update lands exactly: nothing may rescale it after
   master: Any
+  missed: Any
   inner_state: Any
 
 
@@ -121,16 +149,19 @@ class Compensation(native_lib.Rules):
     """The working value ``x`` the optimizer steps (fp32, or ``master_dtype``)."""
     return rounding.widen(p)
 
-  def write(self, x_new, p, buf, bits):
+  def write(self, x_new, p, buf, bits, in_place=False):
     """``(u, p_land, buf')``: the update in ``p``'s dtype towards this compensation's
     rounding of ``x_new``, the param it lands on, and the buffer written against that
-    param (docs/algorithms.md#landing-exactly); ``bits`` where ``draws_bits``, else None."""
+    param (docs/algorithms.md#landing-exactly); ``bits`` where ``draws_bits``, else None.
+    ``in_place``: the param is written, not updated (a master's step then lands on its
+    target: ``holds_value``)."""
     return (*rounding.land(p, x_new.astype(p.dtype)), buf)
 
   def init_state(self, buffers, inner_state, seed: Optional[jax.Array]):
+    """A fresh state; ``buffers`` per leaf as ``leaf_buffers`` gives them."""
     fields = {"inner_state": inner_state}
     if self.spec.buffer:
-      fields[self.spec.buffer] = buffers
+      fields.update(self._fields_of(buffers))
     if self.spec.draws_bits:
       fields.update(seed=seed, rng_count=jnp.zeros([], jnp.int32))
     return self.state_type(**fields)
@@ -138,6 +169,14 @@ class Compensation(native_lib.Rules):
   def buffers(self, state):
     """The per-leaf buffers of ``state`` (None: this compensation keeps none)."""
     return getattr(state, self.spec.buffer) if self.spec.buffer else None
+
+  def leaf_buffers(self, state):
+    """Per leaf, the buffer ``read`` and ``write`` take (None: none kept)."""
+    return self.buffers(state)
+
+  def _fields_of(self, buffers) -> dict:
+    """The state fields holding ``buffers`` (per leaf as ``leaf_buffers`` gives them)."""
+    return {self.spec.buffer: buffers}
 
   def param_stream(self, state):
     """``(seed, rng_count)`` of the param writes' random bits, or None."""
@@ -147,35 +186,82 @@ class Compensation(native_lib.Rules):
     """``state`` after a step: the new buffers and inner state, the count advanced."""
     fields = {"inner_state": inner_state}
     if self.spec.buffer:
-      fields[self.spec.buffer] = buffers
+      fields.update(self._fields_of(buffers))
     if self.spec.draws_bits:
       fields["rng_count"] = optax.safe_increment(state.rng_count)
     return state._replace(**fields)
 
 
-class _Master(Compensation):
+class MasterBuffer(NamedTuple):
+  """A full master's per-leaf buffer as ``read`` and ``write`` take it."""
+  master: jax.Array
+  missed: jax.Array  # uint32 scalar: MasterWeightsState.missed
+
+
+def _is_pair(b) -> bool:
+  return isinstance(b, MasterBuffer)
+
+
+def _leaf(b) -> bool:
+  return isinstance(b, (MasterBuffer, MaskedNode))
+
+
+class _MasterState(Compensation):
+  """The rules of ``MasterWeightsState``: a full master's leaf buffer is the pair
+  ``(master, missed)``, split's the low half alone."""
   state_type = MasterWeightsState
 
+  def leaf_buffers(self, state):
+    return jax.tree.map(lambda m, f: m if isinstance(f, MaskedNode) else MasterBuffer(m, f),
+                        state.master, state.missed,
+                        is_leaf=lambda x: isinstance(x, MaskedNode))
+
+  def _fields_of(self, buffers) -> dict:
+    pick = lambda k, other: jax.tree.map(  # noqa: E731
+        lambda b: b[k] if _is_pair(b) else other(b), buffers, is_leaf=_leaf)
+    return {"master": pick(0, lambda b: b), "missed": pick(1, lambda b: MaskedNode())}
+
+
+def kept(p, master, missed) -> jax.Array:
+  """Whether ``master`` is kept where ``p`` is not its rounding: the elements that are not
+  are exactly those the last update missed, by their mark ``missed`` (nonzero), so nothing
+  was written into ``p`` from outside since (docs/algorithms.md#landing-exactly)."""
+  off = rounding.widen(master.astype(p.dtype)) != rounding.widen(p)
+  return jnp.logical_and(missed != 0, landing_mark(p, off) == missed)
+
+
+def missed_mark(p, u, master) -> jax.Array:
+  """``landing_mark`` of where ``p + u`` lands off ``master``'s rounding."""
+  p_land = (rounding.widen(p) + rounding.widen(u)).astype(p.dtype)
+  return landing_mark(p_land, rounding.widen(p_land)
+                      != rounding.widen(master.astype(p.dtype)))
+
+
+class _Master(_MasterState):
   def init_buffer(self, p, master_dtype):
-    return p.astype(master_dtype)
+    return MasterBuffer(p.astype(master_dtype), jnp.zeros((), jnp.uint32))
 
   def read(self, p, buf):
-    # Follows outside writes (docs/algorithms.md#wrappers); `widen`: XLA keeps the round trip.
-    p_wide = rounding.widen(p).astype(buf.dtype)
-    return jnp.where(rounding.widen(buf.astype(p.dtype)).astype(buf.dtype) == p_wide,
-                     buf, p_wide)
+    # Follows outside writes, and keeps the master where the last update missed
+    # (docs/algorithms.md#wrappers); `widen`: XLA keeps the round trip.
+    master, missed = buf
+    p_wide = rounding.widen(p).astype(master.dtype)
+    return jnp.where(kept(p, master, missed)
+                     | (rounding.widen(master.astype(p.dtype)).astype(master.dtype) == p_wide),
+                     master, p_wide)
 
-  def write(self, x_new, p, buf, bits):
+  def write(self, x_new, p, buf, bits, in_place=False):
     target = x_new.astype(p.dtype)
-    u, p_land = rounding.land(p, target)
-    # Where the param did not land on x_new's rounding, the master is the param (the
-    # read rule would take it up next step anyway): the param stays the master's rounding.
-    landed = rounding.widen(p_land)
-    return u, p_land, jnp.where(landed == rounding.widen(target), x_new, landed.astype(x_new.dtype))
+    if in_place:  # the param is written: the master's rounding
+      return None, target, MasterBuffer(x_new, jnp.zeros((), jnp.uint32))
+    # The master is x_new, never rounded; the elements where p + u misses its rounding are
+    # marked, and the next step keeps the master there.
+    u, p_land = rounding.land_master(p, target)
+    missed = rounding.widen(p_land) != rounding.widen(target)
+    return u, p_land, MasterBuffer(x_new, landing_mark(p_land, missed))
 
 
-class _Split(Compensation):
-  state_type = MasterWeightsState
+class _Split(_MasterState):
 
   def init_buffer(self, p, master_dtype):
     return zeros_like_param(p, jnp.int16)  # bf16 -> fp32 is exact: lo = 0
@@ -183,8 +269,10 @@ class _Split(Compensation):
   def read(self, p, buf):
     return rounding.join_f32(p, buf)
 
-  def write(self, x_new, p, buf, bits):
-    hi, _ = rounding.split_f32(x_new)
+  def write(self, x_new, p, buf, bits, in_place=False):
+    hi, lo = rounding.split_f32(x_new)
+    if in_place:  # the param is written: the high half, the master exactly
+      return None, hi, lo
     u, p_land = rounding.land(p, hi)
     # As the full master: where the param landed elsewhere, the master is the param (lo = 0).
     landed = rounding.widen(p_land)
@@ -200,7 +288,7 @@ class _Kahan(Compensation):
   def read(self, p, buf):
     return rounding.widen(p) + rounding.widen(buf)
 
-  def write(self, x_new, p, buf, bits):
+  def write(self, x_new, p, buf, bits, in_place=False):
     u, p_land = rounding.land(p, x_new.astype(p.dtype))
     # Against what landed: `widen`, not astype (an excess-precision rewrite would make this 0).
     return u, p_land, (x_new - rounding.widen(p_land)).astype(p.dtype)
@@ -209,7 +297,7 @@ class _Kahan(Compensation):
 class _Stochastic(Compensation):
   state_type = StochasticRoundingState
 
-  def write(self, x_new, p, buf, bits):
+  def write(self, x_new, p, buf, bits, in_place=False):
     return (*rounding.land(p, rounding.stochastic_round(x_new, p.dtype, bits)), buf)
 
 

@@ -19,7 +19,7 @@ import optax
 
 from optax_half import _in_place, _native
 from optax_half_native.checks import check_loss_scale_args
-from optax_half._util import find_states, if_finite, skipped, transformation, unscaled
+from optax_half._util import find_states, if_finite, is_float, skipped, transformation, unscaled
 
 T = TypeVar("T")
 
@@ -105,7 +105,10 @@ def dynamic_loss_scale(
   ``optax.MultiSteps`` inside (docs/algorithms.md#dynamic-loss-scaling).
 
   Args:
-    inner: any transformation; it receives fp32 gradients.
+    inner: any transformation. optax_half's receive the gradients unscaled in fp32; a
+      plain optax one in their own dtype (``torch.amp.GradScaler.unscale_``'s), so its
+      updates and state keep the param dtype (fp16 gradients can underflow there, as
+      under GradScaler: keep fp16 params behind ``master_weights`` or ``adam_fp32_master``).
     init_scale: the first scale.
     growth_factor: factor (> 1) applied after ``growth_interval`` finite steps.
     backoff_factor: factor in (0, 1) applied on a non-finite step.
@@ -184,6 +187,12 @@ def dynamic_loss_scale(
         return scaled(in_place, updates, inv_scale, state.inner_state, params, **extra_args)
     else:
       grads = unscaled(updates, inv_scale)
+      if not _widens(state.inner_state):
+        # A plain optax inner takes them in their own dtype, as GradScaler.unscale_ leaves
+        # them: its updates and state keep the param dtype (optax's convention).
+        grads = jax.tree.map(lambda w, g: w.astype(g.dtype) if is_float(g) else w,
+                             grads, updates)
+        finite = _native.all_finite(grads)
       run = inner_step if in_place else inner.update
 
       def apply():
@@ -208,6 +217,20 @@ def dynamic_loss_scale(
     return step(True, updates, state, params, extra_args)
 
   return _in_place.register(tx, update_and_apply_fn)
+
+
+def _widens(inner_state) -> bool:
+  """Whether the inner transformation is one of optax_half's (its state holds one): they
+  read gradients widened to fp32, and take them unscaled in fp32, tiny fp16 values kept."""
+  def ours(x) -> bool:
+    if type(x).__module__.startswith("optax_half"):
+      return True
+    if isinstance(x, dict):
+      return any(ours(v) for v in x.values())
+    if isinstance(x, (tuple, list)):
+      return any(ours(v) for v in x)
+    return False
+  return ours(inner_state)
 
 
 def _next_scale(scale, counter, finite, period, grow, shrink, floor):

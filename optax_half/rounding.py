@@ -17,6 +17,7 @@ import optax_half_native as native_lib
 __all__ = [
     "widen",
     "land",
+    "land_master",
     "update_of",
     "opaque_zero",
     "no_fma",
@@ -187,6 +188,27 @@ def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
   pw = widen(p)
   u = update_of(widen(t) - pw, p.dtype)
   return u, (pw + widen(u)).astype(p.dtype)
+
+
+def land_master(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``land(p, t)`` for a master's update: where ``p + u`` misses ``t`` and ``t`` is out of
+  reach from where it lands too (a weight that jumps from far across zero), ``u = -p``, and
+  the param lands on ``+0.0``, from which the next step reaches its target
+  (docs/algorithms.md#landing-exactly). A NaN target lands as ``land``'s.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from optax_half import rounding
+    >>> p, t = jnp.bfloat16(1.0), jnp.bfloat16(2.0**-20)
+    >>> print(float(rounding.land(p, t)[1]), float(rounding.land_master(p, t)[1]))
+    0.00390625 0.0
+  """
+  u, p_land = land(p, t)
+  t32 = widen(t)
+  again = land(p_land, t)[1]
+  far = (widen(p_land) != t32) & (widen(again) != t32) & ~jnp.isnan(t32)
+  u = jnp.where(far, -p, u)
+  return u, (widen(p) + widen(u)).astype(p.dtype)
 
 
 def opaque_zero(count: jax.Array) -> jax.Array:

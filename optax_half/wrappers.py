@@ -94,7 +94,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
       c = rules(p)
       bits = (rounding.random_bits(*stream, rounding.STREAM_PARAMS, i, x_new.shape)
               if c.draws_bits else None)
-      return c.write(x_new, p, buf, bits)
+      return c.write(x_new, p, buf, bits, in_place)
 
     x = view(params, buffers, rl)
     g = jax.tree.map(
@@ -150,7 +150,7 @@ def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key
     if check_state:
       check_state_fits(compensation.wrapper, init, state, params)
     out, buffers, inner_state = step(
-        updates, compensation.buffers(state), state.inner_state, params,
+        updates, compensation.leaf_buffers(state), state.inner_state, params,
         compensation.param_stream(state), fused=fused, in_place=in_place, **extra_args)
     return out, compensation.next_state(state, buffers, inner_state)
 
@@ -158,10 +158,9 @@ def wrap(compensation: Compensation, inner: optax.GradientTransformation, *, key
     return run(updates, state, params, False, extra_args)
 
   tx = transformation(compiled_init(init), update, compensation.wrapper)
-  if fused is None:
-    return tx
 
   def update_and_apply(updates, state, params, **extra_args):
+    # A master's params are written, not updated: they land on its rounding.
     return run(updates, state, params, True, extra_args)
 
   return _in_place.register(tx, update_and_apply)

@@ -797,16 +797,22 @@ inline typename L::F read_grad(const G* g, int64_t i, const Scalars& s, float re
 template <typename L, typename P, typename M, typename V, int MODE, bool SR>
 inline __attribute__((always_inline)) typename L::F adamw_math(
     int64_t i, uint64_t index0, const P* p, typename L::F gi, M* __restrict mu, V* __restrict nu,
-    const float* master, const int16_t* low, const P* comp, const Scalars& s, uint32_t key_m) {
+    const float* master, const int16_t* low, const P* comp, const Scalars& s, uint32_t key_m,
+    bool keep) {
   using F = typename L::F;
   F x;
   if constexpr (MODE == kMaster) {
     // The master follows the param: where the param is not the master's
     // rounding (it was written from outside the optimizer: a checkpoint
-    // loaded into the model), the step starts from the param.
+    // loaded into the model), the step starts from the param; with keep
+    // (those elements are where the last update missed) from the master.
     const F m = L::get(master, i);
-    const F pw = L::get(p, i);
-    x = L::where_equal(L::widen(L::to(m, P{}), P{}), pw, m, pw);
+    if (keep) {
+      x = m;
+    } else {
+      const F pw = L::get(p, i);
+      x = L::where_equal(L::widen(L::to(m, P{}), P{}), pw, m, pw);
+    }
   } else if constexpr (MODE == kSplit) x = L::join_at(p, low, i);
   else if constexpr (MODE == kKahan) x = L::get(p, i) + L::get(comp, i);
   else x = L::get(p, i);
@@ -908,20 +914,43 @@ inline __attribute__((always_inline)) bool adamw_write(
       put_out(u.first, landed);
       return L::widen(landed, P{});
     };
-    if constexpr (MODE == kMaster) {
+    if constexpr (MODE == kMaster && !UPDATE) {
+      // In place the param is written: the master's rounding; the master x_new, never rounded.
+      L::put(p_out, i, L::to(x_new, P{}));
+      L::put(master, i, x_new);
+    } else if constexpr (MODE == kMaster) {
+      // u towards the master's rounding t; the master x_new, never rounded (where p + u
+      // misses, the caller marks it: compensation.missed_mark).
+      L::put(master, i, x_new);
       const auto t = L::to(x_new, P{});
       const F t32 = L::widen(t, P{});
-      const F landed = land(t, std::true_type{});
-      // Where the param landed elsewhere, the master is the param (it stays its rounding).
-      L::put(master, i, L::where_equal(landed, t32, x_new, landed));
+      if constexpr (kFast) {
+        if (lands(t32)) {
+          put_out(L::exact(t32 - pw, P{}), t);
+          return false;
+        }
+      }
+      // Where p + u misses t and t is out of reach from where it lands too, u = -p: the
+      // param lands on 0, from which the next step reaches its target (rounding.land_master).
+      const auto u = update_to(t32);
+      const F landed = L::widen(landing(u), P{});
+      const F again = L::widen(L::to(landed + update_of<L>(t32 - landed, P{}).second, P{}), P{});
+      const F minus_p = L::floats(L::bits(pw) ^ 0x80000000u);
+      const F out = L::where_equal(landed, t32, u.second,
+                                   L::where_equal(again, t32, u.second,
+                                                  L::where_equal(t32, t32, minus_p, u.second)));
+      put_out(L::to(out, P{}), landed);
+    } else if constexpr (MODE == kSplit && !UPDATE) {
+      // In place the param is the high half and the buffer the low half: the master exactly.
+      L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
     } else if constexpr (MODE == kSplit) {
       // split's high half through p_out (read back); the master, split again, against what
-      // landed; then u or the landed param over the high half.
+      // landed; then u over the high half.
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);
       const F t32 = L::get(p_out, i);
       if constexpr (kFast) {
         if (lands(t32)) {  // the high half is the landed param
-          if constexpr (UPDATE) L::put(p_out, i, L::exact(t32 - pw, P{}));
+          L::put(p_out, i, L::exact(t32 - pw, P{}));
           return false;
         }
       }
@@ -984,7 +1013,7 @@ template <typename P, typename G, typename M, typename V, int MODE, bool SR, int
           bool UPDATE = false>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
-                 uint32_t key_p, uint32_t key_m) {
+                 uint32_t key_p, uint32_t key_m, bool keep = false) {
   float* master = static_cast<float*>(buffer);
   int16_t* low = static_cast<int16_t*>(buffer);
   P* comp = static_cast<P*>(buffer);
@@ -1006,13 +1035,13 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   };
   const auto math = [&](int64_t j, F gj) __attribute__((always_inline)) {
     return adamw_math<L, P, M, V, MODE, SR>(j, index0, p, gj, mu, nu, master, low, comp, s,
-                                            key_m);
+                                            key_m, keep);
   };
   if constexpr (mixes_counter<L>::value && (SR || MODE == kStochastic)) {  // even counters
     if (i < end && ((index0 + uint64_t(i)) & 1u)) {  // that element alone, as the tail's
       const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
           i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low,
-          comp, s, key_m);
+          comp, s, key_m, keep);
       adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p);
       ++i;
     }
@@ -1087,7 +1116,7 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
   for (; i < end; ++i) {
     const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
         i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low, comp,
-        s, key_m);
+        s, key_m, keep);
     adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p);
   }
 }

@@ -5,7 +5,9 @@
 // optax_half_adamw (OhAdamw), the tree layout. Operands: scalars f32[12]
 // (oh::Scalars: lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd,
 // grad_scale, clip_div, clip_mul), keys
-// u32[n, 2] (row k: leaf k's keys of the param and moments streams), then
+// u32[n, 3] (row k: leaf k's keys of the param and moments streams, and its
+// master mode's keep flag: nonzero keeps the master where the param is not its
+// rounding, oh::Tensor::keep), then
 // p_0..p_{n-1}, g_0..g_{n-1}, mu_0.., nu_0.., buffer_0.. (a 0-element buffer
 // for modes without one). Results: p_out_0.. (new arrays, or aliased to p or
 // g by the caller), mu.., nu.., buffer.. (aliased to their operands: updated
@@ -223,6 +225,7 @@ void set_scalars(oh::Tensor& t, const ffi::Buffer<ffi::F32>& scalars, const uint
   std::memcpy(&t.s, scalars.typed_data(), sizeof(oh::Scalars));
   t.key_p = key[0];
   t.key_m = key[1];
+  t.keep = key[2];
 }
 
 // The leaves' state arrays: per leaf (kFlat false: leaf k's moments and
@@ -238,12 +241,12 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
     return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
   };
   constexpr size_t kScalars = sizeof(oh::Scalars) / sizeof(float);
-  if (scalars.element_count() != kScalars || keys.element_count() % 2 != 0 ||
+  if (scalars.element_count() != kScalars || keys.element_count() % 3 != 0 ||
       keys.element_count() == 0) {
     return invalid("scalars must be f32[" + std::to_string(kScalars) +
-                   "] (oh::Scalars) and keys u32[n, 2] with n >= 1");
+                   "] (oh::Scalars) and keys u32[n, 3] with n >= 1");
   }
-  const size_t n = keys.element_count() / 2;
+  const size_t n = keys.element_count() / 3;
   // Per field (mu, nu, buffer): 1 array (flat) or n (per leaf).
   const size_t per_field = kFlat ? 1 : n;
   if (args.size() != 2 * n + 3 * per_field || rets.size() != n + 3 * per_field) {
@@ -324,7 +327,7 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
     t.mu = reinterpret_cast<uint64_t>(state[0]);
     t.nu = reinterpret_cast<uint64_t>(state[1]);
     t.buffer = buffered ? reinterpret_cast<uint64_t>(state[2]) : 0;
-    set_scalars(t, scalars, keys.typed_data() + 2 * k);
+    set_scalars(t, scalars, keys.typed_data() + 3 * k);
     offset += numel;
   }
   if (buffered && offset > 0 && st[state_at(2, 0)].element_type() != buffer_type(mode, types[0])) {

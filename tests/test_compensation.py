@@ -150,6 +150,8 @@ def test_each_compensation_reads_writes_and_inits_the_same_bits_in_both_framewor
   jc = jax_rules[name].for_dtype(jnp.dtype(dtype))
   tc = torch_rules[name].for_dtype(getattr(torch, dtype))
   assert jc.name == tc.name
+  from optax_half.compensation import MasterBuffer  # noqa: PLC0415
+  array = lambda b: b.master if isinstance(b, MasterBuffer) else b  # noqa: E731
   rng = np.random.default_rng(0)
   n = 4096
   x_new = np.concatenate([
@@ -164,17 +166,27 @@ def test_each_compensation_reads_writes_and_inits_the_same_bits_in_both_framewor
   if jc.buffer is None:
     assert t_buf is None
   else:
-    np.testing.assert_array_equal(as_np(j_buf).view(np.uint8), as_np(t_buf).view(np.uint8))
+    np.testing.assert_array_equal(as_np(array(j_buf)).view(np.uint8),
+                                  as_np(t_buf).view(np.uint8))
   bits = jnp.asarray(rng.integers(0, 2**32, x_new.shape, dtype=np.uint32))
   t_bits = dlpack.to_torch(bits.view(jnp.int32), allow_copy=True)
+  # torch's step is in place: JAX's in-place write (the same as its update's here, where
+  # every target is reachable).
   j_u, j_p, j_buf = jc.write(jnp.asarray(x_new), p16, j_buf, bits if jc.draws_bits else None)
   assert j_u.dtype == p16.dtype
+  _, j_p_in, j_buf_in = jc.write(jnp.asarray(x_new), p16, jc.init_buffer(p16, jnp.float32),
+                                 bits if jc.draws_bits else None, True)
+  # (equal values: p + u lands a zero on +0.0, docs/algorithms.md#landing-exactly)
+  np.testing.assert_array_equal(as_np(j_p_in).astype(np.float32), as_np(j_p).astype(np.float32))
+  np.testing.assert_array_equal(as_np(array(j_buf_in)).view(np.uint8),
+                                as_np(array(j_buf)).view(np.uint8))
+  j_p, j_buf = j_p_in, j_buf_in
   t_p = p_torch.clone()
   t_buf = None if t_buf is None else t_buf.clone()
   tc.write(torch.from_numpy(x_new), t_p, t_buf, t_bits if tc.draws_bits else None)
   np.testing.assert_array_equal(as_np(j_p).view(np.uint16), as_np(t_p).view(np.uint16))
   if jc.buffer is not None:
-    np.testing.assert_array_equal(as_np(j_buf).view(np.uint8), as_np(t_buf).view(np.uint8))
+    np.testing.assert_array_equal(as_np(array(j_buf)).view(np.uint8), as_np(t_buf).view(np.uint8))
   j_x = jc.read(j_p, j_buf)
   t_x = tc.read(t_p, t_buf)
   np.testing.assert_array_equal(as_np(j_x).view(np.uint32), as_np(t_x).view(np.uint32))

@@ -1,6 +1,8 @@
 """Landing exactly (docs/algorithms.md#landing-exactly): 16-bit params get updates in
 their dtype; optax.apply_updates, p + u, update_and_apply and the torch step store the
-same bits, also on steps that jump across binades, where the buffers absorb what landed."""
+same bits, also on steps that jump across binades, where the buffers absorb what landed.
+A master's in-place step writes its rounding (both frameworks), and its update keeps the
+master where the param missed it."""
 
 import jax
 import jax.numpy as jnp
@@ -73,58 +75,105 @@ def test_updates_land_the_same_bits_every_way_and_in_torch(name, dtype):
     assert (err <= eps * np.abs(x32 - land32) + tiny).all()
     old = np.asarray(rounding.widen((x_new - rounding.widen(target)).astype(p.dtype)))
     np.testing.assert_array_equal(c32[~jumped], old[~jumped])
-  if rules.name in ("master", "split"):
-    read = np.asarray(rules.read(p_land, new_buf))
-    np.testing.assert_array_equal(read[~jumped], x32[~jumped])  # exact where it landed
-    np.testing.assert_array_equal(read[jumped], land32[jumped])  # else the param
+  masters = rules.name in ("master", "split")
+  if rules.name == "master":  # never rounded: read back exactly, the missed params marked
+    np.testing.assert_array_equal(np.asarray(rules.read(p_land, new_buf)), x32)
+    assert int(new_buf.missed) != 0
+    # A param written from outside where one missed is taken up, as anywhere else.
+    edited = p_land.at[0].set(jnp.asarray(3.0, p.dtype))
+    np.testing.assert_array_equal(np.asarray(rules.read(edited, new_buf))[0], 3.0)
+    np.testing.assert_array_equal(np.asarray(rules.read(edited, new_buf))[1:][~jumped[1:]],
+                                  x32[1:][~jumped[1:]])
+  if rules.name == "split":  # a bf16 high half holds no other master: where it missed,
+    read = np.asarray(rules.read(p_land, new_buf))  # the param (docs: the update path)
+    np.testing.assert_array_equal(read[~jumped], x32[~jumped])
+    np.testing.assert_array_equal(read[jumped], land32[jumped])
+  if masters:  # in place the param is the target and the master exact
+    _, p_in, buf_in = jax.jit(lambda x, p, b: rules.write(x, p, b, None, True))(x_new, p, buf)
+    np.testing.assert_array_equal(_bits(p_in), _bits(target))
+    np.testing.assert_array_equal(np.asarray(rules.read(p_in, buf_in)), x32)
+    p_land, new_buf = p_in, buf_in
 
   torch = pytest.importorskip("torch")
   from torch_bridge import dlpack  # noqa: PLC0415
   from torch_bridge.compensation import COMPENSATIONS as TORCH_RULES  # noqa: PLC0415
   tc = TORCH_RULES[name].for_dtype(getattr(torch, dtype))
+  master = lambda b: b.master if rules.name == "master" else b  # noqa: E731
   t_p = dlpack.to_torch(p, allow_copy=True).clone()
-  t_buf = None if not rules.buffer else dlpack.to_torch(buf, allow_copy=True).clone()
+  t_buf = None if not rules.buffer else dlpack.to_torch(master(buf), allow_copy=True).clone()
   t_bits = dlpack.to_torch(bits.view(jnp.int32), allow_copy=True)
   tc.write(dlpack.to_torch(x_new, allow_copy=True).clone(), t_p, t_buf,
            t_bits if tc.draws_bits else None)
   np.testing.assert_array_equal(_bits(dlpack.to_jax(t_p)), _bits(p_land))
   if rules.buffer:
-    np.testing.assert_array_equal(_bits(dlpack.to_jax(t_buf)), _bits(new_buf))
+    np.testing.assert_array_equal(_bits(dlpack.to_jax(t_buf)), _bits(master(new_buf)))
   t_u = (t_p.float() - dlpack.to_torch(p, allow_copy=True).float()).to(t_p.dtype)
   assert t_u.dtype == t_p.dtype
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none", "master"])
-def test_big_steps_update_and_update_and_apply_agree(compensation, dtype):
+@pytest.mark.parametrize("flat", [False, True])
+def test_big_steps_update_and_update_and_apply_agree(compensation, dtype, flat):
   """Steps of lr 0.5 on small weights change signs and binades: tx.update's u (the kernel's
   on CPU, else XLA's) applied by apply_updates and by p + u equals update_and_apply's params
-  and state, bit for bit."""
+  and state, bit for bit; a full master's two runs keep the same master and moments bit for
+  bit, and their params differ only where the update missed the master's rounding (in place
+  they are its rounding), put right by the next step."""
   if compensation == "master":
-    tx = oh.adam_fp32_master(0.5, weight_decay=0.0)
+    tx = oh.adam_fp32_master(0.5, weight_decay=0.0, flat_state=flat)
   else:
-    tx = oh.adamw_bf16(0.5, compensation=compensation, weight_decay=0.0)
+    tx = oh.adamw_bf16(0.5, compensation=compensation, weight_decay=0.0, flat_state=flat)
+  full_master = compensation == "master" or (compensation == "split" and dtype == "float16")
   rng = np.random.default_rng(1)
   params = {"w": jnp.asarray(rng.standard_normal(4099) * np.exp2(rng.integers(-12, 2, 4099)),
-                             dtype)}
+                             dtype),
+            "b": jnp.asarray(rng.standard_normal(37), dtype)}
   state = tx.init(params)
+  params_in, state_in = params, state
   update, in_place = jax.jit(tx.update), jax.jit(lambda g, s, p: oh.update_and_apply(tx, g, s, p))
-  jumps = 0
+  jumps = missed = 0
   for step in range(4):
-    grads = {"w": jnp.asarray(rng.standard_normal(4099), dtype)}
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), dtype), params)
     u, s1 = update(grads, state, params)
     assert u["w"].dtype == params["w"].dtype
     by_optax = optax.apply_updates(params, u)
     np.testing.assert_array_equal(_bits(jax.tree.map(lambda a, b: a + b, params, u)["w"]),
                                   _bits(by_optax["w"]))
-    p2, s2 = in_place(grads, state, params)
-    np.testing.assert_array_equal(_bits(p2["w"]), _bits(by_optax["w"]))
-    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
-      np.testing.assert_array_equal(_bits(a), _bits(b))
     exact = (rounding.widen(by_optax["w"]) - rounding.widen(params["w"]))
     jumps += int(np.sum(np.asarray(rounding.widen(u["w"]) != exact)))
-    params, state = p2, s2
+    if not full_master:  # one trajectory
+      p2, s2 = in_place(grads, state, params)
+      if compensation != "split":  # the same bits
+        for a, b in zip(jax.tree.leaves((p2, s2)), jax.tree.leaves((by_optax, s1))):
+          np.testing.assert_array_equal(_bits(a), _bits(b))
+      elif not flat:  # the same masters where the update landed on the high half
+        for p_u, p_i, lo_u, lo_i in zip(*(jax.tree.leaves(t) for t in (
+            by_optax, p2, s1.master, s2.master))):
+          same = np.asarray(rounding.widen(p_u) == rounding.widen(p_i))
+          np.testing.assert_array_equal(np.asarray(rounding.join_f32(p_u, lo_u))[same],
+                                        np.asarray(rounding.join_f32(p_i, lo_i))[same])
+          missed += int((~same).sum())
+      params, state = p2, s2
+      continue
+    p2, s2 = in_place(grads, state_in, params_in)
+    if full_master:  # the update's own run, and the in-place run beside it
+      master = lambda s: jax.tree.leaves(oh.relayout_state(  # noqa: E731
+          s, oh.adam_fp32_master(0.5), params).master) if flat else jax.tree.leaves(s.master)
+      for a, b in zip(master(s1), master(s2)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+      for a, b in zip(jax.tree.leaves(s1.inner_state), jax.tree.leaves(s2.inner_state)):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+      for p_u, p_i, m in zip(jax.tree.leaves(by_optax), jax.tree.leaves(p2), master(s2)):
+        np.testing.assert_array_equal(_bits(p_i), _bits(m.astype(p_i.dtype)))
+        off = np.asarray(rounding.widen(p_u) != rounding.widen(p_i))
+        missed += int(off.sum())
+        assert off.sum() < 0.5 * off.size
+      assert any(int(f) != 0 for f in jax.tree.leaves(s1.missed)) == (missed > 0)
+      params, state, params_in, state_in = by_optax, s1, p2, s2
   assert jumps > 0  # some steps were not representable: the landing rule mattered
+  if full_master or (compensation == "split" and not flat):
+    assert missed > 0
 
 
 def test_equinox_style_loop_keeps_bf16_and_kahan_beats_nearest():

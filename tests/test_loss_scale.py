@@ -149,17 +149,22 @@ def test_the_select_used_off_cpu_equals_the_branch_used_on_cpu(name, tree, monke
   assert _leaves_equal(branch, selected)
 
 
-def test_fp16_grads_are_upcast_before_unscaling():
-  """An fp16 gradient whose unscaled value is below fp16's smallest subnormal
-  (2^-24) reaches the inner transformation exactly, in fp32."""
-  tx = oh.dynamic_loss_scale(optax.identity(), init_scale=2.0**16)
+def test_fp16_grads_unscale_in_fp32_for_optax_half_and_in_their_dtype_for_plain_optax():
+  """optax_half's transformations get fp16 gradients unscaled exactly in fp32, also below
+  fp16's smallest subnormal (2^-24); a plain optax one gets them in fp16, as
+  GradScaler.unscale_ leaves them, so its updates keep the param dtype."""
   g_hat = jnp.asarray([2.0**-10, 3 * 2.0**-12, -1.5, 65504.0], jnp.float16)
-  params = {"w": jnp.zeros(4, jnp.float16)}
-  updates, _ = jax.jit(tx.update)({"w": g_hat}, tx.init(params), params)
-  assert updates["w"].dtype == jnp.float32
   expected = np.asarray(g_hat, np.float64) / 2.0**16
-  assert np.array_equal(np.asarray(updates["w"], np.float64), expected)
-  assert np.all(np.asarray(expected, np.float16)[:2] == 0)  # fp16 unscaling would flush
+  assert np.all(np.asarray(expected, np.float16)[:2] == 0)  # fp16 unscaling flushes these
+  params = {"w": jnp.zeros(4, jnp.float16)}
+  plain = oh.dynamic_loss_scale(optax.identity(), init_scale=2.0**16)
+  updates, _ = jax.jit(plain.update)({"w": g_hat}, plain.init(params), params)
+  assert updates["w"].dtype == jnp.float16
+  np.testing.assert_array_equal(np.asarray(updates["w"]), np.asarray(expected, np.float16))
+  ours = oh.dynamic_loss_scale(oh.master_weights(optax.sgd(1.0)), init_scale=2.0**16)
+  _, state = jax.jit(ours.update)({"w": g_hat}, ours.init(params), params)
+  master = np.asarray(state.inner_state.master["w"], np.float64)
+  assert np.array_equal(master, -expected)  # exact in fp32
 
 
 def test_state_is_fp32_int32_under_jit_for_fp16_params():

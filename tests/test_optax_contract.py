@@ -31,6 +31,9 @@ def _transformations():
       "stochastic_rounding": lambda: oh.stochastic_rounding(optax.sgd(1e-3), key),
       "round_to_nearest": lambda: oh.round_to_nearest(optax.sgd(1e-3)),
       "dynamic_loss_scale": lambda: oh.dynamic_loss_scale(oh.adamw_bf16(1e-3)),
+      # (scale 1: these tests' gradients are unscaled; fp16 ones 2^15 times smaller than
+      # 0.1 would underflow a plain fp16 optax.adam, as under GradScaler)
+      "dynamic_loss_scale adam": lambda: oh.dynamic_loss_scale(optax.adam(1e-3), init_scale=1.0),
       "scaled_adam": lambda: oh.scaled_adam(1e-3),
       "scaled_adam clipping": lambda: oh.scaled_adam(1e-3, clipping_scale=2.0),
       "clip_by_global_norm": lambda: oh.clip_by_global_norm(1.0),
@@ -41,7 +44,8 @@ def _transformations():
 TXS = _transformations()
 # The transformations that refuse complex params (the others pass them on:
 # clipping and loss scaling are defined for complex gradients).
-REAL_ONLY = [n for n in TXS if n not in ("dynamic_loss_scale", "clip_by_global_norm")]
+REAL_ONLY = [n for n in TXS if not n.startswith("dynamic_loss_scale")
+             and n != "clip_by_global_norm"]
 
 
 def _params():
@@ -181,6 +185,21 @@ def test_updates_have_the_param_dtype(name, dtype):
   updates, _ = jax.jit(tx.update)(grads, state, params)
   for p, u in zip(jax.tree.leaves(params), jax.tree.leaves(updates)):
     assert u.dtype == p.dtype, (name, dtype, u.dtype)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("name", list(TXS))
+def test_a_second_step_reuses_the_compiled_one(name, dtype):
+  """The state keeps its types across a step: the jitted update compiles once."""
+  params, grads = _params_grads(dtype)
+  tx = TXS[name]()
+  step = jax.jit(tx.update)
+  state = tx.init(params)
+  _, new_state = step(grads, state, params)
+  assert jax.tree.map(lambda x: (x.dtype, x.shape), new_state) == jax.tree.map(
+      lambda x: (x.dtype, x.shape), state)
+  step(grads, new_state, params)
+  assert step._cache_size() == 1
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])

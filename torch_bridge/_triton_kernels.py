@@ -265,17 +265,12 @@ def adamw_kernel(table_ptr, blocks_ptr, scalars_ptr, inv_scale_ptr, found_inf_pt
     tl.store(p_addr.to(tl.pointer_type(tl.float32)) + offs, pw + u, mask=mask)
   else:
     x_new = x + u
-    if MODE == MASTER:
-      t32 = widen_bits(nearest_bits(x_new, P), P)
-      landed = land_bits(pw, t32, P)
-      landed32 = widen_bits(landed, P)
-      tl.store(buf_addr.to(tl.pointer_type(tl.float32)) + offs,
-               tl.where(landed32 == t32, x_new, landed32), mask=mask)
-    elif MODE == SPLIT:
-      t32 = widen_bits(split_high(x_new), P)
-      landed = land_bits(pw, t32, P)
-      landed32 = widen_bits(landed, P)
-      store_bits(buf_addr, offs, mask, split_low(tl.where(landed32 == t32, x_new, landed32)))
+    if MODE == MASTER:  # the param is the master's rounding, the master x_new
+      landed = nearest_bits(x_new, P)
+      tl.store(buf_addr.to(tl.pointer_type(tl.float32)) + offs, x_new, mask=mask)
+    elif MODE == SPLIT:  # the param is the high half, the buffer the low half
+      landed = split_high(x_new)
+      store_bits(buf_addr, offs, mask, split_low(x_new))
     elif MODE == KAHAN:
       landed = land_bits(pw, widen_bits(nearest_bits(x_new, P), P), P)
       store_rounded(buf_addr, offs, mask, x_new - widen_bits(landed, P), BUF)

@@ -67,8 +67,9 @@ class Compensation(native_lib.Rules):
   def write(self, x_new: torch.Tensor, p: torch.Tensor, buf, bits) -> None:
     """Stores ``x_new`` into ``p`` and ``buf``: ``p`` takes where ``p + u``
     lands (``u`` the update towards this compensation's rounding of
-    ``x_new``, in ``p``'s dtype), ``buf`` is written against it
-    (docs/algorithms.md#landing-exactly); ``bits``: the random bits where
+    ``x_new``, in ``p``'s dtype), ``buf`` is written against it; a master's
+    param takes the target itself (docs/algorithms.md#landing-exactly);
+    ``bits``: the random bits where
     ``draws_bits``, else None. For a compensation whose buffer
     ``holds_value``, ``buf`` None means the buffer was stepped in place."""
     p.copy_(rounding.land(p, x_new.to(p.dtype))[1])
@@ -88,14 +89,12 @@ class _Master(Compensation):
     return torch.where(rounding.widen(buf.to(p.dtype)) == p32, buf, p32)
 
   def write(self, x_new, p, buf, bits):
-    target = x_new.to(p.dtype)
-    landed = rounding.land(p, target)[1]
-    # Where the param landed elsewhere, the master is the param (it stays its rounding); buf
-    # None: x_new is the master itself, stepped in place.
-    landed32 = rounding.widen(landed)
-    master = torch.where(landed32 == rounding.widen(target), x_new, landed32.to(x_new.dtype))
-    (x_new if buf is None else buf).copy_(master)
-    p.copy_(landed)
+    # The step writes the param: it is the master's rounding, and the master is x_new, never
+    # rounded (docs/algorithms.md#landing-exactly); buf None: x_new is the master itself,
+    # stepped in place.
+    if buf is not None:
+      buf.copy_(x_new)
+    p.copy_(x_new.to(p.dtype))
 
   def follow(self, p, buf):
     # Kept where the master rounds to the param, else the param widened.
@@ -110,12 +109,10 @@ class _Split(Compensation):
     return rounding.join_f32(p, buf)
 
   def write(self, x_new, p, buf, bits):
-    hi, _ = rounding.split_f32(x_new)
-    landed = rounding.land(p, hi)[1]
-    # As the full master: where the param landed elsewhere, the master is the param (lo = 0).
-    landed32 = rounding.widen(landed)
-    buf.copy_(rounding.split_f32(torch.where(landed32 == rounding.widen(hi), x_new, landed32))[1])
-    p.copy_(landed)
+    # The param is the high half, the buffer the low half: the master exactly.
+    hi, lo = rounding.split_f32(x_new)
+    buf.copy_(lo)
+    p.copy_(hi)
 
 
 class _Kahan(Compensation):

@@ -768,12 +768,12 @@ def _jax_params(params, dtype, copies: list) -> tuple[_Tree, list]:
 
 
 def _jitted_step(tx):
-  """``tx``'s update and ``optax.apply_updates`` as one jitted step:
-  (params, state, grads) -> (params, state)."""
+  """``tx``'s step as one jitted ``oh.update_and_apply`` (``tx.update`` and
+  ``optax.apply_updates``, or its in-place step, which torch's steps mirror: a master's
+  params land on its rounding): (params, state, grads) -> (params, state)."""
   @jax.jit
   def jax_step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    return oh.update_and_apply(tx, g, s, p)
   return jax_step
 
 

@@ -64,7 +64,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
   and ``round_to_nearest``; ``inner`` is the wrapped optimizer, which shares
   its param groups with the wrapper. ``state_dict()`` holds this wrapper's
   buffers, the param groups and ``"inner"``: the wrapped optimizer's
-  ``state_dict()``.
+  ``state_dict()`` without its groups (they are the wrapper's, saved once).
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -247,15 +247,21 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     return f"LowPrecisionWrapper({optimizer_kind(self.inner)})"
 
   def _extra_state(self) -> dict:
+    # The groups are the wrapper's (one list, shared): saved once, at the top, as
+    # torch.optim saves them.
     with self.stand_ins() as inner:
-      return {"inner": inner.state_dict(), "seed": self._seed}
+      saved = inner.state_dict()
+    saved.pop("param_groups")
+    return {"inner": saved, "seed": self._seed}
 
   def _load(self, state_dict: dict) -> None:
     # Check ours, load the inner optimizer's (it checks its own first), then ours:
     # a mismatch anywhere leaves both untouched.
     load = prepare_load(self, {k: state_dict[k] for k in ("state", "param_groups")})
+    inner_state = dict(state_dict["inner"])
+    inner_state.setdefault("param_groups", state_dict["param_groups"])
     with self.stand_ins() as inner:
-      inner.load_state_dict(state_dict["inner"])
+      inner.load_state_dict(inner_state)
     load()
     self._seed = int(state_dict.get("seed", self._seed))
 
