@@ -366,23 +366,17 @@ def _scalars(hyperparams, count, grad_scale, clip=None, grad_dtype=None) -> jax.
   return jnp.stack([values[name] for name in native.ADAMW_SCALARS]).astype(jnp.float32)
 
 
-def _keys(compensation: Compensation, state, leaf, keep=None) -> jax.Array:
-  """(param stream key, moment stream key, keep) of leaf index ``leaf`` (or a row per
-  index); the param stream is the wrapper's where it draws bits, else the core's; ``keep``
-  (bools, master mode): keep the master where the param is not its rounding."""
+def _keys(compensation: Compensation, state, leaf, marks=None) -> jax.Array:
+  """(param stream key, moment stream key, mark) of leaf index ``leaf`` (or a row per
+  index); the param stream is the wrapper's where it draws bits, else the core's; ``marks``
+  (master mode: ``MasterWeightsState.missed``), from which the kernel's read makes its
+  check (``compensation.kept``; ``set_keeps`` in adamw_ffi.cc), else 0."""
   core = state.inner_state
   p_seed, p_count = compensation.param_stream(state) or (core.seed, core.count)
   key_p = rounding._leaf_key(p_seed, p_count, rounding.STREAM_PARAMS, leaf)
-  keep = jnp.zeros_like(key_p) if keep is None else jnp.asarray(keep).astype(jnp.uint32)
+  marks = jnp.zeros_like(key_p) if marks is None else jnp.asarray(marks, jnp.uint32)
   return jnp.stack([key_p, rounding._leaf_key(core.seed, core.count, rounding.STREAM_MOMENTS,
-                                              leaf), keep], axis=-1)
-
-
-def _kept(p, master, missed) -> jax.Array:
-  """``compensation.kept``, the pass over ``p`` and ``master`` made only where the last
-  update missed somewhere (``missed`` nonzero)."""
-  return jax.lax.cond(missed != 0, compensation_lib.kept, lambda *_: jnp.bool_(False),
-                      p, master, missed)
+                                              leaf), marks], axis=-1)
 
 
 def _mark(in_place, p, out, master) -> jax.Array:
@@ -408,13 +402,9 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
   flats = [core.mu, core.nu, compensation.buffers(state)]
   states = [[None] if f is None else list(f.arrays.values()) for f in flats]
   mode = _mode(compensation, leaves[0].dtype)
-  masters, missed, keep = None, None, None
-  if mode == "master":  # one fp32 array: leaf k's master is its slice
-    missed = treedef.flatten_up_to(state.missed)
-    masters = _slices(states[2][0], leaves)
-    keep = jnp.stack([_kept(p, m, f) for p, m, f in zip(leaves, masters, missed)])
+  marks = jnp.stack(treedef.flatten_up_to(state.missed)) if mode == "master" else None
   # Every leaf is a float leaf: its leaf index is its position.
-  keys = _keys(compensation, state, jnp.arange(len(leaves), dtype=jnp.uint32), keep)
+  keys = _keys(compensation, state, jnp.arange(len(leaves), dtype=jnp.uint32), marks)
   scalars = _scalars(hyperparams, core.count, grad_scale, clip, grads[0].dtype)
   p_out, new = _call(FLAT_TARGET, mode, state_rounding, scalars, keys,
                      leaves, grads, states, in_place)
@@ -479,10 +469,9 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
     has_buffer = buffer_dtype is not None
     states = [pick(mus), pick(nus),
               [_array(buffers[k]) for k in ks] if has_buffer else [None] * len(ks)]
-    keep = None
-    if mode == "master":  # the master kept where the last update missed (and only there)
-      keep = jnp.stack([_kept(leaves[k], *buffers[k]) for k in ks])
-    keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32), keep)
+    # A master's marks: the kernel keeps it where the last update missed (and only there).
+    marks = jnp.stack([buffers[k].missed for k in ks]) if mode == "master" else None
+    keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32), marks)
     p_out, (m, v, b) = _call(TARGET, mode, state_rounding, scalars, keys, pick(leaves),
                              pick(grads), states, in_place and mode != "update")
     for j, k in enumerate(ks):

@@ -199,8 +199,8 @@ def scale_by_adamw(
       if not _is_zero(eps_root):
         v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)
       u = m_hat / (jnp.sqrt(v_hat) + eps_)
-      if decay and not _is_zero(weight_decay):
-        u = u + rounded(wd_ * rounding.widen(x))
+      if decay and not _is_zero(weight_decay):  # none at 0, also a traced 0 (the kernel's)
+        u = jnp.where(wd_ == 0, u, u + rounded(wd_ * rounding.widen(x)))
       # The caller adds it to the params, in their dtype (optax's convention: fp32 inside
       # the wrappers, which hand the core fp32 params). A 16-bit param lands on
       # round_nearest(x + u), as torch's scale_by_adamw and round_to_nearest

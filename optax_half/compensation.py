@@ -22,7 +22,8 @@ __all__ = ["BUFFER_FIELDS", "COMPENSATIONS", "Compensation", "MasterWeightsState
 def landing_mark(p: jax.Array, where: jax.Array) -> jax.Array:
   """The uint32 mark of ``p``'s elements where ``where``: the wrapping sum over them of
   ``mix32(i ^ mix32(bits | 0x10000))``, ``i`` the row-major index and ``bits`` the
-  element's bits (docs/algorithms.md#landing-exactly). 0 where ``where`` is all False.
+  element's bits, 0xFFFF for every NaN (docs/algorithms.md#landing-exactly). 0 where
+  ``where`` is all False.
 
   Example:
     >>> import jax.numpy as jnp
@@ -37,6 +38,7 @@ def landing_mark(p: jax.Array, where: jax.Array) -> jax.Array:
   p = jnp.asarray(p)
   unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[p.dtype.itemsize]
   bits = jax.lax.bitcast_convert_type(p, unsigned).astype(jnp.uint32)
+  bits = jnp.where(jnp.isnan(p), jnp.uint32(0xFFFF), bits)  # every NaN alike
   index = jax.lax.iota(jnp.uint32, p.size).reshape(p.shape)
   marks = rounding.mix32(index ^ rounding.mix32(bits | jnp.uint32(0x10000)))
   return jnp.sum(jnp.where(where, marks, jnp.uint32(0)), dtype=jnp.uint32)

@@ -194,7 +194,8 @@ def land_master(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``land(p, t)`` for a master's update: where ``p + u`` misses ``t`` and ``t`` is out of
   reach from where it lands too (a weight that jumps from far across zero), ``u = -p``, and
   the param lands on ``+0.0``, from which the next step reaches its target
-  (docs/algorithms.md#landing-exactly). A NaN target lands as ``land``'s.
+  (docs/algorithms.md#landing-exactly). A NaN target, or an Inf or NaN ``p``, lands as
+  ``land``'s.
 
   Example:
     >>> import jax.numpy as jnp
@@ -206,7 +207,8 @@ def land_master(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
   u, p_land = land(p, t)
   t32 = widen(t)
   again = land(p_land, t)[1]
-  far = (widen(p_land) != t32) & (widen(again) != t32) & ~jnp.isnan(t32)
+  far = ((widen(p_land) != t32) & (widen(again) != t32) & ~jnp.isnan(t32)
+         & jnp.isfinite(widen(p)))
   u = jnp.where(far, -p, u)
   return u, (widen(p) + widen(u)).astype(p.dtype)
 

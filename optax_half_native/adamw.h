@@ -821,7 +821,7 @@ inline __attribute__((always_inline)) typename L::F adamw_math(
   const F m_hat = m32 * s.inv_bc1;
   const F v_hat = v32 * s.inv_bc2;
   F u = m_hat / (L::sqrt(v_hat) + s.eps);
-  u = u + s.weight_decay * x;
+  if (s.weight_decay != 0.0f) u = u + s.weight_decay * x;  // none at 0: an Inf x stays one
   u = -s.lr * u;
   if constexpr (SR) {  // rounding.round_moments: one word w, swap_halves(w) for nu
     // The element index is the random-bit counter, a uint32 (mod 2^32) as in
@@ -931,15 +931,22 @@ inline __attribute__((always_inline)) bool adamw_write(
         }
       }
       // Where p + u misses t and t is out of reach from where it lands too, u = -p: the
-      // param lands on 0, from which the next step reaches its target (rounding.land_master).
+      // param lands on 0, from which the next step reaches its target (rounding.land_master;
+      // a NaN t, or an Inf or NaN p, lands as land's). Rare: fixed up element by element.
       const auto u = update_to(t32);
+      put_out(u.first, t32);
       const F landed = L::widen(landing(u), P{});
       const F again = L::widen(L::to(landed + update_of<L>(t32 - landed, P{}).second, P{}), P{});
-      const F minus_p = L::floats(L::bits(pw) ^ 0x80000000u);
-      const F out = L::where_equal(landed, t32, u.second,
-                                   L::where_equal(again, t32, u.second,
-                                                  L::where_equal(t32, t32, minus_p, u.second)));
-      put_out(L::to(out, P{}), landed);
+      const F zero = L::floats(L::bits(t32) & 0u), one = L::floats(L::bits(zero) | 0x3F800000u);
+      const F finite = L::where_equal(pw - pw, zero, one, zero);  // p finite: -p lands on 0
+      const F far = L::where_equal(landed, t32, zero,
+                                   L::where_equal(again, t32, zero,
+                                                  L::where_equal(t32, t32, finite, zero)));
+      alignas(64) float lanes[L::kWidth];
+      L::put(lanes, 0, far);
+      for (int j = 0; j < L::kWidth; ++j) {
+        if (lanes[j] != 0.0f) p_out[i + j].bits = p[i + j].bits ^ 0x8000u;  // -p
+      }
     } else if constexpr (MODE == kSplit && !UPDATE) {
       // In place the param is the high half and the buffer the low half: the master exactly.
       L::split_put(reinterpret_cast<bf16*>(p_out), low, i, x_new);

@@ -5,9 +5,8 @@
 // optax_half_adamw (OhAdamw), the tree layout. Operands: scalars f32[12]
 // (oh::Scalars: lr, b1, b2, 1 - b1, 1 - b2, 1 / bc1, 1 / bc2, eps, wd,
 // grad_scale, clip_div, clip_mul), keys
-// u32[n, 3] (row k: leaf k's keys of the param and moments streams, and its
-// master mode's keep flag: nonzero keeps the master where the param is not its
-// rounding, oh::Tensor::keep), then
+// u32[n, 3] (row k: leaf k's keys of the param and moments streams, and in
+// the master mode its mark, MasterWeightsState.missed: set_keeps), then
 // p_0..p_{n-1}, g_0..g_{n-1}, mu_0.., nu_0.., buffer_0.. (a 0-element buffer
 // for modes without one). Results: p_out_0.. (new arrays, or aliased to p or
 // g by the caller), mu.., nu.., buffer.. (aliased to their operands: updated
@@ -221,6 +220,59 @@ ffi::DataType buffer_type(int mode, ffi::DataType p) {
   return mode == oh::kMaster ? ffi::DataType::F32 : mode == oh::kSplit ? ffi::DataType::S16 : p;
 }
 
+// compensation.landing_mark of the elements where a master mode's param p is
+// not its master's rounding (the read's check, compensation.kept), summed over
+// chunks on XLA's pool: wrapping uint32 sums, the same whatever the order.
+template <typename P>
+uint32_t off_mark(const oh::Tensor& t, const oh::ParallelFor& parallel) {
+  const P* p = reinterpret_cast<const P*>(t.p);
+  const float* master = reinterpret_cast<const float*>(t.buffer);
+  const int64_t n = t.numel;
+  const int64_t nchunks = std::max<int64_t>(1, (n + oh::kMinPerThread - 1) / oh::kMinPerThread);
+  std::vector<uint32_t> part(size_t(nchunks), 0u);
+  parallel(nchunks, [&](int64_t c) {
+    uint32_t sum = 0;
+    for (int64_t i = c * oh::kMinPerThread, e = std::min(n, i + oh::kMinPerThread); i < e; ++i) {
+      // IEEE: a NaN is off, -0 and +0 are not.
+      if (oh::Scalar::widen(oh::Scalar::to(master[i], P{}), P{}) != oh::Scalar::get(p, i)) {
+        const float pw = oh::Scalar::get(p, i);
+        const uint32_t bits = pw != pw ? 0xFFFFu : p[i].bits;  // every NaN alike
+        sum += oh::mix32(uint32_t(i) ^ oh::mix32(bits | 0x10000u));
+      }
+    }
+    part[size_t(c)] = sum;
+  });
+  uint32_t sum = 0;
+  for (uint32_t v : part) sum += v;
+  return sum;
+}
+
+// The master mode's keep flags: a leaf whose mark (keys column 2,
+// MasterWeightsState.missed) is nonzero keeps its master where the param is
+// not its rounding if those elements are exactly the marked ones.
+bool set_keeps(ffi::DataType param, oh::Tensor* ts, size_t n, const oh::ParallelFor& parallel) {
+  for (size_t k = 0; k < n; ++k) {
+    const uint32_t mark = ts[k].keep;
+    ts[k].keep = 0;
+    if (mark == 0) continue;
+    auto check = [&](auto tag) {
+      using P = decltype(tag);
+      if constexpr (std::is_same_v<P, float>) {
+        return false;
+      } else {
+        ts[k].keep = off_mark<P>(ts[k], parallel) == mark;
+        return true;
+      }
+    };
+    bool typed = with_type<bf16>(param, check);
+#if defined(OH_F16)
+    typed = typed || with_type<oh::f16>(param, check);
+#endif
+    if (!typed) return false;
+  }
+  return true;
+}
+
 void set_scalars(oh::Tensor& t, const ffi::Buffer<ffi::F32>& scalars, const uint32_t* key) {
   std::memcpy(&t.s, scalars.typed_data(), sizeof(oh::Scalars));
   t.key_p = key[0];
@@ -338,7 +390,11 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   }
   // Checked: the moments and the buffers into their results (in place when aliased).
   for (size_t j = 0; j < st.size(); ++j) same_or_copy(st[j], st_out[j]);
-  if (!dispatch(types, mode, sr, update, ts.data(), int(n), pool_parallel_for(pool, nthreads))) {
+  const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
+  if (mode == oh::kMaster && !set_keeps(types[0], ts.data(), n, parallel)) {
+    return invalid("the master mode takes bf16 or fp16 params");
+  }
+  if (!dispatch(types, mode, sr, update, ts.data(), int(n), parallel)) {
     return invalid("unsupported dtypes or mode");
   }
   return ffi::Error::Success();

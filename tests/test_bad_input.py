@@ -286,9 +286,11 @@ def test_mismatch_in_a_later_param_loads_nothing(name):
 
 
 def test_wrapper_inner_mismatch_leaves_the_wrapper_untouched():
-  """The wrapper's own buffers fit but the wrapped optimizer's state does not."""
+  """The wrapper's own buffers fit but the wrapped optimizer's state does not (groups of
+  its own, as a wrapper's state_dict held them before it saved them once)."""
   saved = _stepped(MAKERS["kahan_summation(Adam)"], steps=3).state_dict()
-  saved["inner"]["param_groups"].append(dict(saved["inner"]["param_groups"][0]))
+  assert "param_groups" not in saved["inner"]
+  saved["inner"]["param_groups"] = [dict(g) for g in saved["param_groups"]] * 2
   opt = _stepped(MAKERS["kahan_summation(Adam)"], steps=1)
   before = _snapshot(opt)
   with pytest.raises(ValueError, match="parameter groups"):  # torch.optim.Adam's own check

@@ -239,8 +239,19 @@ def test_train_state_equals_flax_train_state(name):
   assert jax.tree.structure(ours.params) == jax.tree.structure(ref.params)
   assert jax.tree.structure(ours.opt_state) == jax.tree.structure(ref.opt_state)
   assert int(ours.step) == STEPS
-  _same(ours.params, ref.params)
-  _same(ours.opt_state, ref.opt_state)
+  if name != "adam_fp32_master":
+    _same(ours.params, ref.params)
+    _same(ours.opt_state, ref.opt_state)
+    return
+  # A master's in-place step lands on its rounding; Flax's p + u may miss it where a weight
+  # jumps far (the master is kept, docs/algorithms.md#landing-exactly), and the gradients
+  # of that step's params differ: the runs part by about an update.
+  for p_ours, p_ref, m, m_ref in zip(*(_leaves(t) for t in (
+      ours.params, ref.params, ours.opt_state.master, ref.opt_state.master))):
+    assert bitwise_equal(p_ours, jnp.asarray(m).astype(p_ours.dtype))
+    np.testing.assert_allclose(np.asarray(m), np.asarray(m_ref), rtol=0, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(p_ours, np.float32), np.asarray(p_ref, np.float32),
+                               rtol=0, atol=1e-2)
 
 
 def test_train_state_overwrite_with_gradient():

@@ -271,12 +271,13 @@ def _jax_tree(arrays):
 
 
 def _jax_run(tx, case: Case, jit: bool, grad_scale: float = 1.0):
-  """``steps`` updates; returns (params, state, state after init)."""
+  """``steps`` in-place steps, as torch's (``tx.update`` + ``optax.apply_updates``'s bits,
+  but a master's params land on its rounding: tests/test_landing.py); returns (params,
+  state, state after init)."""
   params = _jax_tree(case.params)
 
   def step(p, s, g):
-    u, s = tx.update(g, s, p)
-    return optax.apply_updates(p, u), s
+    return oh.update_and_apply(tx, g, s, p)
 
   state = tx.init(params)
   init_state = state

@@ -257,7 +257,7 @@ def adamw_kernel(table_ptr, blocks_ptr, scalars_ptr, inv_scale_ptr, found_inf_pt
   m_hat = m32 * inv_bc1
   v_hat = v32 * inv_bc2
   u = tl.div_rn(m_hat, tl.sqrt_rn(v_hat) + eps)
-  u = u + weight_decay * x
+  u = tl.where(weight_decay != 0.0, u + weight_decay * x, u)  # none at 0 (an Inf x stays one)
   u = -lr * u
 
   counter = (offs + index0).to(tl.uint32)  # the random-bit counter, mod 2^32

@@ -124,7 +124,8 @@ def adamw_step(param, grad, mu, nu, buffer, scalars, keys,
     v_den = torch.maximum(held, v32)
   v_hat = v_den * inv_bc2
   u = m_hat / (rounding.sqrt(v_hat) + eps)
-  u = u + weight_decay * x
+  # No decay term at 0 (an Inf param stays one, as torch.optim.AdamW's): docs, AdamW core.
+  u = torch.where(torch.as_tensor(weight_decay == 0), u, u + weight_decay * x)
   u = -lr * u
   if compensation is None:  # a wide param (16-bit ones land through their compensation)
     param.add_(u)
