@@ -401,7 +401,9 @@ def test_jax_kernel_over_calls_of_many_leaves_equals_the_composed_transformation
 
   with monkeypatch.context() as m:
     m.setattr(jax_native, "available", lambda: False)
-    composed = {in_place: run(in_place) for in_place in (False, True)}
+    composed = {False: run(False)}
+    # The composed in-place step has tx.update's bits but for a master (split's).
+    composed[True] = run(True) if compensation == "split" else composed[False]
   for in_place in (False, True):
     _same_bits(run(in_place), composed[in_place], in_place)
 
