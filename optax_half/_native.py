@@ -109,7 +109,8 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
   """One call of ``target`` (``TARGET``: state arrays per leaf, ``FLAT_TARGET``: per field) over
   leaves sharing dtypes; ``states``: (mu, nu, buffer or None) lists. Returns the new params
   (mode ``"update"``: fp32 updates; 16-bit params: updates in their dtype, or with ``in_place``
-  the landed params in their buffers) and state (in place)."""
+  the landed params in their buffers), state (in place) and the master mode's new marks per
+  leaf (``MasterWeightsState.missed``: 0 in place)."""
   n = len(leaves)
   sr = rounding._stochastic_moments(states[0][0].dtype, states[1][0].dtype, state_rounding)
   states = [[jnp.asarray(_EMPTY) if x is None else x for x in field] for field in states]
@@ -125,15 +126,18 @@ def _call(target, mode: str, state_rounding: str, scalars, keys, leaves, grads, 
     elif g.dtype == out_dtype:
       # Into the gradient's buffer, not a fresh temporary (docs/algorithms.md#the-jax-entry).
       aliases[2 + n + k] = k
+  marked = mode == "master" and not in_place  # the update's marks, summed by the kernel
   results = ([jax.ShapeDtypeStruct(p.shape, out_dtype) for p in leaves]
-             + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_arrays])
+             + [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in state_arrays]
+             + ([jax.ShapeDtypeStruct((n,), jnp.uint32)] if marked else []))
   call = _ffi_call(target, results, input_output_aliases=aliases,
                           vmap_method="sequential")
   out = call(scalars, keys, *leaves, *grads, *state_arrays, mode=np.int32(native.MODES[mode]),
              sr=bool(sr), update=not in_place, nthreads=np.int32(native.cpus()))
   per_field = len(states[0])
   new_states = tuple(list(out[n + f * per_field:n + (f + 1) * per_field]) for f in range(3))
-  return list(out[:n]), new_states
+  marks = out[-1] if marked else jnp.zeros((n,), jnp.uint32)
+  return list(out[:n]), new_states, marks
 
 
 def all_finite(tree, inv_scale=None) -> jax.Array:
@@ -379,11 +383,6 @@ def _keys(compensation: Compensation, state, leaf, marks=None) -> jax.Array:
                                               leaf), marks], axis=-1)
 
 
-def _mark(in_place, p, out, master) -> jax.Array:
-  """A full master's new ``missed``: in place the params land on its rounding (0)."""
-  if in_place:
-    return jnp.zeros((), jnp.uint32)
-  return compensation_lib.missed_mark(p, out, master)
 
 
 def _stepped(compensation: Compensation, state, mu, nu, buffers):
@@ -406,27 +405,18 @@ def _flat_update(compensation, hyperparams, state_rounding, updates, state, para
   # Every leaf is a float leaf: its leaf index is its position.
   keys = _keys(compensation, state, jnp.arange(len(leaves), dtype=jnp.uint32), marks)
   scalars = _scalars(hyperparams, core.count, grad_scale, clip, grads[0].dtype)
-  p_out, new = _call(FLAT_TARGET, mode, state_rounding, scalars, keys,
-                     leaves, grads, states, in_place)
+  p_out, new, new_marks = _call(FLAT_TARGET, mode, state_rounding, scalars, keys,
+                                leaves, grads, states, in_place)
   result = jax.tree.unflatten(treedef, p_out)  # landed params, or updates in their dtype
   mu, nu, buffer = (None if f is None else _flat.Flat(dict(zip(f.arrays, x)))
                     for f, x in zip(flats, new))
   new_state = _stepped(compensation, state, mu, nu, buffer)
   if mode == "master":
-    marks = [_mark(in_place, p, u, m) for p, u, m in zip(leaves, p_out, _slices(new[2][0], leaves))]
-    new_state = new_state._replace(missed=jax.tree.unflatten(treedef, marks))
+    new_state = new_state._replace(missed=jax.tree.unflatten(treedef, list(new_marks)))
   elif hasattr(state, "missed"):  # a flat buffer's state keeps its per-leaf marks as they are
     new_state = new_state._replace(missed=state.missed)
   return result, new_state
 
-
-def _slices(flat, leaves) -> list:
-  """Leaf k's part of a flat array (``_flat``'s layout), shaped as leaf k."""
-  out, start = [], 0
-  for p in leaves:
-    out.append(jax.lax.slice(flat, (start,), (start + p.size,)).reshape(p.shape))
-    start += p.size
-  return out
 
 
 def _array(buffer):
@@ -472,8 +462,9 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
     # A master's marks: the kernel keeps it where the last update missed (and only there).
     marks = jnp.stack([buffers[k].missed for k in ks]) if mode == "master" else None
     keys = _keys(compensation, state, jnp.asarray([index[k] for k in ks], jnp.uint32), marks)
-    p_out, (m, v, b) = _call(TARGET, mode, state_rounding, scalars, keys, pick(leaves),
-                             pick(grads), states, in_place and mode != "update")
+    p_out, (m, v, b), new_marks = _call(TARGET, mode, state_rounding, scalars, keys,
+                                        pick(leaves), pick(grads), states,
+                                        in_place and mode != "update")
     for j, k in enumerate(ks):
       p = leaves[k]
       if mode == "update":  # p_out is the fp32 update; in place, what apply_updates does
@@ -482,7 +473,7 @@ def _native_update(compensation, hyperparams, state_rounding, updates, state, pa
         out[k] = p_out[j]
       new_mu[k], new_nu[k] = m[j], v[j]
       if mode == "master":
-        new_buffers[k] = compensation_lib.MasterBuffer(b[j], _mark(in_place, p, p_out[j], b[j]))
+        new_buffers[k] = compensation_lib.MasterBuffer(b[j], new_marks[j])
       elif has_buffer:
         new_buffers[k] = b[j]
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731

@@ -228,15 +228,14 @@ def kept(p, master, missed) -> jax.Array:
   """Whether ``master`` is kept where ``p`` is not its rounding: the elements that are not
   are exactly those the last update missed, by their mark ``missed`` (nonzero), so nothing
   was written into ``p`` from outside since (docs/algorithms.md#landing-exactly)."""
-  off = rounding.widen(master.astype(p.dtype)) != rounding.widen(p)
-  return jnp.logical_and(missed != 0, landing_mark(p, off) == missed)
+  return jnp.logical_and(missed != 0, landing_mark(p, _differ(master.astype(p.dtype), p))
+                         == missed)
 
 
-def missed_mark(p, u, master) -> jax.Array:
-  """``landing_mark`` of where ``p + u`` lands off ``master``'s rounding."""
-  p_land = (rounding.widen(p) + rounding.widen(u)).astype(p.dtype)
-  return landing_mark(p_land, rounding.widen(p_land)
-                      != rounding.widen(master.astype(p.dtype)))
+def _differ(a, b) -> jax.Array:
+  """Where two 16-bit arrays hold other values (-0 and +0 alike, a NaN like any NaN)."""
+  a, b = rounding.widen(a), rounding.widen(b)
+  return (a != b) & ~(jnp.isnan(a) & jnp.isnan(b))
 
 
 class _Master(_MasterState):
@@ -259,8 +258,7 @@ class _Master(_MasterState):
     # The master is x_new, never rounded; the elements where p + u misses its rounding are
     # marked, and the next step keeps the master there.
     u, p_land = rounding.land_master(p, target)
-    missed = rounding.widen(p_land) != rounding.widen(target)
-    return u, p_land, MasterBuffer(x_new, landing_mark(p_land, missed))
+    return u, p_land, MasterBuffer(x_new, landing_mark(p_land, _differ(p_land, target)))
 
 
 class _Split(_MasterState):

@@ -156,7 +156,8 @@ TENSOR_DTYPE = np.dtype([
     ("numel", np.int64), ("p", np.uint64), ("p_out", np.uint64), ("g", np.uint64),
     ("mu", np.uint64),
     ("nu", np.uint64), ("buffer", np.uint64), ("scalars", np.float32, (len(ADAMW_SCALARS),)),
-    ("keys", np.uint32, (2,)), ("keep", np.uint32), ("index", np.uint64)], align=True)
+    ("keys", np.uint32, (2,)), ("keep", np.uint32), ("index", np.uint64), ("marks", np.uint64)],
+    align=True)
 
 # The C struct `oh::ScaledAdamTensor` of scaled_adam.h, field for field; the
 # scalars are oh::ScaledAdamScalars, in SCALED_ADAM_SCALARS's order.

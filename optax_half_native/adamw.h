@@ -197,6 +197,7 @@ struct Scalar {
   template <typename T> static F widen(T v, T) { return oh::widen(v); }  // a rounded value of T
   static F join_at(const bf16* hi, const int16_t* lo, int64_t i) { return join(hi[i], lo[i]); }
   static F sqrt(F x) { return std::sqrt(x); }
+  static bool any_bits(F x) { return as_u32(x) != 0; }  // whether a lane has a bit set
   // x where a == b (IEEE: false for a NaN, true for -0 == +0), else y.
   static F where_equal(F a, F b, F x, F y) { return a == b ? x : y; }
   static U counter(uint64_t first) { return uint32_t(first); }
@@ -266,6 +267,7 @@ struct Lanes16 {
     return floats((widen16(load16(hi, i)) << 16) + l);
   }
   static F sqrt(F x) { return _mm512_sqrt_ps(x); }
+  static bool any_bits(F x) { return _mm512_test_epi32_mask((__m512i)x, (__m512i)x) != 0; }
   static F where_equal(F a, F b, F x, F y) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ), y, x);
   }
@@ -432,6 +434,7 @@ struct Lanes8 {
     return floats((widen16(load8(hi, i)) << 16) + l);
   }
   static F sqrt(F x) { return _mm256_sqrt_ps(x); }
+  static bool any_bits(F x) { return !_mm256_testz_si256((__m256i)x, (__m256i)x); }
   static F where_equal(F a, F b, F x, F y) {
     return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_EQ_OQ));
   }
@@ -608,6 +611,9 @@ struct Pairs8 {
     return floats(high_halves(load16(hi, i)) + low);
   }
   static F sqrt(F x) { return {_mm256_sqrt_ps(x.e), _mm256_sqrt_ps(x.o)}; }
+  static bool any_bits(F x) {
+    return Lanes8::any_bits((__m256)x.e) || Lanes8::any_bits((__m256)x.o);
+  }
   static F where_equal(F a, F b, F x, F y) {
     return {Lanes8::where_equal(a.e, b.e, x.e, y.e), Lanes8::where_equal(a.o, b.o, x.o, y.o)};
   }
@@ -873,7 +879,7 @@ inline auto update_of(typename L::F d, P) {
 template <typename L, typename P, int MODE, bool UPDATE = false, bool CHECK = false>
 inline __attribute__((always_inline)) bool adamw_write(
     int64_t i, uint64_t index0, const P* p, P* p_out, typename L::F y, float* __restrict master,
-    int16_t* __restrict low, P* __restrict comp, uint32_t key_p) {
+    int16_t* __restrict low, P* __restrict comp, uint32_t key_p, uint32_t* mark = nullptr) {
   using F = typename L::F;
   if constexpr (MODE == kDirect) {
     L::put(p_out, i, L::to(L::get(p, i) + y, P{}));
@@ -920,7 +926,7 @@ inline __attribute__((always_inline)) bool adamw_write(
       L::put(master, i, x_new);
     } else if constexpr (MODE == kMaster) {
       // u towards the master's rounding t; the master x_new, never rounded (where p + u
-      // misses, the caller marks it: compensation.missed_mark).
+      // misses, it is marked: the mark's sum, below).
       L::put(master, i, x_new);
       const auto t = L::to(x_new, P{});
       const F t32 = L::widen(t, P{});
@@ -935,17 +941,28 @@ inline __attribute__((always_inline)) bool adamw_write(
       // a NaN t, or an Inf or NaN p, lands as land's). Rare: fixed up element by element.
       const auto u = update_to(t32);
       put_out(u.first, t32);
-      const F landed = L::widen(landing(u), P{});
-      const F again = L::widen(L::to(landed + update_of<L>(t32 - landed, P{}).second, P{}), P{});
+      const auto landed16 = landing(u);
       const F zero = L::floats(L::bits(t32) & 0u), one = L::floats(L::bits(zero) | 0x3F800000u);
-      const F finite = L::where_equal(pw - pw, zero, one, zero);  // p finite: -p lands on 0
-      const F far = L::where_equal(landed, t32, zero,
-                                   L::where_equal(again, t32, zero,
-                                                  L::where_equal(t32, t32, finite, zero)));
-      alignas(64) float lanes[L::kWidth];
-      L::put(lanes, 0, far);
-      for (int j = 0; j < L::kWidth; ++j) {
-        if (lanes[j] != 0.0f) p_out[i + j].bits = p[i + j].bits ^ 0x8000u;  // -p
+      const F off = L::where_equal(L::widen(landed16, P{}), t32, zero, one);
+      if (__builtin_expect(L::any_bits(off), 0)) {  // rare: element by element
+        alignas(64) float missed[L::kWidth], targets[L::kWidth];
+        L::put(missed, 0, off);
+        alignas(64) P lands[L::kWidth];
+        L::put(targets, 0, t32);
+        L::put(lands, 0, landed16);
+        for (int j = 0; j < L::kWidth; ++j) {
+          if (missed[j] == 0.0f) continue;
+          const float tj = targets[j], lj = widen(lands[j]), pj = widen(p[i + j]);
+          const float again = widen(Scalar::to(lj + update_of<Scalar>(tj - lj, P{}).second, P{}));
+          const bool to_zero = again != tj && tj == tj && pj - pj == 0.0f;
+          if (to_zero) p_out[i + j].bits = p[i + j].bits ^ 0x8000u;  // -p: lands on +0
+          // The mark of where p + u misses t (compensation.landing_mark; every NaN alike).
+          const float at = to_zero ? 0.0f : lj;
+          if (mark != nullptr && at != tj && !(at != at && tj != tj)) {  // NaN: like any NaN
+            const uint32_t bits = at != at ? 0xFFFFu : to_zero ? 0u : lands[j].bits;
+            *mark += mix32(uint32_t(index0 + uint64_t(i + j)) ^ mix32(bits | 0x10000u));
+          }
+        }
       }
     } else if constexpr (MODE == kSplit && !UPDATE) {
       // In place the param is the high half and the buffer the low half: the master exactly.
@@ -1020,7 +1037,9 @@ template <typename P, typename G, typename M, typename V, int MODE, bool SR, int
           bool UPDATE = false>
 void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_out, const G* g,
                  M* __restrict mu, V* __restrict nu, void* buffer, const Scalars& scalars,
-                 uint32_t key_p, uint32_t key_m, bool keep = false) {
+                 uint32_t key_p, uint32_t key_m, bool keep = false, uint32_t* marks = nullptr) {
+  uint32_t mark_sum = 0;  // the mark of this range's misses (kMaster update), added to *marks
+  uint32_t* const mark = (MODE == kMaster && UPDATE && marks != nullptr) ? &mark_sum : nullptr;
   float* master = static_cast<float*>(buffer);
   int16_t* low = static_cast<int16_t*>(buffer);
   P* comp = static_cast<P*>(buffer);
@@ -1049,7 +1068,7 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
       const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
           i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low,
           comp, s, key_m, keep);
-      adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p);
+      adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p, mark);
       ++i;
     }
   }
@@ -1060,7 +1079,7 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     int misses = 0;
     const auto write = [&](int64_t j, F y) __attribute__((always_inline)) {
       misses += adamw_write<L, P, MODE, UPDATE, decltype(check)::value>(
-          j, index0, p, p_out, y, master, low, comp, key_p);
+          j, index0, p, p_out, y, master, low, comp, key_p, mark);
     };
     if constexpr (L::kThreeStages) {
       if (i + 2 * W <= stop) {
@@ -1124,8 +1143,9 @@ void adamw_range(int64_t begin, int64_t end, uint64_t index0, const P* p, P* p_o
     const float y = adamw_math<Scalar, P, M, V, MODE, SR>(
         i, index0, p, read_grad<Scalar, G, READ>(g, i, s, clip_recip), mu, nu, master, low, comp,
         s, key_m, keep);
-    adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p);
+    adamw_write<Scalar, P, MODE, UPDATE>(i, index0, p, p_out, y, master, low, comp, key_p, mark);
   }
+  if (mark != nullptr && mark_sum != 0) __atomic_fetch_add(marks, mark_sum, __ATOMIC_RELAXED);
 }
 
 // Whether fl(widen(g[i]) * scale) is finite for every i in [begin, end): the

@@ -10,7 +10,8 @@
 // p_0..p_{n-1}, g_0..g_{n-1}, mu_0.., nu_0.., buffer_0.. (a 0-element buffer
 // for modes without one). Results: p_out_0.. (new arrays, or aliased to p or
 // g by the caller), mu.., nu.., buffer.. (aliased to their operands: updated
-// in place). optax_half_adamw_flat (OhAdamwFlat), the flat state
+// in place), and for a master's update the new marks u32[n] (oh::Tensor::marks).
+// optax_half_adamw_flat (OhAdamwFlat), the flat state
 // (flat_state=True): the same with one mu, one nu and one buffer holding all
 // leaves, leaf k's elements at the sum of the sizes of leaves 0..k-1.
 // Attributes: mode (oh::Mode; kUpdate for fp32 params: p_out is the update),
@@ -223,8 +224,20 @@ ffi::DataType buffer_type(int mode, ffi::DataType p) {
 // compensation.landing_mark of the elements where a master mode's param p is
 // not its master's rounding (the read's check, compensation.kept), summed over
 // chunks on XLA's pool: wrapping uint32 sums, the same whatever the order.
+// The read's lanes: the kernel's (adamw_range's choice).
+#if defined(OH_LANES16)
+template <typename P> using MarkLanes = oh::Lanes16;
+#elif defined(OH_LANES8)
+template <typename P>
+using MarkLanes = std::conditional_t<std::is_same_v<P, bf16>, oh::Pairs8, oh::Lanes8>;
+#else
+template <typename P> using MarkLanes = oh::Scalar;
+#endif
+
 template <typename P>
 uint32_t off_mark(const oh::Tensor& t, const oh::ParallelFor& parallel) {
+  using L = MarkLanes<P>;
+  using F = typename L::F;
   const P* p = reinterpret_cast<const P*>(t.p);
   const float* master = reinterpret_cast<const float*>(t.buffer);
   const int64_t n = t.numel;
@@ -232,13 +245,32 @@ uint32_t off_mark(const oh::Tensor& t, const oh::ParallelFor& parallel) {
   std::vector<uint32_t> part(size_t(nchunks), 0u);
   parallel(nchunks, [&](int64_t c) {
     uint32_t sum = 0;
-    for (int64_t i = c * oh::kMinPerThread, e = std::min(n, i + oh::kMinPerThread); i < e; ++i) {
-      // IEEE: a NaN is off, -0 and +0 are not.
-      if (oh::Scalar::widen(oh::Scalar::to(master[i], P{}), P{}) != oh::Scalar::get(p, i)) {
-        const float pw = oh::Scalar::get(p, i);
-        const uint32_t bits = pw != pw ? 0xFFFFu : p[i].bits;  // every NaN alike
-        sum += oh::mix32(uint32_t(i) ^ oh::mix32(bits | 0x10000u));
+    // Other values: -0 and +0 alike, a NaN like any NaN (compensation._differ); every NaN
+    // hashes alike.
+    const auto add = [&](int64_t i) {
+      const float pw = oh::Scalar::get(p, i);
+      const float t = oh::Scalar::widen(oh::Scalar::to(master[i], P{}), P{});
+      if (pw != pw && t != t) return;
+      const uint32_t bits = pw != pw ? 0xFFFFu : p[i].bits;
+      sum += oh::mix32(uint32_t(i) ^ oh::mix32(bits | 0x10000u));
+    };
+    int64_t i = c * oh::kMinPerThread;
+    const int64_t e = std::min(n, i + oh::kMinPerThread);
+    // Whole blocks in the kernel's lanes (its rounding's bits); the rare off lanes hashed.
+    for (; i + L::kWidth <= e; i += L::kWidth) {
+      const F pw = L::get(p, i);
+      const F zero = L::floats(L::bits(pw) & 0u), one = L::floats(L::bits(zero) | 0x3F800000u);
+      const F off = L::where_equal(L::widen(L::to(L::get(master, i), P{}), P{}), pw, zero, one);
+      if (__builtin_expect(L::any_bits(off), 0)) {
+        alignas(64) float lanes[L::kWidth];
+        L::put(lanes, 0, off);
+        for (int j = 0; j < L::kWidth; ++j) {
+          if (lanes[j] != 0.0f) add(i + j);
+        }
       }
+    }
+    for (; i < e; ++i) {
+      if (oh::Scalar::widen(oh::Scalar::to(master[i], P{}), P{}) != oh::Scalar::get(p, i)) add(i);
     }
     part[size_t(c)] = sum;
   });
@@ -299,9 +331,11 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
                    "] (oh::Scalars) and keys u32[n, 3] with n >= 1");
   }
   const size_t n = keys.element_count() / 3;
-  // Per field (mu, nu, buffer): 1 array (flat) or n (per leaf).
+  // Per field (mu, nu, buffer): 1 array (flat) or n (per leaf). A master's update also
+  // returns each leaf's mark (u32[n], last).
   const size_t per_field = kFlat ? 1 : n;
-  if (args.size() != 2 * n + 3 * per_field || rets.size() != n + 3 * per_field) {
+  const bool marked = mode == oh::kMaster && update;
+  if (args.size() != 2 * n + 3 * per_field || rets.size() != n + 3 * per_field + marked) {
     return invalid(kFlat ? "operands p..., g..., mu, nu, buffer; results p_out..., mu, nu, buffer"
                          : "operands p..., g..., mu..., nu..., buffer...; results p_out..., "
                            "mu..., nu..., buffer...");
@@ -390,6 +424,18 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   }
   // Checked: the moments and the buffers into their results (in place when aliased).
   for (size_t j = 0; j < st.size(); ++j) same_or_copy(st[j], st_out[j]);
+  if (marked) {  // summed into by the step's threads
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> r = rets.get<ffi::AnyBuffer>(n + 3 * per_field);
+    if (r.has_error()) return r.error();
+    if ((*r)->element_type() != ffi::DataType::U32 || (*r)->element_count() != n) {
+      return invalid("a master's update returns the marks u32[n] last");
+    }
+    uint32_t* marks = static_cast<uint32_t*>((*r)->untyped_data());
+    for (size_t k = 0; k < n; ++k) {
+      marks[k] = 0;
+      ts[k].marks = reinterpret_cast<uint64_t>(&marks[k]);
+    }
+  }
   const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
   if (mode == oh::kMaster && !set_keeps(types[0], ts.data(), n, parallel)) {
     return invalid("the master mode takes bf16 or fp16 params");

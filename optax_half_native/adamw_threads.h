@@ -23,6 +23,7 @@ struct Tensor {
   uint32_t key_p, key_m;                 // rounding.leaf_key(seed, step, stream, leaf), streams 0, 1
   uint32_t keep;                         // kMaster: nonzero keeps the master where p is not its rounding
   uint64_t index;                        // random-bit counter of element 0 (a shard's offset)
+  uint64_t marks;                        // kMaster update: a uint32 the mark of p + u's misses adds to (0: none)
 };
 
 // The layout of Tensor, which optax_half_native checks TENSOR_DTYPE against
@@ -45,7 +46,7 @@ extern "C" int oh_tensor_field_offset(int k) {
                             offsetof(Tensor, mu), offsetof(Tensor, nu),
                             offsetof(Tensor, buffer), offsetof(Tensor, s),
                             offsetof(Tensor, key_p), offsetof(Tensor, keep),
-                            offsetof(Tensor, index)};
+                            offsetof(Tensor, index), offsetof(Tensor, marks)};
   return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
 }
 #endif
@@ -96,7 +97,8 @@ void step_span(const Tensor* ts, int n, int64_t lo, int64_t hi) {
             b - start, e - start, t.index, reinterpret_cast<const P*>(t.p),
             reinterpret_cast<P*>(t.p_out), reinterpret_cast<const G*>(t.g),
             reinterpret_cast<M*>(t.mu), reinterpret_cast<V*>(t.nu),
-            reinterpret_cast<void*>(t.buffer), t.s, t.key_p, t.key_m, t.keep != 0);
+            reinterpret_cast<void*>(t.buffer), t.s, t.key_p, t.key_m, t.keep != 0,
+            reinterpret_cast<uint32_t*>(t.marks));
       };
       // Only the reads clip_read can pick are compiled for G.
       const GradRead read = kClipRead ? clip_read<G>(t.s) : kPlain;
