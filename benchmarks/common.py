@@ -220,7 +220,7 @@ def report(title: str, runs: dict, reference: str, n_params: int, bandwidth: dic
   for name, r in runs.items():
     ms = median_ms(r["times"])
     gbs = r["moved_per_param"] * n_params / (ms * 1e-3) / 1e9
-    row = dict(ms=ms, speed_vs_ref=ref / ms, bytes_per_param=r["bytes_per_param"],
+    row = dict(ms=ms, speed_vs_ref=ref / ms, ratio=ref / ms, bytes_per_param=r["bytes_per_param"],
                moved_bytes_per_param=r["moved_per_param"], gb_per_s=gbs,
                fraction_of_bandwidth=gbs / best_bw, setup_s=r["setup_s"],
                times_ms=[t * 1e3 for t in r["times"]], **r.get("extra", {}))

@@ -25,6 +25,7 @@ import argparse
 import json
 import time
 
+import numpy as np
 import torch
 
 import optax_half_native as native
@@ -84,6 +85,31 @@ def waiter(device: torch.device):
   if device.type == "cuda":
     return lambda: torch.cuda.synchronize(device)
   return lambda: None
+
+
+def split_times(opt, device: torch.device, steps: int = 20) -> dict:
+  """On CUDA, what a training step pays, apart: ``host_ms``, the median wall
+  time of ``opt.step()`` returning without waiting for the device, and
+  ``device_ms``, CUDA events around ``steps`` steps queued back to back
+  (the device's time per step while the host is ahead of it;
+  ``host_bound`` says where it was not)."""
+  torch.cuda.synchronize(device)
+  host = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    opt.step()
+    host.append(time.perf_counter() - start)
+  torch.cuda.synchronize(device)
+  first, last = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+  first.record()
+  for _ in range(steps):
+    opt.step()
+  last.record()
+  torch.cuda.synchronize(device)
+  device_ms = first.elapsed_time(last) / steps
+  host_ms = float(np.median(host)) * 1e3
+  return dict(host_ms=host_ms, device_ms=device_ms, host_bound=host_ms >= device_ms,
+              device_timing="CUDA events around back-to-back steps")
 
 
 def bandwidth(device: torch.device) -> dict:
@@ -221,6 +247,13 @@ def main(argv=None):
       run["opt"].step()
       wait()
       run["times"].append(time.perf_counter() - start)
+  if device.type == "cuda":
+    for run in runs.values():
+      run["extra"] = split_times(run["opt"], device)
+    ref_device = runs["torch AdamW fused fp32 (reference)"]["extra"]["device_ms"]
+    for name, run in runs.items():
+      run["extra"].update(name=name, tree=tree_name,
+                          device_ratio=ref_device / run["extra"]["device_ms"])
   where = (torch.cuda.get_device_name(device) if device.type == "cuda"
            else f"{torch.get_num_threads()} threads")
   memory = {}
@@ -237,6 +270,12 @@ def main(argv=None):
                  heap_malloc=heap_malloc, settle_ms=args.settle_ms, gc=args.gc,
                  memory_bytes_per_param=memory),
       kernel_library=native.library() if device.type == "cpu" else None)
+  if device.type == "cuda":
+    print(f"{'what a step pays (CUDA)':48s} {'device ms':>9s} {'vs ref':>7s} {'host ms':>8s}")
+    for name, run in runs.items():
+      e = run["extra"]
+      print(f"{name:48s} {e['device_ms']:9.3f} {e['device_ratio']:6.2f}x {e['host_ms']:8.3f}"
+            f"{'  (host-bound)' if e['host_bound'] else ''}")
   if memory:
     common.print_memory(memory)
   return out

@@ -299,9 +299,10 @@ def test_parity_harness_on_gpu(config):
 
 
 # ----------------------------------------------------------------------------
-# The multi-tensor Triton step (torch_bridge._triton, opt-in) compiled for CUDA.
-# On CPU tests/test_triton.py runs it in Triton's interpreter; here it must
-# give the CPU's eager bits too, in one launch a step, with no sync.
+# The multi-tensor Triton step (torch_bridge._triton, the CUDA default) compiled
+# for CUDA. On CPU tests/test_triton.py runs it in Triton's interpreter; here it
+# must give the CPU's eager bits too, in one plan a step, with no sync, and
+# replay inside a CUDA graph.
 # ----------------------------------------------------------------------------
 
 try:
@@ -342,9 +343,9 @@ def test_triton_rounding_on_cuda_equals_torch_cpu():
 def test_triton_step_on_cuda_equals_cpu(name, monkeypatch):
   from torch_bridge import _triton
   launches = []
-  step_group = _triton.step_group
-  monkeypatch.setattr(_triton, "step_group",
-                      lambda ps, *a, **k: launches.append(len(ps)) or step_group(ps, *a, **k))
+  run = _triton.Plan.run
+  monkeypatch.setattr(_triton.Plan, "run",
+                      lambda self, *a, **k: launches.append(self.n) or run(self, *a, **k))
   gpu, gpu_state, syncs = _run_torch(_triton_opt(TORCH_CASES[name]), torch.device("cuda"))
   cpu, cpu_state, _ = _run_torch(TORCH_CASES[name], torch.device("cpu"), False)
   worst = max(_ulp(a, b) for a, b in zip(gpu, cpu))
@@ -369,15 +370,18 @@ def test_triton_found_inf_and_inv_scale_on_cuda():
                  torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16),
                  torch.zeros(n, dtype=torch.bfloat16)])
   cuda = [[t.cuda() for t in r] for r in rows]
-  scalars = opt._scalars(opt.param_groups[0], 1, 1e-2, torch.device("cuda"), {})
+  hyper = dict(lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.1)
+  steps = [torch.zeros((), dtype=torch.int64, device="cuda") for _ in rows]
   before = [[t.clone() for t in r] for r in cuda]
-  _triton.step_group(*zip(*cuda), scalars, mode="kahan", state_rounding="stochastic",
+  _triton.step_group(*zip(*cuda), steps, **hyper, mode="kahan", state_rounding="stochastic",
                      found_inf=torch.ones((), device="cuda"),
                      inv_scale=torch.full((), 2.0**-6, device="cuda"))
   assert all(torch.equal(a, b) for ra, rb in zip(cuda, before) for a, b in zip(ra, rb))
-  _triton.step_group(*zip(*cuda), scalars, mode="kahan", state_rounding="stochastic",
+  assert [int(s) for s in steps] == [0] * len(rows)
+  _triton.step_group(*zip(*cuda), steps, **hyper, mode="kahan", state_rounding="stochastic",
                      found_inf=torch.zeros((), device="cuda"),
                      inv_scale=torch.full((), 2.0**-6, device="cuda"))
+  assert [int(s) for s in steps] == [1] * len(rows)
   cpu_scalars = opt._scalars(opt.param_groups[0], 1, 1e-2, torch.device("cpu"), {})
   comp = tb.compensation.COMPENSATIONS["kahan"]
   for leaf, (p, g, mu, nu, c) in enumerate(rows):
@@ -386,3 +390,51 @@ def test_triton_found_inf_and_inv_scale_on_cuda():
   for ra, rb in zip(cuda, rows):
     for a, b in zip(ra, rb):
       assert torch.equal(a.cpu().view(torch.int16), b.view(torch.int16))
+
+
+@triton_cuda
+def test_triton_step_captured_in_a_cuda_graph():
+  """``opt.step()`` on CUDA (the Triton plans' replay: no sync, no
+  allocation, the step counts on the device) captured in a CUDA graph; its
+  replays equal as many eager CPU steps bit for bit (a tensor lr, which a
+  captured step reads on the device, as torch's capturable AdamW)."""
+  shapes = [(96, 64), (64,), (4099,), (1,)]
+  gen = torch.Generator().manual_seed(0)
+  init = [torch.randn(s, generator=gen).to(torch.bfloat16) for s in shapes]
+  grads = [[(torch.randn(s, generator=gen) * 0.1).to(torch.bfloat16) for s in shapes]
+           for _ in range(6)]
+
+  cpu = [p.clone().requires_grad_() for p in init]
+  ref = tb.adamw_bf16(cpu, lr=torch.tensor(1e-2), weight_decay=0.1, fused=False)
+  for step_grads in grads:
+    for p, g in zip(cpu, step_grads):
+      p.grad = g.clone()
+    ref.step()
+
+  params = [p.cuda().requires_grad_() for p in init]
+  opt = tb.adamw_bf16(params, lr=torch.tensor(1e-2, device="cuda"), weight_decay=0.1)
+  for p, g in zip(params, grads[0]):
+    p.grad = g.cuda()
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(side):  # warm-up: the plans made, then replayed once
+    opt.step()
+    for p, g in zip(params, grads[1]):
+      p.grad.copy_(g)
+    opt.step()
+  torch.cuda.current_stream().wait_stream(side)
+  assert opt._replay is not None
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.graph(graph):
+    opt.step()
+  for step_grads in grads[2:]:
+    for p, g in zip(params, step_grads):
+      p.grad.copy_(g)
+    graph.replay()
+  torch.cuda.synchronize()
+  for p, q in zip(params, cpu):
+    assert torch.equal(p.detach().cpu().view(torch.int16), q.detach().view(torch.int16))
+  for p, q in zip(params, cpu):
+    for k, v in ref.state[q].items():
+      got = opt.state[p][k].cpu()
+      assert torch.equal(got.view(-1).view(torch.uint8), v.view(-1).view(torch.uint8)), k

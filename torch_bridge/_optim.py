@@ -711,6 +711,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     state.pop("_grads_checked_finite", None)
     state.pop("_grouped_cache", None)  # LowPrecisionAdamW's device-side index cache
     state.pop("_state_fits", None)  # and its marks of checked states (made again)
+    state.pop("_replay", None)  # and its Triton plans (they point at this one's tensors)
     return state
 
   def __setstate__(self, state: dict) -> None:

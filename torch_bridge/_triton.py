@@ -1,17 +1,21 @@
 """A multi-tensor Triton AdamW step: many tensors in one launch, the eager step's bits.
 
-``step_group`` steps a group of tensors of one configuration (mode, dtypes,
-step count, scalars) with one kernel launch, as torch's ``_fused_adamw`` and
-apex's ``multi_tensor_apply`` do: a table of the tensors' data pointers,
-sizes, random-bit offsets and leaves (int64), and a map from each program to
-(tensor, block). The fp32 scalars, GradScaler's ``inv_scale`` and
-``found_inf`` and a tensor ``lr`` are read on the device (no host sync).
-Every element gets the bits of ``adam.adamw_step`` (``fused=False``):
-the kernels round with integer bit operations, and launch without FMA
-contraction (``_triton_kernels``). Runs on CUDA tensors, or on CPU tensors
-under Triton's interpreter (``TRITON_INTERPRET=1``, which the CPU tests
-use). Not the CUDA default yet: it has not been measured on a GPU
-(docs/algorithms.md#triton-multi-tensor-step).
+A ``Plan`` steps a group of tensors of one configuration (mode, dtypes,
+maximize) with one kernel launch (two where some tensor is not 16-byte
+aligned), as torch's ``_fused_adamw`` and apex's ``multi_tensor_apply`` do: a
+table of the tensors' addresses, sizes, random-bit offsets, leaves and step
+counts (int64), and a map from each program to (tensor, first element). It
+is built once and run every step: the kernel reads each tensor's int64 step
+count on the device and makes the bias corrections and random-bit keys from
+it, a second small launch advances the counts, and lr, betas, eps and weight
+decay go in as kernel arguments (or lr as a device tensor), so a step
+allocates nothing and reads nothing back. GradScaler's ``inv_scale`` and
+``found_inf`` are read on the device. Every element gets the bits of
+``adam.adamw_step`` (``fused=False``): the kernels round with integer bit
+operations and launch without FMA contraction (``_triton_kernels``). Runs
+on CUDA tensors, or on CPU tensors under Triton's interpreter
+(``TRITON_INTERPRET=1``, which the CPU tests use).
+Spec: docs/algorithms.md#triton-multi-tensor-step.
 """
 
 from __future__ import annotations
@@ -28,13 +32,15 @@ import torch
 import optax_half_native as native_lib
 from torch_bridge import rounding
 
-__all__ = ["available", "interpreting", "supports", "step_group", "round_bits", "Batch", "BLOCK"]
+__all__ = ["available", "interpreting", "supports", "step_group", "round_bits", "Plan", "Batch",
+           "CHUNK", "block_of"]
 
-BLOCK = 1024  # elements per program
+CHUNK = 4096  # elements per program (its blocks one after another)
 _KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_ROW = 8  # int64 columns of the table: p, g, mu, nu, buffer, numel, index0, leaf
-_CACHE = 256  # tables kept on the device (least recently used out)
-_N_SCALARS = 9
+_BUFFER_KIND = {**_KIND, torch.int16: 1}  # split's int16 low half: 16-bit storage
+_ROW = 9  # int64 columns of the table: p, g, mu, nu, buffer, numel, index0, leaf, step
+_ALIGN = 16  # bytes: full blocks of aligned tensors move 16 bytes per access
+_MAX_NUMEL = 2**31 - CHUNK  # the kernel's in-tensor offsets are int32
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,8 +104,8 @@ def round_bits(x: torch.Tensor, dtype: torch.dtype, words: Optional[torch.Tensor
     raise ValueError("words must be a contiguous int32 tensor of x's shape and device.")
   n = x.numel()
   if n:
-    _launch(k.round_kernel, (triton_cdiv(n, BLOCK),), x, out, n, _KIND[dtype],
-            words is not None, x if words is None else words, BLOCK)
+    _launch(k.round_kernel, (triton_cdiv(n, 1024),), x, out, n, _KIND[dtype],
+            words is not None, x if words is None else words, 1024)
   return out.view(dtype)
 
 
@@ -172,6 +178,15 @@ def _check(params, grads, mus, nus, buffers, mode: str) -> tuple:
   return dtypes
 
 
+def _check_steps(steps, device) -> None:
+  for i, t in enumerate(steps):
+    if not (torch.is_tensor(t) and t.dtype == torch.int64 and t.numel() == 1
+            and t.device == device):
+      raise ValueError(f"tensor {i}: its step count must be a one-element int64 tensor on "
+                       f"{device} (the kernel reads and advances it there); got "
+                       f"{type(t).__name__ if not torch.is_tensor(t) else (t.dtype, t.device)}.")
+
+
 def _to_device(values: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
   host = torch.from_numpy(np.ascontiguousarray(values)).to(dtype)
   if device.type == "cuda":  # from pinned memory, without blocking the host
@@ -179,40 +194,108 @@ def _to_device(values: np.ndarray, dtype: torch.dtype, device) -> torch.Tensor:
   return host.to(device)
 
 
-_tables: collections.OrderedDict = collections.OrderedDict()
+def block_of(config: dict) -> int:
+  """Elements per block of a kernel configuration: 8 per thread (16-byte
+  accesses of 16-bit tensors), 4 where that would take more than 96
+  registers (fp16 moments rounded stochastically, an fp16 param's master,
+  tensors not aligned): ``benchmarks.gpu_static`` reports them."""
+  heavy = ((config["SR_MOMENTS"] and 2 in (config["M"], config["V"]))
+           or (config["P"] == 2 and config["MODE"] == native_lib.MODES["master"]))
+  return 512 if heavy or not config["ALIGNED"] else 1024
 
 
-def _table(device, rows: tuple):
-  """The group's table and block map on the device (cached by their contents)."""
-  key = (device, rows)
-  if key in _tables:
-    _tables.move_to_end(key)
-    return _tables[key]
-  table = np.array(rows, dtype=np.int64).reshape(-1, _ROW)
-  blocks = [(t, b) for t, numel in enumerate(table[:, 5]) for b in range(triton_cdiv(int(numel), BLOCK))]
-  if not blocks:
-    value = None
-  else:
-    value = (_to_device(table, torch.int64, device),
-             _to_device(np.array(blocks, dtype=np.int32), torch.int32, device), len(blocks))
-  _tables[key] = value
-  if len(_tables) > _CACHE:
-    _tables.popitem(last=False)
-  return value
+def _programs(numels: np.ndarray, rows: np.ndarray) -> np.ndarray:
+  """(row, first element) of each program over the tensors ``rows`` (int32 pairs)."""
+  counts = -(-numels[rows] // CHUNK)
+  row_of = np.repeat(rows, counts)
+  first = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts,
+                                                                   counts)
+  return np.stack([row_of, first * CHUNK], axis=1).astype(np.int32)
 
 
-def _scalars_tensor(scalars, device) -> torch.Tensor:
-  if torch.is_tensor(scalars):
-    s = scalars
-  else:
-    if len(scalars) != _N_SCALARS:
-      raise ValueError(f"scalars: {_N_SCALARS} values (adamw_step's), got {len(scalars)}.")
-    s = torch.stack([v.reshape(()) if torch.is_tensor(v) else
-                     torch.tensor(v, dtype=torch.float32, device=device) for v in scalars])
-  if s.dtype != torch.float32 or s.numel() != _N_SCALARS or s.device != device:
-    raise ValueError(f"scalars: {_N_SCALARS} float32 values on {device}; got "
-                     f"{s.numel()} {s.dtype} on {s.device}.")
-  return s.reshape(-1).contiguous()
+class Plan:
+  """The launches that step one group of tensors, built once and run every step.
+
+  Holds the params', moments', buffers' and step counts' tensors (their
+  addresses are in the table); a gradient's address is taken as given, and
+  whoever runs the plan again checks that each gradient is still there
+  (``LowPrecisionAdamW`` compares their data pointers each step).
+  """
+
+  def __init__(self, params, grads, mus, nus, buffers, steps, *, mode: str,
+               state_rounding: str = "nearest", leaves=None, indices=None,
+               maximize: bool = False):
+    params, grads, mus, nus, buffers, steps = (list(c) for c in (params, grads, mus, nus,
+                                                                   buffers, steps))
+    dtypes = _check(params, grads, mus, nus, buffers, mode)
+    if state_rounding not in ("nearest", "stochastic"):
+      raise ValueError(f"state_rounding must be 'nearest' or 'stochastic'; got "
+                       f"{state_rounding!r}.")
+    device = self.device = params[0].device
+    n = len(params)
+    if len(steps) != n:
+      raise ValueError(f"step_group: {n} params but {len(steps)} step counts.")
+    _check_steps(steps, device)
+    leaves = list(range(n)) if leaves is None else [int(v) for v in leaves]
+    indices = [0] * n if indices is None else [int(v) for v in indices]
+    if len(leaves) != n or len(indices) != n:
+      raise ValueError(f"step_group: {n} params, {len(leaves)} leaves, {len(indices)} indices.")
+    for i, p in enumerate(params):
+      if p.numel() > _MAX_NUMEL:
+        raise ValueError(f"tensor {i} has {p.numel()} elements; the Triton step takes at most "
+                         f"{_MAX_NUMEL} per tensor.")
+    self.tensors = (params, mus, nus, buffers, steps)  # kept alive: the table points at them
+    table = np.array([[t.data_ptr() if t is not None else 0 for t in (p, g, m, v, b)]
+                      + [p.numel(), index, leaf & 0xFFFFFFFF, st.data_ptr()]
+                      for p, g, m, v, b, index, leaf, st
+                      in zip(params, grads, mus, nus, buffers, indices, leaves, steps)],
+                     dtype=np.int64).reshape(-1, _ROW)
+    p_dtype, g_dtype, m_dtype, v_dtype, b_dtype = dtypes
+    base = dict(P=_KIND[p_dtype], G=_KIND[g_dtype], M=_KIND[m_dtype], V=_KIND[v_dtype],
+                BUF=_BUFFER_KIND.get(b_dtype, 0), MODE=native_lib.MODES[mode],
+                SR_MOMENTS=rounding._stochastic_moments(m_dtype, v_dtype, state_rounding),
+                MAXIMIZE=bool(maximize))
+    aligned = (table[:, :5] % _ALIGN == 0).all(axis=1)
+    numels = table[:, 5]
+    self.launches = []
+    for flag in (True, False):
+      rows = np.nonzero((aligned == flag) & (numels > 0))[0]
+      if len(rows):
+        config = dict(base, ALIGNED=flag)
+        config["BLOCK"] = block_of(config)
+        config["ITERS"] = CHUNK // config["BLOCK"]
+        programs = _programs(numels, rows)
+        self.launches.append((_to_device(table, torch.int64, device),
+                              _to_device(programs, torch.int32, device), len(programs), config))
+    self.n = n
+    self.table = _to_device(table, torch.int64, device)  # every row: the step counts
+
+  def run(self, lr, b1, b2, eps, weight_decay, seed: int, inv_scale=None, found_inf=None):
+    """One step of every tensor: ``adamw_step``'s scalars from these
+    hyperparameters and each tensor's step count, which it advances (not
+    where ``found_inf`` is nonzero). ``lr``: a number or a one-element fp32
+    tensor on the device; ``inv_scale``, ``found_inf``: one-element tensors there."""
+    k = _kernels()
+    lr_tensor = torch.is_tensor(lr)
+    if lr_tensor and (lr.device != self.device or lr.dtype != torch.float32):
+      lr, lr_tensor = float(lr), False  # read once here, as the eager step reads it
+    if lr_tensor:
+      lr_ptr, lr = _device_scalar(lr, "a tensor lr", self.device), 0.0
+      if lr_ptr.dtype != torch.float32:
+        raise ValueError(f"a tensor lr must be float32 for the Triton step; got {lr_ptr.dtype}.")
+    else:
+      lr_ptr, lr = self.table, float(np.float32(lr))
+    seed_key = rounding._signed32(rounding._mix32_int(int(seed)))
+    dummy = self.table
+    for table, programs, n_programs, config in self.launches:
+      _launch(k.adamw_kernel, (n_programs,), table, programs, lr, lr_ptr, float(np.float32(b1)),
+              float(np.float32(b2)), float(np.float32(eps)), float(np.float32(weight_decay)),
+              seed_key, dummy if inv_scale is None else inv_scale,
+              dummy if found_inf is None else found_inf, **config,
+              HAS_INV_SCALE=inv_scale is not None, HAS_FOUND_INF=found_inf is not None,
+              LR_TENSOR=lr_tensor)
+    _launch(k.advance_kernel, (triton_cdiv(self.n, 1024),), self.table, self.n,
+            dummy if found_inf is None else found_inf, found_inf is not None, 1024)
 
 
 def _device_scalar(t, name: str, device) -> torch.Tensor:
@@ -221,8 +304,8 @@ def _device_scalar(t, name: str, device) -> torch.Tensor:
   return t.reshape(())
 
 
-def step_group(params: Sequence[torch.Tensor], grads, mus, nus, buffers, scalars, *,
-               mode: str, state_rounding: str = "nearest", seed: int = 0, step: int = 0,
+def step_group(params: Sequence[torch.Tensor], grads, mus, nus, buffers, steps, *, lr, b1, b2,
+               eps, weight_decay, mode: str, state_rounding: str = "nearest", seed: int = 0,
                leaves: Optional[Sequence[int]] = None, indices: Optional[Sequence[int]] = None,
                maximize: bool = False, inv_scale: Optional[torch.Tensor] = None,
                found_inf: Optional[torch.Tensor] = None) -> None:
@@ -234,55 +317,38 @@ def step_group(params: Sequence[torch.Tensor], grads, mus, nus, buffers, scalars
     buffers: per param the mode's buffer (the compensation table's dtype:
       Kahan in the param dtype, split's int16 low half, master's fp32), or
       None for the modes without one.
-    scalars: ``adamw_step``'s nine fp32 scalars, as one float32 tensor or a
-      sequence of 0-dim tensors (a tensor ``lr`` included) or numbers.
+    steps: per param its step count before this step, a one-element int64
+      tensor on the params' device (``state["step"]``), advanced by one here
+      (not where ``found_inf`` is nonzero).
+    lr, b1, b2, eps, weight_decay: the hyperparameters, each used as an fp32
+      value (``lr`` may be a one-element fp32 tensor on the device); the bias
+      corrections come from each tensor's step count, as ``_scalars`` makes them.
     mode: an ``optax_half_native.MODES`` key: "direct" (fp32 params), or the
       compensation of 16-bit params ("kahan", "split", "stochastic", "none", "master").
     state_rounding: "nearest" or "stochastic" (16-bit moments).
-    seed, step: the random-bit keys' seed and the tensors' step count
-      before this step (one for the group); ``leaves``: each tensor's leaf
+    seed: the random-bit keys' seed; ``leaves``: each tensor's leaf
       (default 0, 1, ...); ``indices``: each tensor's random-bit counter of
       element 0 (a shard's offset; default 0).
     maximize: the gradients are read negated.
     inv_scale: a one-element fp32 tensor every gradient is multiplied by as
       it is read (a loss scaler's ``1 / scale``).
     found_inf: a one-element tensor; where nonzero the kernel writes nothing
-      (the caller keeps the step count, as ``torch.optim.AdamW(fused=True)``).
+      and the step counts stay, as ``torch.optim.AdamW(fused=True)``.
   """
-  params, grads, mus, nus, buffers = (list(c) for c in (params, grads, mus, nus, buffers))
-  dtypes = _check(params, grads, mus, nus, buffers, mode)
-  if state_rounding not in ("nearest", "stochastic"):
-    raise ValueError(f"state_rounding must be 'nearest' or 'stochastic'; got {state_rounding!r}.")
+  params = list(params)
+  if not params:
+    raise ValueError("step_group needs at least one tensor.")
   device = params[0].device
-  n = len(params)
-  leaves = list(range(n)) if leaves is None else [int(v) for v in leaves]
-  indices = [0] * n if indices is None else [int(v) for v in indices]
-  if len(leaves) != n or len(indices) != n:
-    raise ValueError(f"step_group: {n} params, {len(leaves)} leaves, {len(indices)} indices.")
-  s = _scalars_tensor(scalars, device)
+  _check_device(device)
   if inv_scale is not None:
     inv_scale = _device_scalar(inv_scale, "inv_scale", device)
     if inv_scale.dtype != torch.float32:
       raise ValueError(f"inv_scale must be float32; got {inv_scale.dtype}.")
   if found_inf is not None:
     found_inf = _device_scalar(found_inf, "found_inf", device)
-  rows = []
-  for p, g, m, v, b, leaf, index in zip(params, grads, mus, nus, buffers, leaves, indices):
-    rows += [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(),
-             0 if b is None else b.data_ptr(), p.numel(), index, leaf & 0xFFFFFFFF]
-  entry = _table(device, tuple(rows))
-  if entry is None:  # no elements
-    return
-  table, blocks, n_blocks = entry
-  keys = [rounding._signed32(rounding._stream_key(int(seed), int(step), stream))
-          for stream in (rounding.STREAM_PARAMS, rounding.STREAM_MOMENTS)]
-  p_dtype, g_dtype, m_dtype, v_dtype, b_dtype = dtypes
-  sr = rounding._stochastic_moments(m_dtype, v_dtype, state_rounding)
-  _launch(_kernels().adamw_kernel, (n_blocks,), table, blocks, s,
-          s if inv_scale is None else inv_scale, s if found_inf is None else found_inf,
-          keys[0], keys[1], _KIND[p_dtype], _KIND[g_dtype], _KIND[m_dtype], _KIND[v_dtype],
-          _KIND.get(b_dtype, 0), native_lib.MODES[mode], sr, bool(maximize),
-          inv_scale is not None, found_inf is not None, BLOCK)
+  Plan(params, grads, mus, nus, buffers, steps, mode=mode, state_rounding=state_rounding,
+       leaves=leaves, indices=indices, maximize=maximize).run(
+           lr, b1, b2, eps, weight_decay, seed, inv_scale, found_inf)
 
 
 def supports(tensors, index=0) -> bool:
@@ -294,6 +360,8 @@ def supports(tensors, index=0) -> bool:
     return False
   if p.device.type != "cuda" and not (p.device.type == "cpu" and interpreting()):
     return False
+  if p.numel() > _MAX_NUMEL:
+    return False
   return all(t is None or (t.is_contiguous() and t.device == p.device
                            and (k == 4 or t.dtype in _KIND))
              for k, t in enumerate(tensors))
@@ -301,27 +369,36 @@ def supports(tensors, index=0) -> bool:
 
 class Batch:
   """``LowPrecisionAdamW``'s Triton step: ``add`` each tensor, then ``run``
-  launches one kernel per configuration (device, mode, dtypes, step count,
-  scalars, maximize) and advances each tensor's step count. The interface
-  of ``adam._Grouped``."""
+  launches one plan per configuration (device, mode, dtypes, maximize, the
+  group's hyperparameters) and keeps the plans it ran (``plans``), which the
+  optimizer runs again while nothing changed. The interface of ``adam._Grouped``."""
 
-  def __init__(self, seed: int, state_rounding: str):
+  def __init__(self, seed: int, state_rounding: str, cuda_only: bool = False):
     self._seed = seed
     self._state_rounding = state_rounding
-    self._configs: dict = {}  # config -> [scalars, rows]
+    self._cuda_only = cuda_only
+    self._configs: dict = {}  # config -> [hyper, rows]
     self._taken: set = set()
+    self.plans: list = []  # (plan, group index) of every launch so far
+    self.count = 0  # tensors taken so far
 
-  def add(self, tensors, mode: str, step: int, leaf: int, scalars, state: dict, index=0,
-          maximize: bool = False) -> bool:
-    """Takes ``(param, grad, mu, nu, buffer)``; False if ``supports`` does not."""
-    if not supports(tensors, index):
-      return False
+  def add(self, tensors, mode: str, leaf: int, hyper: tuple, group: int, state: dict,
+          index=0, maximize: bool = False) -> bool:
+    """Takes ``(param, grad, mu, nu, buffer)``; False if ``supports`` does not.
+    ``hyper``: ``(lr, b1, b2, eps, weight_decay)`` of the param's group (index ``group``)."""
     p = tensors[0]
+    if (self._cuda_only and p.device.type != "cuda") or not supports(tensors, index):
+      return False
+    step = state["step"]
+    if not (torch.is_tensor(step) and step.device == p.device and step.dtype == torch.int64):
+      # the count lives where the kernel reads it (once; the step stays there)
+      step = state["step"] = rounding.device_scalar(int(step), torch.int64, p.device)
     self._taken.add(id(p))
-    config = (p.device, mode, step, id(scalars), bool(maximize),
+    self.count += 1
+    config = (p.device, mode, bool(maximize), group,
               *(None if t is None else t.dtype for t in tensors))
-    entry = self._configs.setdefault(config, [scalars, []])
-    entry[1].append((tensors, leaf, int(index), state))
+    entry = self._configs.setdefault(config, [hyper, []])
+    entry[1].append((tensors, step, leaf, int(index)))
     return True
 
   def before(self, p: torch.Tensor) -> None:
@@ -333,11 +410,11 @@ class Batch:
   def run(self) -> None:
     configs, self._configs = self._configs, {}
     self._taken.clear()
-    for config, (scalars, rows) in configs.items():
-      _, mode, step, _, maximize = config[:5]
+    for config, (hyper, rows) in configs.items():
+      _, mode, maximize, group = config[:4]
       columns = list(zip(*(tensors for tensors, _, _, _ in rows)))
-      step_group(*columns, scalars, mode=mode, state_rounding=self._state_rounding,
-                 seed=self._seed, step=step, leaves=[leaf for _, leaf, _, _ in rows],
-                 indices=[index for _, _, index, _ in rows], maximize=maximize)
-      for _, _, _, state in rows:
-        state["step"] += 1
+      plan = Plan(*columns, [step for _, step, _, _ in rows], mode=mode,
+                  state_rounding=self._state_rounding, leaves=[leaf for _, _, leaf, _ in rows],
+                  indices=[index for _, _, _, index in rows], maximize=maximize)
+      plan.run(*hyper, self._seed)
+      self.plans.append((plan, group))

@@ -31,10 +31,12 @@ NEAREST = tl.constexpr(native_lib.MODES["none"])
 M1 = tl.constexpr(native_lib.MIX32_M1)
 M2 = tl.constexpr(native_lib.MIX32_M2)
 
-# Columns of a row of the tensor table (int64 each), see _triton._table.
-ROW = tl.constexpr(8)
-# Scalars, in adam.adamw_step's order.
-N_SCALARS = tl.constexpr(9)
+# The streams' words xored into a step's key (rounding._stream_key).
+STREAM_P = tl.constexpr((native_lib.STREAM_PARAMS * native_lib.GOLDEN) & 0xFFFFFFFF)
+STREAM_M = tl.constexpr((native_lib.STREAM_MOMENTS * native_lib.GOLDEN) & 0xFFFFFFFF)
+
+# Columns of a row of the tensor table (int64 each), see _triton.Plan.
+ROW = tl.constexpr(9)
 
 
 @triton.jit
@@ -124,37 +126,71 @@ def stochastic_bits(x, bits, KIND: tl.constexpr):
 
 
 @triton.jit
-def load_f32(addr, offs, mask, KIND: tl.constexpr):
-  """Elements ``offs`` of the tensor at integer address ``addr``, widened to fp32."""
+def one_minus_pow(b, n):
+  """rounding.one_minus_pow(b, n): 1 - b**n in fp32 by binary exponentiation
+  on d(k) = 1 - b**k, each op rounded once (no FMA: the launch turns it off)."""
+  d_pow = 1.0 - b
+  d = tl.full((), 0.0, tl.float32)
+  for _ in range(32):
+    d = tl.where((n & 1) != 0, (d + d_pow) - d * d_pow, d)
+    d_pow = d_pow * (2.0 - d_pow)
+    n = n >> 1
+  return d
+
+
+@triton.jit
+def typed(addr, start, KIND: tl.constexpr, ALIGNED: tl.constexpr):
+  """Element ``start`` of the tensor at integer address ``addr``: an fp32
+  pointer, or a uint16 one to 16-bit storage; ALIGNED: 16-byte aligned."""
   if KIND == F32:
-    return tl.load(addr.to(tl.pointer_type(tl.float32)) + offs, mask=mask, other=0.0)
+    ptr = addr.to(tl.pointer_type(tl.float32)) + start
   else:
-    b = tl.load(addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-    return widen_bits(b.to(tl.uint32), KIND)
+    ptr = addr.to(tl.pointer_type(tl.uint16)) + start
+  if ALIGNED:
+    ptr = tl.multiple_of(ptr, 16)
+  return ptr
 
 
 @triton.jit
-def store_bits(addr, offs, mask, bits):
-  tl.store(addr.to(tl.pointer_type(tl.uint16)) + offs, bits.to(tl.uint16), mask=mask)
+def load_f32(ptrs, mask, KIND: tl.constexpr, MASKED: tl.constexpr):
+  """Elements at ``ptrs`` (``typed`` + offsets), widened to fp32."""
+  if MASKED:
+    v = tl.load(ptrs, mask=mask, other=0)
+  else:
+    v = tl.load(ptrs)
+  if KIND == F32:
+    return v
+  else:
+    return widen_bits(v.to(tl.uint32), KIND)
 
 
 @triton.jit
-def store_rounded(addr, offs, mask, x, KIND: tl.constexpr):
+def store_bits(ptrs, mask, bits, MASKED: tl.constexpr):
+  if MASKED:
+    tl.store(ptrs, bits.to(tl.uint16), mask=mask)
+  else:
+    tl.store(ptrs, bits.to(tl.uint16))
+
+
+@triton.jit
+def store_rounded(ptrs, mask, x, KIND: tl.constexpr, MASKED: tl.constexpr):
   """fp32 ``x`` rounded to nearest into a KIND tensor."""
   if KIND == F32:
-    tl.store(addr.to(tl.pointer_type(tl.float32)) + offs, x, mask=mask)
+    if MASKED:
+      tl.store(ptrs, x, mask=mask)
+    else:
+      tl.store(ptrs, x)
   else:
-    store_bits(addr, offs, mask, nearest_bits(x, KIND))
-
+    store_bits(ptrs, mask, nearest_bits(x, KIND), MASKED)
 
 @triton.jit
-def store_moment(addr, offs, mask, x, word, KIND: tl.constexpr, SR: tl.constexpr):
+def store_moment(ptrs, mask, x, word, KIND: tl.constexpr, SR: tl.constexpr,
+                 MASKED: tl.constexpr):
   """A moment written by round_moments: stochastically with ``word`` (SR, 16-bit), else nearest."""
   if SR and KIND != F32:
-    store_bits(addr, offs, mask, stochastic_bits(x, word, KIND))
+    store_bits(ptrs, mask, stochastic_bits(x, word, KIND), MASKED)
   else:
-    store_rounded(addr, offs, mask, x, KIND)
-
+    store_rounded(ptrs, mask, x, KIND, MASKED)
 
 @triton.jit
 def land_bits(pw, t32, P: tl.constexpr):
@@ -197,93 +233,149 @@ def round_kernel(x_ptr, out_ptr, n, KIND: tl.constexpr, STOCHASTIC_WORDS: tl.con
   tl.store(out_ptr + offs, bits.to(tl.uint16).to(tl.int16, bitcast=True), mask=mask)
 
 
-@triton.jit(do_not_specialize=["key_p", "key_m"])
-def adamw_kernel(table_ptr, blocks_ptr, scalars_ptr, inv_scale_ptr, found_inf_ptr, key_p, key_m,
-                 P: tl.constexpr, G: tl.constexpr, M: tl.constexpr, V: tl.constexpr,
-                 BUF: tl.constexpr, MODE: tl.constexpr, SR_MOMENTS: tl.constexpr,
-                 MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
-                 HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-  """One AdamW step of one block of one tensor of the table: adam.adamw_step
-  op for op. ``blocks_ptr``: (tensor row, block number) per program;
-  ``key_p``, ``key_m``: the step's stream keys (int32 bits; each tensor's key
-  is mix32(stream key ^ leaf)); ``BUF``: the buffer's storage kind."""
-  pid = tl.program_id(0)
-  t = tl.load(blocks_ptr + 2 * pid).to(tl.int64)
-  block = tl.load(blocks_ptr + 2 * pid + 1).to(tl.int64)
-  row = table_ptr + t * ROW
-  p_addr = tl.load(row)
-  g_addr = tl.load(row + 1)
-  mu_addr = tl.load(row + 2)
-  nu_addr = tl.load(row + 3)
-  buf_addr = tl.load(row + 4)
-  numel = tl.load(row + 5)
-  index0 = tl.load(row + 6)
-  leaf = tl.load(row + 7).to(tl.uint32)
-  if HAS_FOUND_INF:  # GradScaler's skip: no element, every load and store masked off
-    numel = numel * (tl.load(found_inf_ptr) == 0).to(tl.int64)
-  offs = block * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
-  mask = offs < numel
 
-  lr = tl.load(scalars_ptr)
-  b1 = tl.load(scalars_ptr + 1)
-  b2 = tl.load(scalars_ptr + 2)
-  one_minus_b1 = tl.load(scalars_ptr + 3)
-  one_minus_b2 = tl.load(scalars_ptr + 4)
-  inv_bc1 = tl.load(scalars_ptr + 5)
-  inv_bc2 = tl.load(scalars_ptr + 6)
-  eps = tl.load(scalars_ptr + 7)
-  weight_decay = tl.load(scalars_ptr + 8)
-
-  g = load_f32(g_addr, offs, mask, G)
+@triton.jit
+def step_block(p_ptr, g_ptr, mu_ptr, nu_ptr, buf_ptr, offs, mask, counter, lr, b1, b2,
+               one_minus_b1, one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay, inv_scale,
+               word_p, word_m, P: tl.constexpr, G: tl.constexpr, M: tl.constexpr,
+               V: tl.constexpr, BUF: tl.constexpr, MODE: tl.constexpr,
+               SR_MOMENTS: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+               MASKED: tl.constexpr):
+  """adam.adamw_step on one block of elements (``offs`` from the typed pointers).
+  The moments are written before the param is read: fewer values live at once
+  (registers), the same ops."""
+  g = load_f32(g_ptr + offs, mask, G, MASKED)
   if HAS_INV_SCALE:
-    g = g * tl.load(inv_scale_ptr)
+    g = g * inv_scale
   if MAXIMIZE:
     g = -g
-  pw = load_f32(p_addr, offs, mask, P)
-  if MODE == MASTER:  # the master follows a param written from outside
-    master = load_f32(buf_addr, offs, mask, F32)
-    x = tl.where(widen_bits(nearest_bits(master, P), P) == pw, master, pw)
-  elif MODE == SPLIT:
-    lo = tl.load(buf_addr.to(tl.pointer_type(tl.int16)) + offs, mask=mask, other=0)
-    hi = tl.load(p_addr.to(tl.pointer_type(tl.uint16)) + offs, mask=mask, other=0)
-    x = ((hi.to(tl.uint32) << 16) + lo.to(tl.int32).to(tl.uint32, bitcast=True)).to(
-        tl.float32, bitcast=True)
-  elif MODE == KAHAN:
-    x = pw + load_f32(buf_addr, offs, mask, BUF)
-  else:
-    x = pw
-  m32 = b1 * load_f32(mu_addr, offs, mask, M) + one_minus_b1 * g
-  v32 = b2 * load_f32(nu_addr, offs, mask, V) + one_minus_b2 * (g * g)
+  m32 = b1 * load_f32(mu_ptr + offs, mask, M, MASKED) + one_minus_b1 * g
+  v32 = b2 * load_f32(nu_ptr + offs, mask, V, MASKED) + one_minus_b2 * (g * g)
   m_hat = m32 * inv_bc1
   v_hat = v32 * inv_bc2
   u = tl.div_rn(m_hat, tl.sqrt_rn(v_hat) + eps)
+  # rounding.round_moments: one word w, swap_halves(w) for nu
+  w = counter
+  if SR_MOMENTS:
+    w = mix32(counter ^ word_m)
+  store_moment(mu_ptr + offs, mask, m32, w, M, SR_MOMENTS, MASKED)
+  store_moment(nu_ptr + offs, mask, v32, (w << 16) | (w >> 16), V, SR_MOMENTS, MASKED)
+
+  pw = load_f32(p_ptr + offs, mask, P, MASKED)
+  if MODE == MASTER:  # the master follows a param written from outside
+    master = load_f32(buf_ptr + offs, mask, F32, MASKED)
+    x = tl.where(widen_bits(nearest_bits(master, P), P) == pw, master, pw)
+  elif MODE == SPLIT:  # hi: the param's bits; lo: the buffer's int16 bits, sign-extended
+    if MASKED:
+      lo = tl.load(buf_ptr + offs, mask=mask, other=0)
+      hi = tl.load(p_ptr + offs, mask=mask, other=0)
+    else:
+      lo = tl.load(buf_ptr + offs)
+      hi = tl.load(p_ptr + offs)
+    lo32 = lo.to(tl.int16, bitcast=True).to(tl.int32).to(tl.uint32, bitcast=True)
+    x = ((hi.to(tl.uint32) << 16) + lo32).to(tl.float32, bitcast=True)
+  elif MODE == KAHAN:
+    x = pw + load_f32(buf_ptr + offs, mask, BUF, MASKED)
+  else:
+    x = pw
   u = tl.where(weight_decay != 0.0, u + weight_decay * x, u)  # none at 0 (an Inf x stays one)
   u = -lr * u
 
-  counter = (offs + index0).to(tl.uint32)  # the random-bit counter, mod 2^32
   if MODE == DIRECT:
-    tl.store(p_addr.to(tl.pointer_type(tl.float32)) + offs, pw + u, mask=mask)
+    if MASKED:
+      tl.store(p_ptr + offs, pw + u, mask=mask)
+    else:
+      tl.store(p_ptr + offs, pw + u)
   else:
     x_new = x + u
     if MODE == MASTER:  # the param is the master's rounding, the master x_new
       landed = nearest_bits(x_new, P)
-      tl.store(buf_addr.to(tl.pointer_type(tl.float32)) + offs, x_new, mask=mask)
+      store_rounded(buf_ptr + offs, mask, x_new, F32, MASKED)
     elif MODE == SPLIT:  # the param is the high half, the buffer the low half
       landed = split_high(x_new)
-      store_bits(buf_addr, offs, mask, split_low(x_new))
+      store_bits(buf_ptr + offs, mask, split_low(x_new), MASKED)
     elif MODE == KAHAN:
       landed = land_bits(pw, widen_bits(nearest_bits(x_new, P), P), P)
-      store_rounded(buf_addr, offs, mask, x_new - widen_bits(landed, P), BUF)
+      store_rounded(buf_ptr + offs, mask, x_new - widen_bits(landed, P), BUF, MASKED)
     elif MODE == STOCHASTIC:
-      word = mix32(counter ^ mix32(key_p.to(tl.uint32, bitcast=True) ^ leaf))
+      word = mix32(counter ^ word_p)
       landed = land_bits(pw, widen_bits(stochastic_bits(x_new, word, P), P), P)
     else:
       landed = land_bits(pw, widen_bits(nearest_bits(x_new, P), P), P)
-    store_bits(p_addr, offs, mask, landed)
+    store_bits(p_ptr + offs, mask, landed, MASKED)
 
-  # rounding.round_moments: one word w, swap_halves(w) for nu
-  w = counter
-  if SR_MOMENTS:
-    w = mix32(counter ^ mix32(key_m.to(tl.uint32, bitcast=True) ^ leaf))
-  store_moment(mu_addr, offs, mask, m32, w, M, SR_MOMENTS)
-  store_moment(nu_addr, offs, mask, v32, (w << 16) | (w >> 16), V, SR_MOMENTS)
+
+@triton.jit
+def adamw_kernel(table_ptr, programs_ptr, lr, lr_ptr, b1, b2, eps, weight_decay, seed_key,
+                 inv_scale_ptr, found_inf_ptr, P: tl.constexpr, G: tl.constexpr,
+                 M: tl.constexpr, V: tl.constexpr, BUF: tl.constexpr, MODE: tl.constexpr,
+                 SR_MOMENTS: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
+                 HAS_FOUND_INF: tl.constexpr, LR_TENSOR: tl.constexpr, ALIGNED: tl.constexpr,
+                 BLOCK: tl.constexpr, ITERS: tl.constexpr):
+  """One AdamW step of ITERS blocks of one tensor of the table: adam.adamw_step
+  op for op. ``programs_ptr``: (table row, first element) per program, int32;
+  a row holds the tensor's addresses, its numel, its random-bit counter of
+  element 0, its leaf and the address of its int64 step count (before this
+  step: the bias corrections and random-bit keys are made here from it).
+  ``seed_key``: mix32(seed) (int32 bits). ALIGNED: every address of every row
+  is 16-byte aligned, so full blocks move 16 bytes per access."""
+  pid = tl.program_id(0)
+  r = tl.load(programs_ptr + 2 * pid)
+  start = tl.multiple_of(tl.load(programs_ptr + 2 * pid + 1), BLOCK)
+  row = table_ptr + r.to(tl.int64) * ROW
+  numel = tl.load(row + 5).to(tl.int32)
+  counter0 = tl.load(row + 6).to(tl.uint32) + start.to(tl.uint32)  # mod 2^32
+  leaf = tl.load(row + 7).to(tl.uint32)
+  step = tl.load(tl.load(row + 8).to(tl.pointer_type(tl.int64))).to(tl.uint32)
+  if HAS_FOUND_INF:  # GradScaler's skip: no element
+    numel = tl.where(tl.load(found_inf_ptr) == 0, numel, 0)
+  p_ptr = typed(tl.load(row), start, P, ALIGNED)
+  g_ptr = typed(tl.load(row + 1), start, G, ALIGNED)
+  mu_ptr = typed(tl.load(row + 2), start, M, ALIGNED)
+  nu_ptr = typed(tl.load(row + 3), start, V, ALIGNED)
+  buf_ptr = typed(tl.load(row + 4), start, BUF, ALIGNED)
+
+  # adam's scalars for this step (t = step + 1), as LowPrecisionAdamW._scalars
+  if LR_TENSOR:
+    lr = tl.load(lr_ptr)
+  one = tl.full((), 1.0, tl.float32)
+  one_minus_b1 = one - b1
+  one_minus_b2 = one - b2
+  inv_bc1 = tl.div_rn(one, one_minus_pow(b1, step + 1))
+  inv_bc2 = tl.div_rn(one, one_minus_pow(b2, step + 1))
+  inv_scale = one
+  if HAS_INV_SCALE:
+    inv_scale = tl.load(inv_scale_ptr)
+  # the leaves' random-bit keys (rounding.leaf_key) of both streams
+  k = mix32(seed_key.to(tl.uint32, bitcast=True) ^ step)
+  word_p = mix32(mix32(k ^ STREAM_P) ^ leaf)
+  word_m = mix32(mix32(k ^ STREAM_M) ^ leaf)
+
+  offs = tl.arange(0, BLOCK)
+  for i in range(ITERS):
+    first = i * BLOCK
+    counter = counter0 + first.to(tl.uint32) + offs.to(tl.uint32)
+    if start + first + BLOCK <= numel:
+      step_block(p_ptr + first, g_ptr + first, mu_ptr + first, nu_ptr + first, buf_ptr + first,
+                 offs, None, counter, lr, b1, b2, one_minus_b1, one_minus_b2, inv_bc1, inv_bc2,
+                 eps, weight_decay, inv_scale, word_p, word_m, P, G, M, V, BUF, MODE,
+                 SR_MOMENTS, MAXIMIZE, HAS_INV_SCALE, False)
+    elif start + first < numel:
+      step_block(p_ptr + first, g_ptr + first, mu_ptr + first, nu_ptr + first, buf_ptr + first,
+                 offs, offs < numel - start - first, counter, lr, b1, b2, one_minus_b1,
+                 one_minus_b2, inv_bc1, inv_bc2, eps, weight_decay, inv_scale, word_p, word_m,
+                 P, G, M, V, BUF, MODE, SR_MOMENTS, MAXIMIZE, HAS_INV_SCALE, True)
+
+
+@triton.jit
+def advance_kernel(table_ptr, n_rows, found_inf_ptr, HAS_FOUND_INF: tl.constexpr,
+                   BLOCK: tl.constexpr):
+  """Each row's int64 step count + 1 (+ 0 where found_inf is nonzero), after the step."""
+  rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+  mask = rows < n_rows
+  steps = tl.load(table_ptr + rows.to(tl.int64) * ROW + 8, mask=mask, other=0).to(
+      tl.pointer_type(tl.int64))
+  add = tl.full((BLOCK,), 1, tl.int64)
+  if HAS_FOUND_INF:
+    add = add * (tl.load(found_inf_ptr) == 0).to(tl.int64)
+  tl.store(steps, tl.load(steps, mask=mask) + add, mask=mask)

@@ -492,6 +492,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
   def _load(self, state_dict: dict) -> None:
     super()._load(state_dict)
     self.__dict__.pop("_state_fits", None)  # loaded state is checked at its next step
+    self.__dict__.pop("_replay", None)
     self._seed = int(state_dict.get("seed", self._seed))
 
   # -- the step --------------------------------------------------------------
@@ -520,6 +521,11 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     return cache[key]
 
   def _step_all(self) -> None:
+    # The last step's Triton launches again, while nothing they hang on changed.
+    replay = self.__dict__.pop("_replay", None)
+    if replay is not None and replay.step(self):
+      self._replay = replay
+      return
     # Every state made or checked first: a param whose dtype changed since
     # its state was made is an error before anything is stepped.
     position = 0
@@ -535,13 +541,14 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     grouped = (_Grouped(self._seed, self._state_rounding,
                         self.__dict__.setdefault("_grouped_cache", collections.OrderedDict()))
                if self._fused is None else None)
-    # Opted in (OPTAX_HALF_TRITON=1, or opt._triton = True): the Triton
-    # multi-tensor step takes the tensors it can first (_triton.supports).
-    want_triton = self.__dict__.get("_triton")
-    if want_triton is None:
-      want_triton = os.environ.get("OPTAX_HALF_TRITON", "0") == "1"
-    triton = (_triton.Batch(self._seed, self._state_rounding)
-              if want_triton and self._fused is not False and _triton.available() else None)
+    # The Triton multi-tensor step takes the tensors it can first
+    # (_triton.supports): by default CUDA tensors; opted in
+    # (OPTAX_HALF_TRITON=1 or opt._triton = True) also CPU tensors under
+    # Triton's interpreter; off with fused=False, OPTAX_HALF_TRITON=0 or opt._triton = False.
+    want_triton = _triton_wanted(self)
+    triton = (_triton.Batch(self._seed, self._state_rounding, cuda_only=want_triton is None)
+              if want_triton is not False and self._fused is not False and _triton.available()
+              else None)
     stepped: list = []
     # As the eager step would have: what was taken is stepped, even if a
     # later check fails; each of these runs even if one before it raises.
@@ -551,12 +558,15 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         if batch is not None:
           after.callback(batch.run)
       self._step_each(native, grouped, stepped, triton)
+    if triton is not None:
+      self._replay = _Replay.of(self, triton)
 
   def _step_each(self, native, grouped, stepped: list, triton=None) -> None:
     position = 0
-    for group in self.param_groups:
+    for group_index, group in enumerate(self.param_groups):
       count = group["count"]
       lr = self._group_lr(group, count)
+      hyper = (lr, *group["betas"], group["eps"], group["weight_decay"])
       maximize = group["maximize"]
       amsgrad = group["amsgrad"]
       differentiable = group["differentiable"]
@@ -572,7 +582,6 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
             batch.before(p)
         grad = step_grad(self, p)
         state = self.state[p]
-        step = int(state["step"])
         compensation = _param_compensation(self._compensation, p.dtype)
         buffer = None if compensation is None else state.get(compensation.buffer)
         # Written from outside since the last step: re-seed the buffer (a
@@ -602,10 +611,10 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         # recorded by autograd where differentiable; else compiled with fused=True)
         per_tensor = amsgrad or differentiable
         if not per_tensor and triton is not None and triton.add(
-            tensors, _kernel_mode(compensation), step, leaf,
-            self._scalars(group, step + 1, lr, tensors[0].device, cache), state, index,
+            tensors, _kernel_mode(compensation), leaf, hyper, group_index, state, index,
             maximize):
           continue
+        step = int(state["step"])
         if not per_tensor and native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
             lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index,
@@ -633,6 +642,69 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                  nu_max)
         state["step"] += 1
       group["count"] = count + 1
+
+
+def _triton_wanted(opt) -> Optional[bool]:
+  """True: the Triton step opted in; False: off; None: the default (CUDA tensors)."""
+  want = opt.__dict__.get("_triton")
+  if want is None:
+    env = os.environ.get("OPTAX_HALF_TRITON", "")
+    want = {"1": True, "0": False}.get(env)
+  return want
+
+
+class _Replay:
+  """The Triton plans of a step, run again at the next steps while nothing
+  they point at changed: the same params (identity, storage, and no write
+  from outside: their version counters, which the kernel's writes leave), each
+  gradient (``main_grad`` or ``grad``) at the same address with the same
+  dtype, the groups' switches, the optimizer's ``fused`` and ``_triton``. The
+  check is a few list comprehensions over the params (no Python call per
+  tensor, no torch op); a step then reads each group's hyperparameters and
+  launches (docs/algorithms.md#triton-multi-tensor-step). Anything else
+  takes the full step, which makes the plans again."""
+
+  def __init__(self, plans: list, key: tuple):
+    self.plans = plans
+    self.key = key
+
+  @classmethod
+  def of(cls, opt, batch) -> Optional["_Replay"]:
+    """The replay of ``batch``'s plans, if they stepped every param of ``opt``."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if (batch.count != len(params) or len(set(map(id, params))) != len(params)
+        or any(p.is_complex() or _dist.is_dtensor(p) for p in params)):
+      return None
+    key = cls._key(opt)
+    return None if key is None else cls(batch.plans, key)
+
+  @staticmethod
+  def _key(opt) -> Optional[tuple]:
+    params = [p for g in opt.param_groups for p in g["params"]]
+    mains = [getattr(p, "main_grad", None) for p in params]
+    grads = [p.grad if m is None else m for p, m in zip(params, mains)]
+    try:
+      grad_ptrs = [g.data_ptr() for g in grads]
+    except AttributeError:  # a param without a gradient
+      return None
+    return (list(map(id, params)), [p.data_ptr() for p in params],
+            [p._version for p in params], grad_ptrs, [g.dtype for g in grads],
+            [(g["maximize"], g["amsgrad"], g["differentiable"]) for g in opt.param_groups],
+            opt._fused, _triton_wanted(opt))
+
+  def step(self, opt) -> bool:
+    """One step by the plans; False (nothing done) where they no longer fit."""
+    if opt._unscaled_grads or self._key(opt) != self.key:
+      return False
+    hyper = []
+    for group in opt.param_groups:
+      count = group["count"]
+      hyper.append((opt._group_lr(group, count), *group["betas"], group["eps"],
+                    group["weight_decay"]))
+      group["count"] = count + 1
+    for plan, group in self.plans:
+      plan.run(*hyper[group], opt._seed)
+    return True
 
 
 def scale_by_adamw(
