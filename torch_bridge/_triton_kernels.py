@@ -305,7 +305,7 @@ def step_block(p_ptr, g_ptr, mu_ptr, nu_ptr, buf_ptr, offs, mask, counter, lr, b
     store_bits(p_ptr + offs, mask, landed, MASKED)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_key"])  # one compile for every seed
 def adamw_kernel(table_ptr, programs_ptr, lr, lr_ptr, b1, b2, eps, weight_decay, seed_key,
                  inv_scale_ptr, found_inf_ptr, P: tl.constexpr, G: tl.constexpr,
                  M: tl.constexpr, V: tl.constexpr, BUF: tl.constexpr, MODE: tl.constexpr,
