@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-slow soak demo bench install clean
+.PHONY: test test-slow soak demo bench install clean gpu-static test-gpu-static
 
 # Reinstall only when the package metadata changes: a second `make test` is seconds.
 $(STAMP): pyproject.toml
@@ -47,5 +47,30 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.step $(BENCH_ARGS) --json bench_out/jax.json
 	$(PY) -m benchmarks.torch_step $(BENCH_ARGS) --json bench_out/torch.json
 
+# GPU kernels compiled without a GPU (benchmarks/gpu_static.py): XLA:GPU needs the
+# CUDA plugin at the jaxlib version, kept out of .venv in .venv-gpu (JAX there
+# compiles for a deviceless H100; no CUDA libraries, no GPU). OUT: where to write.
+GPU_VENV  := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+OUT       ?= gpu_static_out
+
+$(GPU_STAMP): pyproject.toml $(STAMP)
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	v=$$($(PY) -c "import jax; print(jax.__version__)"); \
+	pins=$$($(PY) -c "import optax, flax, chex, ml_dtypes, numpy; print(' '.join(f'{m.__name__}=={m.__version__}' for m in (optax, flax, chex, ml_dtypes, numpy)))"); \
+	$(GPU_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  "jax==$$v" "jaxlib==$$v" "jax-cuda12-plugin==$$v" "jax-cuda12-pjrt==$$v" $$pins "pytest>=8"
+	touch $(GPU_STAMP)
+
+# Every JAX benchmark row compiled for an H100: HLO, PTX and OUT/jax.json;
+# then the torch Triton kernels (.venv has torch and triton).
+gpu-static: $(GPU_STAMP)
+	PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m benchmarks.gpu_static $(OUT) --jax
+	$(PY) -m benchmarks.gpu_static $(OUT)
+
+# tests/test_gpu_static.py in .venv-gpu (skipped in .venv); CI runs it.
+test-gpu-static: $(GPU_STAMP)
+	JAX_PLATFORMS=cpu PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu_static.py
+
 clean:
-	rm -rf $(VENV) .pytest_cache demo_out bench_out
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache demo_out bench_out gpu_static_out

@@ -1,8 +1,20 @@
 """GPU kernels compiled without a GPU: what an H100 (sm_90) would run, and its properties.
 
-    python -m benchmarks.gpu_static OUT [--modes kahan,stochastic,...]
+    python -m benchmarks.gpu_static OUT [--modes kahan,...] [--jax] [--rows A,B] [--tree gpt2]
 
-Compiles the torch Triton step (``torch_bridge._triton_kernels.adamw_kernel``)
+**JAX** (``--jax``, ``--ieee`` with IEEE_XLA_FLAGS; needs ``jax-cuda12-plugin`` and ``jax-cuda12-pjrt`` at the
+jaxlib version, which ``make gpu-static`` installs into ``.venv-gpu``):
+every step row of ``benchmarks.step`` (``tx.update`` + ``apply_updates``, and
+``update_and_apply`` where that row has it) traced with donated params, state
+and gradients on a deviceless H100 (``jax.experimental.topologies`` with
+``benchmarks/h100.txtpb``) and compiled by XLA:GPU. Writes per row its
+optimized HLO and PTX under ``OUT/jax/`` and ``OUT/jax.json``: kernels
+launched, bytes the kernels move per param (operands + results of each, from
+the HLO's shapes), temporaries (``memory_analysis()``), param-sized copies,
+outputs aliased to donated inputs, and the PTX's fp32 FMAs and approximate
+divisions and square roots. ``tests/test_gpu_static.py`` asserts them.
+
+**torch**: compiles the torch Triton step (``torch_bridge._triton_kernels.adamw_kernel``)
 for sm_90 with Triton's own compiler, once per mode in the configuration
 users get (bf16 params and moments, the default stochastic moment rounding;
 ``master`` with fp32 moments, ``direct`` fp32), plus the fp16 and unaligned
@@ -18,10 +30,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import tempfile
+import time
+import warnings
 from pathlib import Path
 
 import optax_half_native as native_lib
@@ -110,14 +126,191 @@ def torch_kernels(out: Path, modes=None) -> dict:
   return results
 
 
+# -- JAX: the benchmark rows compiled by XLA:GPU -------------------------------
+
+H100_CONFIG = Path(__file__).with_name("h100.txtpb")  # an XLA GpuTargetConfig of an H100 SXM
+# XLA_FLAGS for IEEE fp32 division and square root in XLA:GPU's kernels (LLVM's
+# NVPTX options, passed through): JAX on the GPU then computes the CPU's ops.
+IEEE_XLA_FLAGS = ("--xla_backend_extra_options="
+                  "-nvptx-prec-divf32=2,-nvvm-reflect-add=__CUDA_PREC_SQRT=1")
+# Instructions of the entry computation that launch nothing.
+_NO_KERNEL = {"parameter", "tuple", "get-tuple-element", "bitcast", "constant", "after-all",
+              "partition-id", "replica-id"}
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4,
+          "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def jax_device():
+  """A deviceless H100 (set JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 before jax starts)."""
+  from jax.experimental import topologies  # noqa: PLC0415
+  return topologies.get_topology_desc("h100", "cuda", target_config=H100_CONFIG.read_text(),
+                                      topology="1x1x1").devices[0]
+
+
+def jax_rows() -> dict:
+  """name -> (dtype, tx, in_place) of benchmarks.step's tx.update and in-place rows."""
+  from benchmarks import step  # noqa: PLC0415 (jax, flax)
+  return {name: row for name, row in step.all_candidates().items()
+          if row[2] in (False, True)}
+
+
+def _type_bytes(text: str) -> int:
+  """Bytes of an HLO type: ``bf16[768,64]{1,0}`` or a tuple of such."""
+  total = 0
+  for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text):
+    if dtype in _BYTES:
+      n = 1
+      for d in filter(None, dims.split(",")):
+        n *= int(d)
+      total += n * _BYTES[dtype]
+  return total
+
+
+def _entry(hlo: str) -> list:
+  """(name, type text, opcode, operand names) of the entry computation's instructions."""
+  body = hlo[hlo.index("\nENTRY "):]
+  body = body[body.index("{\n") + 2:body.index("\n}")]
+  out = []
+  for line in body.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = ", line)
+    if not m:
+      continue
+    rest = line[m.end():]
+    if rest.startswith("("):  # a tuple type: to its matching parenthesis
+      depth = 0
+      for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+          break
+      type_text, rest = rest[:i + 1], rest[i + 2:]
+    else:
+      type_text, _, rest = rest.partition(" ")
+    opcode = rest[:rest.index("(")]
+    args = rest[rest.index("(") + 1:]
+    operands = re.findall(r"%([\w.\-]+)", args[:args.find("), ") if "), " in args else None])
+    out.append((m.group(1), type_text, opcode, operands))
+  return out
+
+
+def hlo_properties(hlo: str, leaf_shapes) -> dict:
+  """Kernels, bytes moved and param-sized copies of an optimized XLA:GPU module."""
+  entry = _entry(hlo)
+  types = {name: type_text for name, type_text, _, _ in entry}
+  kernels = [(name, t, op, ops) for name, t, op, ops in entry if op not in _NO_KERNEL]
+  moved = sum(_type_bytes(t) + sum(_type_bytes(types.get(o, "")) for o in ops)
+              for _, t, _, ops in kernels)
+  shapes = {f"[{','.join(map(str, s))}]" for s in leaf_shapes if s}
+  copies = [name for name, t, op, _ in kernels
+            if op == "copy" and re.search(r"\[[\d,]*\]", t).group(0) in shapes]
+  aliased = len(re.findall(r"\{[\d,]*\}: \(\d+, \{", hlo.splitlines()[0]))
+  return dict(kernels=len(kernels), kernel_ops=dict(collections.Counter(op for _, _, op, _ in kernels)),
+              bytes_moved=moved, param_sized_copies=len(copies), aliased_outputs=aliased)
+
+
+def ptx_properties(ptx: str) -> dict:
+  return dict(fma=len(re.findall(r"\bfma\.\w*\.?f32\b", ptx)),
+              approx_div=len(re.findall(r"\bdiv\.(?:full|approx)[.\w]*f32", ptx)),
+              approx_sqrt=len(re.findall(r"\bsqrt\.approx[.\w]*f32", ptx)),
+              approx_other=len(re.findall(r"\b(?:rcp|rsqrt|ex2|lg2|sin|cos)\.approx", ptx)),
+              ieee_div=len(re.findall(r"\bdiv\.rn[.\w]*f32", ptx)),
+              ieee_sqrt=len(re.findall(r"\bsqrt\.rn[.\w]*f32", ptx)))
+
+
+def compile_jax(name: str, tree: str, dump: Path) -> tuple[str, str, dict]:
+  """The optimized HLO and PTX of row ``name`` on ``tree``, and their properties."""
+  import jax  # noqa: PLC0415
+  import optax  # noqa: PLC0415
+  import optax_half as oh  # noqa: PLC0415
+  from benchmarks import common  # noqa: PLC0415
+  dtype, tx, in_place = jax_rows()[name]
+  sharding = jax.sharding.SingleDeviceSharding(jax_device())
+  shapes = common.shapes(tree)
+
+  def placed(x):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+  params = {f"p{i:03d}": placed(jax.ShapeDtypeStruct(s, dtype)) for i, s in enumerate(shapes)}
+  state = jax.tree.map(placed, jax.eval_shape(tx.init, params))
+
+  def step(p, s, g):
+    if in_place:
+      return oh.update_and_apply(tx, g, s, p)
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  module = "row_" + re.sub(r"\W+", "_", name).strip("_").lower()
+  step.__name__ = module
+  start = time.perf_counter()
+  with warnings.catch_warnings():  # the gradients die unused, as in a training step
+    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    lowered = jax.jit(step, donate_argnums=(0, 1, 2)).lower(params, state, params)
+    compiled = lowered.compile()
+  seconds = time.perf_counter() - start
+  hlo = compiled.as_text()
+  ptx = "\n".join(f.read_text() for f in sorted(dump.glob(f"*jit_{module}.*.ptx")))
+  n = sum(math.prod(s) for s in shapes)
+  info = hlo_properties(hlo, shapes)
+  memory = compiled.memory_analysis()
+  outputs = len(jax.tree.leaves(lowered.out_info))
+  info.update(ptx_properties(ptx), leaves=len(shapes), params=n, outputs=outputs,
+              bytes_per_param=info["bytes_moved"] / n, temp_bytes=memory.temp_size_in_bytes,
+              largest_leaf_bytes=max(math.prod(s) for s in shapes) * jax.numpy.dtype(dtype).itemsize,
+              compile_s=seconds, in_place=bool(in_place))
+  return hlo, ptx, info
+
+
+def jax_kernels(out: Path, rows=None, tree: str = "gpt2", ieee: bool = False) -> dict:
+  """Compiles ``rows`` (default all) for the H100, writes HLO, PTX and
+  ``jax.json`` (``jax-ieee.json`` with IEEE_XLA_FLAGS) into ``out``. Run it
+  in a fresh process: XLA's flags are read when JAX starts."""
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no CUDA to load: the H100 is deviceless
+  os.environ.setdefault("OPTAX_HALF_NATIVE", "0")  # the trace a GPU process makes
+  suffix = "-ieee" if ieee else ""
+  dump = out / f"jax{suffix}" / "xla"
+  shutil.rmtree(dump, ignore_errors=True)  # module numbers restart in each process
+  dump.mkdir(parents=True)
+  flags = os.environ.get("XLA_FLAGS", "")
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, (flags, f"--xla_dump_to={dump}",
+                                                   IEEE_XLA_FLAGS if ieee else "")))
+  results = {}
+  for name in rows or jax_rows():
+    hlo, ptx, info = compile_jax(name, tree, dump)
+    stem = re.sub(r"\W+", "_", name).strip("_").lower()
+    (out / f"jax{suffix}" / f"{stem}.hlo.txt").write_text(hlo)
+    (out / f"jax{suffix}" / f"{stem}.ptx").write_text(ptx)
+    results[name] = info
+  (out / f"jax{suffix}.json").write_text(
+      json.dumps(dict(tree=tree, xla_flags=os.environ["XLA_FLAGS"], rows=results), indent=1)
+      + "\n")
+  return results
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("out", type=Path)
-  parser.add_argument("--modes", default=",".join(TORCH_MODES),
-                      help="comma-separated torch kernel modes (default: all)")
+  parser.add_argument("--modes", default=None,
+                      help="comma-separated torch kernel modes (default: all, unless --jax)")
+  parser.add_argument("--jax", action="store_true", help="compile the JAX rows (.venv-gpu)")
+  parser.add_argument("--rows", default=None, help="comma-separated JAX rows (default: all)")
+  parser.add_argument("--tree", default="gpt2", help="the JAX rows' tree (benchmarks.common)")
+  parser.add_argument("--ieee", action="store_true",
+                      help="JAX with IEEE_XLA_FLAGS (IEEE division and square root)")
   args = parser.parse_args()
+  if args.jax:
+    rows = [r for r in args.rows.split(",") if r] if args.rows else None
+    results = jax_kernels(args.out, rows, args.tree, args.ieee)
+    print(f"{'JAX row (sm_90, ' + args.tree + (', IEEE' if args.ieee else '') + ')':56s} {'kernels':>7s} {'B/param':>7s} "
+          f"{'temp MB':>7s} {'copies':>6s} {'aliased':>7s} {'fma':>4s} {'~div':>4s} "
+          f"{'~sqrt':>5s} {'compile s':>9s}")
+    for name, r in results.items():
+      print(f"{name:56s} {r['kernels']:7d} {r['bytes_per_param']:7.2f} "
+            f"{r['temp_bytes'] / 1e6:7.1f} {r['param_sized_copies']:6d} "
+            f"{r['aliased_outputs']:3d}/{r['outputs']:<3d} {r['fma']:4d} {r['approx_div']:4d} "
+            f"{r['approx_sqrt']:5d} {r['compile_s']:9.1f}")
+    if args.modes is None:
+      return
   os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "0")
-  results = torch_kernels(args.out, [m for m in args.modes.split(",") if m])
+  modes = [m for m in args.modes.split(",") if m] if args.modes else None
+  results = torch_kernels(args.out, modes)
   print(f"{'torch kernel (sm_90)':26s} {'regs':>4s} {'spill':>5s} {'block':>5s} "
         f"{'vec B':>5s} {'v.ld':>4s} {'v.st':>4s} fma approx")
   for mode, r in results.items():
