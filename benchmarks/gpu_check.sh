@@ -44,7 +44,8 @@ try:
 except ImportError:
   print('no triton')
 "
-part test_gpu 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs
+# (the IEEE-flags rerun of the JAX cases is left out for time: pytest tests/test_gpu.py -k ieee)
+part test_gpu 150 "$py" -m pytest -q -p no:cacheprovider tests/test_gpu.py -rs -k "not ieee"
 
 # JAX: the reference, the naive bf16 step, every compensation, the wrappers and the
 # Flax paths, through tx.update and in place. The 1.3B tree holds fewer rows (each

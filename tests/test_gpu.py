@@ -19,7 +19,11 @@ established (docs/algorithms.md#on-gpu). Those cases are marked ``xfail``
 (not strict), so that they run and report.
 """
 
+import os
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +32,7 @@ import optax
 import pytest
 
 import optax_half as oh
+from benchmarks.gpu_static import IEEE_XLA_FLAGS
 from tests.conftest import bitwise_equal, ulp_diff
 
 JAX_GPU = jax.default_backend() == "gpu"
@@ -37,8 +42,11 @@ GPU_COMPILED = ("GPU-compiled fp32 arithmetic differs from the CPU's "
                 "(docs/algorithms.md#on-gpu): JAX's fp32 master up to 10 ULP, "
                 "Kahan buffer up to 2 ULP, split's low halves up to 28; torch's "
                 "compiled bf16 params up to 13 ULP")
-# The configurations measured to differ (the others were bitwise equal).
-JAX_DIFFERS = {"adam_fp32_master", "loss_scale(adamw_bf16)", "adamw_bf16/split"}
+# The configurations measured to differ (the others were bitwise equal); with
+# IEEE_XLA_FLAGS (IEEE division and square root in XLA:GPU) none should.
+IEEE = IEEE_XLA_FLAGS in os.environ.get("XLA_FLAGS", "")
+JAX_DIFFERS = set() if IEEE else {"adam_fp32_master", "loss_scale(adamw_bf16)",
+                                  "adamw_bf16/split"}
 TORCH_COMPILED_DIFFERS = {"adamw_bf16/kahan", "adamw_bf16/split", "adam_fp32_master",
                           "adamw_bf16/stochastic", "adamw_bf16/none+nearest"}
 
@@ -118,6 +126,22 @@ def test_jax_step_on_gpu_equals_cpu(name, in_place):
   print("\nGPUCHECK", name, in_place, max(worst.values()), worst)
   unequal = [k for (k, a), b in zip(with_path, c_leaves) if not bitwise_equal(a, b)]
   assert not unequal, (name, worst)
+
+
+@jax_gpu
+def test_jax_steps_with_ieee_flags_equal_cpu():
+  """With IEEE_XLA_FLAGS (set before JAX starts: a fresh process) every JAX
+  case equals the CPU bit for bit, through tx.update and in place, the
+  cases that differ by default included (docs/algorithms.md#xlagpu-without-a-gpu)."""
+  if IEEE:
+    pytest.skip("this process runs with the IEEE flags already")
+  env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {IEEE_XLA_FLAGS}"}
+  run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                        __file__, "-k", "test_jax_step_on_gpu_equals_cpu"], env=env,
+                       cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                       timeout=900)
+  print("\nGPUCHECK ieee", run.stdout[-4000:])
+  assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 
 @jax_gpu
