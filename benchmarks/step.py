@@ -28,6 +28,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from flax.training import train_state
@@ -419,6 +420,10 @@ def main(argv=None):
                       help="measure MEMORY_ROWS' resident bytes and peaks, each in a fresh "
                            "process (Linux; default on)")
   parser.add_argument("--memory-row", default=None, help=argparse.SUPPRESS)
+  parser.add_argument("--split", type=int, default=0, metavar="K",
+                      help="also what a step pays apart (the optax rows): device_ms, K steps "
+                           "in one jit (a fori_loop over a donated carry), and host_ms, the "
+                           "time a call takes to return before its work is done")
   args = parser.parse_args(argv)
   tree_name = args.tree or ("quick" if args.quick else "standard")
   if args.memory_row:
@@ -477,6 +482,7 @@ def main(argv=None):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     runs[name] = dict(fn=fn, params=params, state=state, grads=grads, times=[], ready=ready,
+                      step=None if flax_mode else step,
                       setup_s=compile_s, bytes_per_param=(persistent + nbytes(grads)) / n,
                       # clipped: the norm reads the gradients once more
                       moved_per_param=0.0 if in_place == "identity" else (
@@ -499,6 +505,9 @@ def main(argv=None):
       r["ready"](r["params"], r["state"])
       r["times"].append(time.perf_counter() - start)
 
+  if args.split:
+    split_times(runs, args.split, reps, tree_name)
+
   memory = {}
   if args.memory == "on" and common.memory_supported():
     names = [k for k in (QUICK_MEMORY_ROWS if args.quick else MEMORY_ROWS) if k in chosen]
@@ -517,9 +526,52 @@ def main(argv=None):
       f"{k}: {v['xla_bytes_accessed_per_param']:.1f}" for k, v in out["runs"].items()))
   print("\nXLA temporaries (memory_analysis, allocated each step) bytes per param: " + ", ".join(
       f"{k}: {v['xla_temp_bytes_per_param']:.1f}" for k, v in out["runs"].items()))
+  if args.split:
+    print(f"\n{'what a step pays (' + jax.default_backend() + ')':56s} {'device ms':>9s} "
+          f"{'vs ref':>7s} {'host ms':>8s}")
+    for k, v in out["runs"].items():
+      if "device_ms" in v:
+        print(f"{k:56s} {v['device_ms']:9.3f} {v['device_ratio']:6.2f}x {v['host_ms']:8.3f}")
   if memory:
     common.print_memory(memory)
   return out
+
+
+def split_times(runs: dict, k: int, reps: int, tree_name: str) -> None:
+  """Each optax row's ``device_ms`` (``k`` steps inside one jit: a
+  ``fori_loop`` over the donated params and state, the gradients read each
+  step; the wall time of a call / k, so no per-call dispatch) and
+  ``host_ms`` (the median time ``fn(...)`` takes to return, before its work
+  is done), into the row's ``extra``."""
+  for name, r in runs.items():
+    if r["step"] is None:
+      continue
+
+    def many(p, s, g, step=r["step"]):
+      return jax.lax.fori_loop(0, k, lambda _, c: step(c[0], c[1], g), (p, s))
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+      loop = jax.jit(many, donate_argnums=(0, 1))
+      r["params"], r["state"] = loop(r["params"], r["state"], r["grads"])  # compiles
+    jax.block_until_ready(r["params"])
+    device, host = [], []
+    for _ in range(reps):
+      start = time.perf_counter()
+      r["params"], r["state"] = loop(r["params"], r["state"], r["grads"])
+      jax.block_until_ready(r["params"])
+      device.append((time.perf_counter() - start) / k)
+      g = fresh(r["grads"])
+      start = time.perf_counter()
+      r["params"], r["state"] = r["fn"](r["params"], r["state"], g)
+      host.append(time.perf_counter() - start)
+      jax.block_until_ready(r["params"])
+    r["extra"].update(name=name, tree=tree_name, device_ms=float(np.median(device)) * 1e3,
+                      host_ms=float(np.median(host)) * 1e3, device_steps=k,
+                      device_timing=f"{k} steps in one jit (fori_loop), wall / {k}")
+  ref = runs.get("optax.adamw fp32 (reference)", {}).get("extra", {}).get("device_ms")
+  for r in runs.values():
+    if ref and "device_ms" in r["extra"]:
+      r["extra"]["device_ratio"] = ref / r["extra"]["device_ms"]
 
 
 if __name__ == "__main__":

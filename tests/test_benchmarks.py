@@ -90,6 +90,11 @@ def test_jax_benchmark_flags(monkeypatch):
   idle = step.main(["--quick", "--reps", "1", "--settle-ms", "5", "--gc", "freeze",
                     "--only", "scaled_adam"])
   assert idle["settle_ms"] == 5.0 and idle["gc"] == "freeze"
+  split = step.main(["--quick", "--reps", "2", "--memory", "off", "--split", "3", "--only",
+                     "adamw_bf16 kahan (update_and_apply),adamw_bf16 kahan"])
+  for name, row in split["runs"].items():  # device and host time apart, the reference's too
+    assert row["device_ms"] > 0 and row["host_ms"] > 0 and row["device_ratio"] > 0, name
+    assert row["name"] == name and row["tree"] == "quick" and row["ratio"] > 0, name
   in_step = step.main(["--quick", "--reps", "1", "--grads", "in-step", "--only",
                        ",".join(["adamw_bf16 kahan (update_and_apply)", *FLAX_ROWS])])
   assert set(in_step["runs"]) == {"optax.adamw fp32 (reference)",
