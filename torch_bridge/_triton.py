@@ -20,7 +20,6 @@ Spec: docs/algorithms.md#triton-multi-tensor-step.
 
 from __future__ import annotations
 
-import collections
 import functools
 import importlib.util
 from pathlib import Path
@@ -257,6 +256,8 @@ class Plan:
                 MAXIMIZE=bool(maximize))
     aligned = (table[:, :5] % _ALIGN == 0).all(axis=1)
     numels = table[:, 5]
+    # one table on the device: every launch's programs name its rows, the advance reads them all
+    self.table = _to_device(table, torch.int64, device)
     self.launches = []
     for flag in (True, False):
       rows = np.nonzero((aligned == flag) & (numels > 0))[0]
@@ -265,10 +266,8 @@ class Plan:
         config["BLOCK"] = block_of(config)
         config["ITERS"] = CHUNK // config["BLOCK"]
         programs = _programs(numels, rows)
-        self.launches.append((_to_device(table, torch.int64, device),
-                              _to_device(programs, torch.int32, device), len(programs), config))
+        self.launches.append((_to_device(programs, torch.int32, device), len(programs), config))
     self.n = n
-    self.table = _to_device(table, torch.int64, device)  # every row: the step counts
 
   def run(self, lr, b1, b2, eps, weight_decay, seed: int, inv_scale=None, found_inf=None):
     """One step of every tensor: ``adamw_step``'s scalars from these
@@ -287,8 +286,8 @@ class Plan:
       lr_ptr, lr = self.table, float(np.float32(lr))
     seed_key = rounding._signed32(rounding._mix32_int(int(seed)))
     dummy = self.table
-    for table, programs, n_programs, config in self.launches:
-      _launch(k.adamw_kernel, (n_programs,), table, programs, lr, lr_ptr, float(np.float32(b1)),
+    for programs, n_programs, config in self.launches:
+      _launch(k.adamw_kernel, (n_programs,), self.table, programs, lr, lr_ptr, float(np.float32(b1)),
               float(np.float32(b2)), float(np.float32(eps)), float(np.float32(weight_decay)),
               seed_key, dummy if inv_scale is None else inv_scale,
               dummy if found_inf is None else found_inf, **config,
