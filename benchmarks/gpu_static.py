@@ -67,7 +67,7 @@ def _config(mode: str) -> dict:
   p, g, m, v, buf, kernel_mode, sr, aligned = TORCH_MODES[mode]
   config = dict(P=p, G=g, M=m, V=v, BUF=buf, MODE=native_lib.MODES[kernel_mode],
                 SR_MOMENTS=sr, MAXIMIZE=False, HAS_INV_SCALE=True, HAS_FOUND_INF=True,
-                LR_TENSOR=False, ALIGNED=aligned)
+                LR_TENSOR=False, ALIGNED=aligned, INVERT_SCALE=True)
   config["BLOCK"] = _triton.block_of(config)
   config["ITERS"] = _triton.CHUNK // config["BLOCK"]
   return config

@@ -200,9 +200,11 @@ def test_resume_equals_uninterrupted():
   assert_same_torch_runs(whole, (params, opt))
 
 
-def _host_step(n: int, monkeypatch) -> tuple:
+def _host_step(n: int, monkeypatch, scaler=None) -> tuple:
   """Python calls in torch_bridge, torch ops and launches of one replayed
-  ``opt.step()`` of ``n`` bf16 tensors (the launches recorded, not run)."""
+  ``opt.step()`` of ``n`` bf16 tensors (the launches recorded, not run);
+  ``scaler``: ``grad_scale`` and ``found_inf`` set on the optimizer, as
+  GradScaler sets them."""
   import sys  # noqa: PLC0415
   from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
 
@@ -222,6 +224,8 @@ def _host_step(n: int, monkeypatch) -> tuple:
   opt._triton = True
   for p in params:
     p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+  for name, value in (scaler or {}).items():
+    setattr(opt, name, value)
   opt.step()
   launched = []
   calls = collections.Counter()
@@ -254,6 +258,123 @@ def test_host_step_is_the_same_for_any_number_of_tensors(monkeypatch):
     assert set(ops) <= {"profiler._record_function_enter_new.default",
                         "profiler._record_function_exit._RecordFunction"}, ops
     assert launched == ["adamw_kernel", "advance_kernel"]
+
+
+def test_host_step_with_a_grad_scaler_is_the_same(monkeypatch):
+  """GradScaler's ``grad_scale`` and ``found_inf`` (set on the optimizer for
+  its step) go to the kernel as they are: the replayed step still makes the
+  same Python calls whatever the number of tensors, and no torch op."""
+  scaler = dict(grad_scale=torch.full((), 1024.0), found_inf=torch.zeros(()))
+  small, large = (_host_step(n, monkeypatch, scaler) for n in (8, 40))
+  assert small[0] == large[0] and sum(small[0].values()) < 45, (small[0], large[0])
+  for calls, ops, launched in (small, large):
+    assert set(ops) <= {"profiler._record_function_enter_new.default",
+                        "profiler._record_function_exit._RecordFunction"}, ops
+    assert launched == ["adamw_kernel", "advance_kernel"]
+
+
+def _scaled_grads(params, gen, scale: float, step: int, inf_at: int):
+  grads = []
+  for i, p in enumerate(params):
+    g = torch.randn(p.shape, generator=gen) * 0.1
+    if step == inf_at and i == 1:
+      g[3] = float("inf")
+    grads.append((g * scale).to(p.dtype))  # a backward of the scaled loss
+  return grads
+
+
+@pytest.mark.parametrize("schedule", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_torch_grad_scaler_unscales_and_skips_in_the_kernel(dtype, schedule):
+  """torch.amp.GradScaler with the Triton step (``_step_supports_amp_scaling``):
+  the gradients stay scaled (fp16 ones too, which GradScaler.unscale_ refuses),
+  the kernel multiplies them by f32(1 / scale) and skips the step where one
+  is not finite. Bit for bit the eager step fed ``widen(g) * inv_scale``,
+  and not stepped where the scaler found an inf; with an lr schedule the
+  skip is read on the host, so the group count stays too."""
+  gen = torch.Generator().manual_seed(0)
+  init = [torch.randn(s, generator=gen).to(dtype) for s in SHAPES]
+  lr = (lambda count: 1e-2 / (1 + count)) if schedule else 1e-2
+  runs, counts, scales = [], [], []
+  for triton in (True, False):
+    gen = torch.Generator().manual_seed(1)
+    params = [p.clone().requires_grad_() for p in init]
+    opt = tb.adamw_bf16(params, learning_rate=lr, weight_decay=0.1,
+                        fused=None if triton else False)
+    opt._triton = triton
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**12, growth_interval=2)
+    assert opt._step_supports_amp_scaling is triton
+    for step in range(6):
+      scaler.scale(torch.ones(()))  # as a loss is scaled (the scale is made lazily)
+      scale = scaler.get_scale() if triton else scales[step]
+      scales.append(scale)
+      grads = _scaled_grads(params, gen, scale, step, inf_at=2)
+      if triton:
+        for p, g in zip(params, grads):
+          p.grad = g
+        scaler.step(opt)
+        assert all(torch.equal(torch_bits(p.grad), torch_bits(g)) for p, g in zip(params, grads))
+        scaler.update()
+      else:  # the reference: unscaled by hand, no step on an inf
+        inv = torch.tensor(scale, dtype=torch.float64).reciprocal().float()
+        unscaled = [g.float() * inv for g in grads]
+        finite = all(torch.isfinite(u).all() for u in unscaled)
+        for p, u in zip(params, unscaled):
+          p.grad, p.main_grad = None, u
+        if finite:
+          opt.step()
+    runs.append((params, opt))
+    counts.append(opt.param_groups[0]["count"])
+  assert_same_torch_runs(*runs)
+  assert int(runs[0][1].state[runs[0][0][0]]["step"]) == 5
+  assert scales[:6] == [2.0**12, 2.0**12, 2.0**13, 2.0**12, 2.0**12, 2.0**13]  # grew, backed off
+  # the skipped step: counted on the device path unless the schedule needs it read
+  assert counts == ([5, 5] if schedule else [6, 5])
+
+
+@pytest.mark.parametrize("clip", [False, True])
+def test_dynamic_loss_scale_in_the_kernel_equals_its_host_path(clip):
+  """torch_bridge.dynamic_loss_scale on fp16 params: handing the scale to the
+  kernel (the Triton step) or unscaling into fp32 copies (the host path) gives
+  the same bits; ``clip_grad_norm_`` unscales first, and the kernel then gets
+  the unscaled copies and only ``found_inf``."""
+  gen = torch.Generator().manual_seed(0)
+  init = [torch.randn(s, generator=gen).to(torch.float16) for s in SHAPES]
+  runs = []
+  for triton in (True, False):
+    gen = torch.Generator().manual_seed(1)
+    params = [p.clone().requires_grad_() for p in init]
+    opt = _opted_in(tb.adam_fp32_master(params, lr=1e-2)) if triton else tb.adam_fp32_master(
+        params, lr=1e-2, fused=False)
+    scaler = tb.dynamic_loss_scale(init_scale=2.0**10, growth_interval=2)
+    for step in range(5):
+      for p, g in zip(params, _scaled_grads(params, gen, float(scaler._scale), step, inf_at=2)):
+        p.grad = g
+      if clip:
+        scaler.clip_grad_norm_(opt, 1.0)
+      scaler.step(opt)
+      scaler.update()
+    runs.append((params, opt))
+  assert_same_torch_runs(*runs)
+
+
+def test_grad_scaler_contract_only_where_every_param_takes_the_kernel():
+  """GradScaler unscales on the host (its usual path) for steps that would
+  not go whole through the Triton step."""
+  p = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+  assert not tb.adamw_bf16([p])._step_supports_amp_scaling  # CPU, not opted in
+  opt = tb.adamw_bf16([p])
+  opt._triton = True
+  assert opt._step_supports_amp_scaling
+  assert not _opted_in(tb.adamw_bf16([p], amsgrad=True))._step_supports_amp_scaling
+  assert not _opted_in(tb.adamw_bf16([p], fused=False))._step_supports_amp_scaling
+  p.main_grad = torch.zeros(4)
+  assert not opt._step_supports_amp_scaling  # accumulate_in_fp32: GradScaler never sees it
+
+
+def _opted_in(opt):
+  opt._triton = True
+  return opt
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -269,11 +269,14 @@ class Plan:
         self.launches.append((_to_device(programs, torch.int32, device), len(programs), config))
     self.n = n
 
-  def run(self, lr, b1, b2, eps, weight_decay, seed: int, inv_scale=None, found_inf=None):
+  def run(self, lr, b1, b2, eps, weight_decay, seed: int, inv_scale=None, found_inf=None,
+          grad_scale=None):
     """One step of every tensor: ``adamw_step``'s scalars from these
     hyperparameters and each tensor's step count, which it advances (not
     where ``found_inf`` is nonzero). ``lr``: a number or a one-element fp32
-    tensor on the device; ``inv_scale``, ``found_inf``: one-element tensors there."""
+    tensor on the device; ``inv_scale``, ``found_inf``: one-element tensors
+    there; ``grad_scale`` (instead of ``inv_scale``): the loss scale, whose
+    reciprocal the kernel makes (GradScaler's ``optimizer.grad_scale``)."""
     k = _kernels()
     lr_tensor = torch.is_tensor(lr)
     if lr_tensor and (lr.device != self.device or lr.dtype != torch.float32):
@@ -286,13 +289,21 @@ class Plan:
       lr_ptr, lr = self.table, float(np.float32(lr))
     seed_key = rounding._signed32(rounding._mix32_int(int(seed)))
     dummy = self.table
+    invert = grad_scale is not None
+    if invert:
+      inv_scale = grad_scale
+    # a loss scaler's tensors on another device (its scale's): copied here, as torch's fused step does
+    if inv_scale is not None and inv_scale.device != self.device:
+      inv_scale = inv_scale.to(self.device)
+    if found_inf is not None and found_inf.device != self.device:
+      found_inf = found_inf.to(self.device)
     for programs, n_programs, config in self.launches:
       _launch(k.adamw_kernel, (n_programs,), self.table, programs, lr, lr_ptr, float(np.float32(b1)),
               float(np.float32(b2)), float(np.float32(eps)), float(np.float32(weight_decay)),
               seed_key, dummy if inv_scale is None else inv_scale,
               dummy if found_inf is None else found_inf, **config,
               HAS_INV_SCALE=inv_scale is not None, HAS_FOUND_INF=found_inf is not None,
-              LR_TENSOR=lr_tensor)
+              LR_TENSOR=lr_tensor, INVERT_SCALE=invert)
     _launch(k.advance_kernel, (triton_cdiv(self.n, 1024),), self.table, self.n,
             dummy if found_inf is None else found_inf, found_inf is not None, 1024)
 
@@ -372,10 +383,13 @@ class Batch:
   group's hyperparameters) and keeps the plans it ran (``plans``), which the
   optimizer runs again while nothing changed. The interface of ``adam._Grouped``."""
 
-  def __init__(self, seed: int, state_rounding: str, cuda_only: bool = False):
+  def __init__(self, seed: int, state_rounding: str, cuda_only: bool = False,
+               grad_scale: Optional[torch.Tensor] = None,
+               found_inf: Optional[torch.Tensor] = None):
     self._seed = seed
     self._state_rounding = state_rounding
     self._cuda_only = cuda_only
+    self._amp = dict(grad_scale=grad_scale, found_inf=found_inf)  # GradScaler's, for every run
     self._configs: dict = {}  # config -> [hyper, rows]
     self._taken: set = set()
     self.plans: list = []  # (plan, group index) of every launch so far
@@ -415,5 +429,5 @@ class Batch:
       plan = Plan(*columns, [step for _, step, _, _ in rows], mode=mode,
                   state_rounding=self._state_rounding, leaves=[leaf for _, _, leaf, _ in rows],
                   indices=[index for _, _, _, index in rows], maximize=maximize)
-      plan.run(*hyper, self._seed)
+      plan.run(*hyper, self._seed, **self._amp)
       self.plans.append((plan, group))

@@ -311,14 +311,16 @@ def adamw_kernel(table_ptr, programs_ptr, lr, lr_ptr, b1, b2, eps, weight_decay,
                  M: tl.constexpr, V: tl.constexpr, BUF: tl.constexpr, MODE: tl.constexpr,
                  SR_MOMENTS: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_INV_SCALE: tl.constexpr,
                  HAS_FOUND_INF: tl.constexpr, LR_TENSOR: tl.constexpr, ALIGNED: tl.constexpr,
-                 BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                 BLOCK: tl.constexpr, ITERS: tl.constexpr, INVERT_SCALE: tl.constexpr = False):
   """One AdamW step of ITERS blocks of one tensor of the table: adam.adamw_step
   op for op. ``programs_ptr``: (table row, first element) per program, int32;
   a row holds the tensor's addresses, its numel, its random-bit counter of
   element 0, its leaf and the address of its int64 step count (before this
   step: the bias corrections and random-bit keys are made here from it).
   ``seed_key``: mix32(seed) (int32 bits). ALIGNED: every address of every row
-  is 16-byte aligned, so full blocks move 16 bytes per access."""
+  is 16-byte aligned, so full blocks move 16 bytes per access. INVERT_SCALE:
+  ``inv_scale_ptr`` holds the loss scale itself (GradScaler's ``grad_scale``),
+  whose correctly rounded reciprocal is GradScaler's ``inv_scale``."""
   pid = tl.program_id(0)
   r = tl.load(programs_ptr + 2 * pid)
   start = tl.multiple_of(tl.load(programs_ptr + 2 * pid + 1), BLOCK)
@@ -346,6 +348,8 @@ def adamw_kernel(table_ptr, programs_ptr, lr, lr_ptr, b1, b2, eps, weight_decay,
   inv_scale = one
   if HAS_INV_SCALE:
     inv_scale = tl.load(inv_scale_ptr)
+    if INVERT_SCALE:  # = fp32(1 / fp64(scale)): rounding twice from fp64 is innocuous here
+      inv_scale = tl.div_rn(one, inv_scale)
   # the leaves' random-bit keys (rounding.leaf_key) of both streams
   k = mix32(seed_key.to(tl.uint32, bitcast=True) ^ step)
   word_p = mix32(mix32(k ^ STREAM_P) ^ leaf)

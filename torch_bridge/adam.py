@@ -520,10 +520,39 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
                          for v in values)
     return cache[key]
 
+  @property
+  def _step_supports_amp_scaling(self) -> bool:
+    """GradScaler's contract with steps that unscale and skip on the device
+    (as torch's fused AdamW): where every param takes the Triton step, the
+    kernel reads ``optimizer.grad_scale`` and ``optimizer.found_inf`` and
+    the gradients stay scaled (fp16 ones included); elsewhere GradScaler
+    unscales them and reads ``found_inf`` on the host, as for any optimizer."""
+    want = _triton_wanted(self)
+    if want is False or self._fused is False or not _triton.available():
+      return False
+    if any(g["amsgrad"] or g["differentiable"] for g in self.param_groups):
+      return False
+    params = [p for g in self.param_groups for p in g["params"]]
+    return bool(params) and all(
+        (p.is_cuda or (want and p.is_cpu and _triton.interpreting()))
+        and not p.is_complex() and getattr(p, "main_grad", None) is None
+        and not _dist.is_dtensor(p) for p in params)
+
+  def _amp_scaling(self) -> "_AmpScaling":
+    """GradScaler's ``grad_scale`` and ``found_inf`` for this step, if it set them."""
+    amp = _AmpScaling(self.__dict__.get("grad_scale"), self.__dict__.get("found_inf"))
+    if amp.found_inf is not None and any(g.get("lr_schedule") is not None
+                                         for g in self.param_groups):
+      amp.read()  # a schedule's count advances only on a step taken: read on the host
+    return amp
+
   def _step_all(self) -> None:
+    amp = self._amp_scaling()
+    if amp.skipped():  # found_inf, read on the host: nothing changes
+      return
     # The last step's Triton launches again, while nothing they hang on changed.
     replay = self.__dict__.pop("_replay", None)
-    if replay is not None and replay.step(self):
+    if replay is not None and replay.step(self, amp):
       self._replay = replay
       return
     # Every state made or checked first: a param whose dtype changed since
@@ -546,7 +575,8 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
     # (OPTAX_HALF_TRITON=1 or opt._triton = True) also CPU tensors under
     # Triton's interpreter; off with fused=False, OPTAX_HALF_TRITON=0 or opt._triton = False.
     want_triton = _triton_wanted(self)
-    triton = (_triton.Batch(self._seed, self._state_rounding, cuda_only=want_triton is None)
+    triton = (_triton.Batch(self._seed, self._state_rounding, cuda_only=want_triton is None,
+                            grad_scale=amp.grad_scale, found_inf=amp.found_inf)
               if want_triton is not False and self._fused is not False and _triton.available()
               else None)
     stepped: list = []
@@ -557,11 +587,12 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
       for batch in (grouped, native, triton):  # run last in, first out: triton first
         if batch is not None:
           after.callback(batch.run)
-      self._step_each(native, grouped, stepped, triton)
+      self._step_each(native, grouped, stepped, triton, amp)
     if triton is not None:
       self._replay = _Replay.of(self, triton)
 
-  def _step_each(self, native, grouped, stepped: list, triton=None) -> None:
+  def _step_each(self, native, grouped, stepped: list, triton=None,
+                 amp: Optional["_AmpScaling"] = None) -> None:
     position = 0
     for group_index, group in enumerate(self.param_groups):
       count = group["count"]
@@ -614,6 +645,10 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
             tensors, _kernel_mode(compensation), leaf, hyper, group_index, state, index,
             maximize):
           continue
+        if amp is not None and amp.given:  # GradScaler's scale, off the Triton step
+          if amp.skipped(read=True):
+            continue
+          tensors = (tensors[0], amp.unscale(tensors[1]), *tensors[2:])
         step = int(state["step"])
         if not per_tensor and native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
@@ -692,7 +727,7 @@ class _Replay:
             [(g["maximize"], g["amsgrad"], g["differentiable"]) for g in opt.param_groups],
             opt._fused, _triton_wanted(opt))
 
-  def step(self, opt) -> bool:
+  def step(self, opt, amp: "_AmpScaling") -> bool:
     """One step by the plans; False (nothing done) where they no longer fit."""
     if opt._unscaled_grads or self._key(opt) != self.key:
       return False
@@ -703,8 +738,56 @@ class _Replay:
                     group["weight_decay"]))
       group["count"] = count + 1
     for plan, group in self.plans:
-      plan.run(*hyper[group], opt._seed)
+      plan.run(*hyper[group], opt._seed, found_inf=amp.found_inf, grad_scale=amp.grad_scale)
     return True
+
+
+class _AmpScaling:
+  """GradScaler's ``grad_scale`` (None: the gradients are unscaled already)
+  and ``found_inf`` of one step, which the Triton step reads on the device.
+  Any other step reads ``found_inf`` on the host (once) and unscales its
+  gradient: ``widen(g) * inv_scale``, ``inv_scale = f32(1 / scale)`` as
+  GradScaler.unscale_ makes it. A skipped step's params, moments and step
+  counts stay; the groups' ``count`` advances unless the skip was read on the
+  host (where a group's lr schedule needs it)."""
+
+  def __init__(self, grad_scale, found_inf):
+    for name, value in (("grad_scale", grad_scale), ("found_inf", found_inf)):
+      if value is not None and not (torch.is_tensor(value) and value.numel() == 1):
+        if name == "found_inf" and isinstance(value, (int, float)):
+          continue  # GradScaler's sum over no gradients: 0
+        raise TypeError(f"optimizer.{name} must be a one-element tensor (GradScaler "
+                        f"sets it); got {value!r}.")
+    if grad_scale is not None and grad_scale.dtype != torch.float32:
+      raise TypeError(f"optimizer.grad_scale must be float32, as GradScaler's scale; got "
+                      f"{grad_scale.dtype}.")
+    self.grad_scale = grad_scale
+    self.found_inf = found_inf
+    self.given = grad_scale is not None or found_inf is not None
+    self._skip: Optional[bool] = None
+    self._inv: dict = {}
+    if found_inf is not None and not torch.is_tensor(found_inf):
+      self.read()
+
+  def read(self) -> None:
+    """Reads ``found_inf`` on the host (a sync)."""
+    self._skip = bool(self.found_inf)
+    self.found_inf = None
+
+  def skipped(self, read: bool = False) -> bool:
+    """Whether the step is skipped, as read on the host (``read``: read it now)."""
+    if read and self.found_inf is not None:
+      self.read()
+    return bool(self._skip)
+
+  def unscale(self, g: torch.Tensor) -> torch.Tensor:
+    if self.grad_scale is None:
+      return g
+    inv = self._inv.get(g.device)
+    if inv is None:
+      inv = self._inv[g.device] = self.grad_scale.double().reciprocal().float().reshape(
+          ()).to(g.device)
+    return rounding.widen(g) * inv
 
 
 def scale_by_adamw(
