@@ -133,7 +133,26 @@ def _widen16(p: jax.Array) -> jax.Array:
   if p.dtype == jnp.bfloat16:
     bits = lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.uint32) << 16
     return lax.bitcast_convert_type(bits, jnp.float32)
-  return lax.optimization_barrier(p).astype(jnp.float32)
+  if p.dtype == jnp.float16:
+    return _widen_f16_bits(p)
+  return lax.optimization_barrier(p).astype(jnp.float32)  # fp8 and the like
+
+
+def _widen_f16_bits(p: jax.Array) -> jax.Array:
+  """fp16 -> fp32 through the bits, as the conversion gives them (a signalling NaN
+  quieted): normal and special values by moving the fields, subnormals as
+  ``mantissa * 2^-24`` (exact). No float rewrite can fold it, and unlike an
+  optimization barrier it fuses (docs/algorithms.md#exact-upcasts)."""
+  b = lax.bitcast_convert_type(p, jnp.uint16).astype(jnp.uint32)
+  sign = (b & 0x8000) << 16
+  exponent = (b >> 10) & 0x1F
+  mantissa = b & 0x3FF
+  normal = sign | ((exponent + 112) << 23) | (mantissa << 13)
+  special = sign | 0x7F800000 | (mantissa << 13) | jnp.where(mantissa != 0, _u32(0x400000), _u32(0))
+  wide = lax.bitcast_convert_type(jnp.where(exponent == 31, special, normal), jnp.float32)
+  small = mantissa.astype(jnp.float32) * jnp.float32(2.0**-24)
+  small = jnp.where(sign != 0, -small, small)
+  return jnp.where(exponent == 0, small, wide)
 
 
 @_widen16.defjvp

@@ -186,6 +186,24 @@ def test_widen_keeps_the_rounding_error_inside_jit(dtype, rng):
   assert np.count_nonzero(np.asarray(err)) > 4000
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_widen_is_the_conversion_on_every_16_bit_pattern(dtype):
+  """Through the bits (no float op XLA could fold), ``widen`` gives every one
+  of the 65536 values the conversion's fp32 bits: subnormals, both zeros,
+  infinities, and NaNs quieted as the conversion quiets them."""
+  words = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+  x = jax.lax.bitcast_convert_type(jnp.asarray(words), dtype)
+  want = np.asarray(words.view(np.dtype(dtype)).astype(np.float32)).view(np.uint32)
+  for widen in (rounding.widen, jax.jit(rounding.widen)):
+    got = np.asarray(widen(x)).view(np.uint32)
+    nan = np.isnan(want.view(np.float32))
+    assert np.array_equal(got[~nan], want[~nan])
+    # a NaN keeps its sign and payload; fp16's signalling ones come quieted, as
+    # XLA's conversion gives them (numpy's keeps the bits; bf16's is a shift)
+    assert np.array_equal(got[nan] | 0x400000, want[nan] | 0x400000)
+    assert np.isnan(got[nan].view(np.float32)).all()
+
+
 def test_no_fma_rounds_the_product_before_the_add():
   rng = np.random.default_rng(0)
   a, b, c = (rng.standard_normal(100_000).astype(np.float32) for _ in range(3))
