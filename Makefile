@@ -4,7 +4,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: test test-slow soak demo bench install clean gpu-static test-gpu-static
+.PHONY: test test-slow soak demo bench install clean gpu-static test-gpu-static tpu-static \
+        test-tpu-static
 
 # Reinstall only when the package metadata changes: a second `make test` is seconds.
 $(STAMP): pyproject.toml
@@ -72,5 +73,31 @@ gpu-static: $(GPU_STAMP)
 test-gpu-static: $(GPU_STAMP)
 	JAX_PLATFORMS=cpu PYTHONPATH=$(CURDIR) $(GPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_gpu_static.py
 
+# TPU steps compiled without a TPU (benchmarks/tpu_static.py): XLA:TPU is libtpu,
+# pinned by jax[tpu] at the jax version, kept out of .venv in .venv-tpu (JAX there
+# compiles for deviceless v5e, v6e and v4 chips; no TPU).
+TPU_VENV  := .venv-tpu
+TPU_STAMP := $(TPU_VENV)/.installed
+
+$(TPU_STAMP): pyproject.toml $(STAMP)
+	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
+	v=$$($(PY) -c "import jax; print(jax.__version__)"); \
+	pins=$$($(PY) -c "import optax, flax, chex, ml_dtypes, numpy; print(' '.join(f'{m.__name__}=={m.__version__}' for m in (optax, flax, chex, ml_dtypes, numpy)))"); \
+	$(TPU_VENV)/bin/python -m pip install --quiet --disable-pip-version-check \
+	  "jax[tpu]==$$v" "jaxlib==$$v" $$pins "pytest>=8"
+	touch $(TPU_STAMP)
+
+# Every JAX benchmark row compiled for v5e, v6e and v4 (TPU_ARGS="--chips v5e"):
+# HLO per chip and row and OUT/tpu.json (OUT: default tpu_static_out).
+TPU_OUT = $(if $(filter command line environment,$(origin OUT)),$(OUT),tpu_static_out)
+tpu-static: $(TPU_STAMP)
+	PYTHONPATH=$(CURDIR) $(TPU_VENV)/bin/python -m benchmarks.tpu_static $(TPU_OUT) $(TPU_ARGS)
+
+# tests/test_tpu_static.py in .venv-tpu (skipped in .venv); CI runs it.
+test-tpu-static: $(TPU_STAMP)
+	JAX_PLATFORMS=cpu PYTHONPATH=$(CURDIR) $(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+	  --durations=5 tests/test_tpu_static.py
+
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache demo_out bench_out gpu_static_out
+	rm -rf $(VENV) $(GPU_VENV) $(TPU_VENV) .pytest_cache demo_out bench_out gpu_static_out \
+	  tpu_static_out
