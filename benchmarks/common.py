@@ -25,6 +25,8 @@ import time
 # leaves; "transformer": the 147 tensors (9.7M params) of a 12-layer
 # transformer of width 256 (per layer: qkv, out, two feed-forward matrices,
 # their biases, two norms' scales and biases), an embedding, a final norm and a scalar.
+GPT2_LAYER = [((768,), 2), ((768, 2304), 1), ((2304,), 1), ((768, 768), 1), ((768,), 1),
+              ((768,), 2), ((768, 3072), 1), ((3072,), 1), ((3072, 768), 1), ((768,), 1)]
 TREES = {
     "standard": [((4096, 1024), 4), ((1024,), 8), ((), 4)],
     "many": [((32768,), 512)],
@@ -37,10 +39,10 @@ TREES = {
     # embeddings, 12 layers of two norms, qkv, out, two feed-forward matrices and their
     # biases, a final norm) and a 1.3B model (24 such layers of width 2048, 292 tensors).
     "gpt2": [((50257, 768), 1), ((1024, 768), 1)] + [
-        layer for _ in range(12) for layer in (
-            ((768,), 2), ((768, 2304), 1), ((2304,), 1), ((768, 768), 1), ((768,), 1),
-            ((768,), 2), ((768, 3072), 1), ((3072,), 1), ((3072, 768), 1), ((768,), 1))]
-    + [((768,), 2)],
+        layer for _ in range(12) for layer in GPT2_LAYER] + [((768,), 2)],
+    # GPT-2 with one layer (16 leaves, 83% of its params the embedding): every
+    # leaf shape of "gpt2" for the static compile tests, in a ninth of the time.
+    "gpt2-layer": [((50257, 768), 1), ((1024, 768), 1)] + GPT2_LAYER + [((768,), 2)],
     "1.3b": [((50257, 2048), 1), ((2048, 2048), 1)] + [
         layer for _ in range(24) for layer in (
             ((2048,), 2), ((2048, 6144), 1), ((6144,), 1), ((2048, 2048), 1), ((2048,), 1),
