@@ -333,6 +333,49 @@ def test_jax_kernel_and_the_in_place_step_equal_the_composed_transformation(name
       _same_bits(_jax_run(make, MIXED, in_place=True), composed_in_place, "update_and_apply")
 
 
+def test_jax_kernel_master_misses_in_the_lanes_as_the_composed_transformation(monkeypatch):
+  """``adam_fp32_master`` through ``tx.update`` where many lanes of a block miss
+  their landing: weights pushed from 1 to 2^-20 (a far miss: the param lands
+  on 0, then on its target), weights near 0 pushed across it, NaN and Inf
+  params, beside lanes that land. Three steps of the kernel's lanes (three
+  blocks of 16 or six of 8) give the composed transformation's bits, bf16 and
+  fp16: params, master and the missed marks (the write's and the read
+  check's, both hashed in the lanes)."""
+  lr = 1.0 - 2.0**-20  # Adam's first step is -lr * sign(g): from 1 to 2^-20
+  n = 48
+  kind = np.arange(n) % 4
+  p0 = np.select([kind == 0, kind == 1, kind == 2], [1.0, 1e-3, -2.0], 0.5).astype(np.float32)
+  p0[[5, 17, 30]] = [np.nan, np.inf, -np.inf]
+  rng = np.random.default_rng(3)
+  grads = [np.where(kind == 2, -1.0, 1.0), rng.standard_normal(n), np.zeros(n)]
+
+  def run():
+    params = {"w": jnp.asarray(p0, jnp.bfloat16), "h": jnp.asarray(p0, jnp.float16)}
+    tx = oh.adam_fp32_master(lr)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    missed = []
+    for g in grads:
+      u, state = update({k: jnp.asarray(g, v.dtype) for k, v in params.items()}, state, params)
+      params = optax.apply_updates(params, u)
+      missed.append(int(state.missed["w"]))
+    return jax.tree.leaves((params, state)), missed
+
+  with monkeypatch.context() as m:
+    m.setattr(jax_native, "available", lambda: False)
+    composed, _ = run()
+  kernel, missed = run()
+  assert missed[0] != 0  # the first step missed, and the marks say where
+  # NaN sign and payload are outside the bit-exact claim (docs/algorithms.md#bit-exactness):
+  # the kernel writes 0x7FC0 where XLA's cast keeps inf - inf's sign.
+  for a, b in zip(kernel, composed):
+    a, b = np.array(a), np.array(b)
+    nan = np.isnan(a.astype(np.float32))
+    assert np.array_equal(nan, np.isnan(b.astype(np.float32)))
+    a[nan], b[nan] = 0, 0
+    _same_bits([a], [b])
+
+
 @pytest.mark.parametrize("low", [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)],
                          ids=["bf16", "fp16"])  # fp16: for JAX_F16_ADAMW, whose cases are slow
 def test_fp32_moments_ignore_state_rounding(low, monkeypatch):
@@ -1477,7 +1520,8 @@ def test_the_avx2_lanes_have_the_same_bits(tmp_path):
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
        scaled_adam_tests, clipping_tests, "-k",
        "lanes_as_the_cpu or torch_kernel or folded_clip or "
-       "(jax_kernel_and_the_in_place_step and kahan-stochastic-param) or finiteness_check or "
+       "(jax_kernel_and_the_in_place_step and (kahan-stochastic-param or adam_fp32_master)) or "
+       "master_misses_in_the_lanes or finiteness_check or "
        "native_step_equals_the_eager_step or native_sums_are_float64 or "
        "jax_native_path_equals"],
       env=env, capture_output=True, text=True, timeout=900, cwd=os.path.dirname(__file__))
