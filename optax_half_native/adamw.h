@@ -869,42 +869,55 @@ inline auto update_of(typename L::F d, P) {
   }
 }
 
-// Whether lanes L are one vector of contiguous elements with GCC vector words
-// (Lanes16, Lanes8), so a block's marks hash in the lanes; Pairs8 (even and
-// odd elements apart) and Scalar hash element by element.
+// A block's miss marks in the vector lanes (Lanes16, Lanes8, Pairs8; Scalar
+// hashes element by element): lane masks, 16-bit words one per lane, sums.
+template <typename L, typename = void>
+struct is_pairs : std::false_type {};  // Pairs8: even and odd elements apart
 template <typename L>
-struct contiguous_lanes : std::false_type {};
-#if defined(OH_LANES16)
-template <>
-struct contiguous_lanes<Lanes16> : std::true_type {};
-#elif defined(OH_LANES8)
-template <>
-struct contiguous_lanes<Lanes8> : std::true_type {};
-#endif
+struct is_pairs<L, std::void_t<typename L::V>> : std::true_type {};
 
 // All ones in the lanes where a == b (ordered: a NaN equals nothing).
 template <typename L>
 inline typename L::U equal_lanes(typename L::F a, typename L::F b) {
   const typename L::F zero = L::floats(L::bits(a) & 0u);
-  return L::bits(L::where_equal(a, b, L::floats(~L::bits(zero)), zero));
+  return L::bits(L::where_equal(a, b, L::floats(L::bits(zero) ^ 0xFFFFFFFFu), zero));
 }
 
-// The 16-bit words of p[i], ... in the lanes (zero-extended).
+// 16-bit words as the lanes' loads and roundings hold them, one per lane
+// (zero-extended), and back.
+template <typename L, typename W>
+inline typename L::U lane_words16(W words) {
+  if constexpr (is_pairs<L>::value) return {words & 0xFFFFu, words >> 16};
+  else return L::widen16(words);
+}
+template <typename L>
+inline auto words16_of(typename L::U lanes) {
+  if constexpr (is_pairs<L>::value) return L::words(lanes);
+  else return L::narrow16(lanes);
+}
 template <typename L, typename P>
 inline typename L::U words16(const P* p, int64_t i) {
-  if constexpr (L::kWidth == 16) return L::widen16(L::load16(p, i));
+  if constexpr (is_pairs<L>::value || L::kWidth == 16) return lane_words16<L>(L::load16(p, i));
   else return L::widen16(L::load8(p, i));
 }
+
+template <typename U>
+inline uint32_t lane_sum(U x) {
+  uint32_t sum = 0;
+  for (size_t j = 0; j < sizeof(U) / sizeof(uint32_t); ++j) sum += x[j];
+  return sum;
+}
+#if defined(OH_LANES8)
+template <typename V>
+inline uint32_t lane_sum(Pair<V> x) { return lane_sum(x.e) + lane_sum(x.o); }
+#endif
 
 // compensation.landing_mark summed over the `counted` lanes of a block whose
 // first element has index `first`: mix32(index ^ mix32(bits | 0x10000)) each
 // (bits: the landed param's 16 bits; 0xFFFF for any NaN), mod 2^32.
 template <typename L>
 inline uint32_t lane_marks(uint64_t first, typename L::U bits, typename L::U counted) {
-  const typename L::U h = mix32(L::counter(first) ^ mix32(bits | 0x10000u)) & counted;
-  uint32_t sum = 0;
-  for (int j = 0; j < L::kWidth; ++j) sum += h[j];
-  return sum;
+  return lane_sum(mix32(L::counter(first) ^ mix32(bits | 0x10000u)) & counted);
 }
 
 // y: adamw_math's value (x + u; u for kDirect and kUpdate). A 16-bit param
@@ -982,25 +995,27 @@ inline __attribute__((always_inline)) bool adamw_write(
       const auto landed16 = landing(u);
       const F zero = L::floats(L::bits(t32) & 0u), one = L::floats(L::bits(zero) | 0x3F800000u);
       const F off = L::where_equal(L::widen(landed16, P{}), t32, zero, one);
-      if constexpr (contiguous_lanes<L>::value) {
+      if constexpr (L::kWidth > 1) {
         if (L::any_bits(off)) {  // in the lanes: near zero crossings miss often
           using U = typename L::U;
-          const U missed = (U)(L::bits(off) != 0u);
+          constexpr uint32_t kAll = 0xFFFFFFFFu;
           const F lj = L::widen(landed16, P{});
+          const U missed = equal_lanes<L>(lj, t32) ^ kAll;
           const F again = L::widen(L::to(lj + update_of<L>(t32 - lj, P{}).second, P{}), P{});
-          const U to_zero = missed & ~equal_lanes<L>(again, t32) & equal_lanes<L>(t32, t32) &
-                            equal_lanes<L>(pw - pw, zero);
+          const U to_zero = missed & (equal_lanes<L>(again, t32) ^ kAll) &
+                            equal_lanes<L>(t32, t32) & equal_lanes<L>(pw - pw, zero);
           if (L::any_bits(L::floats(to_zero))) {  // -p: lands on +0
-            const U u16 = L::widen16(u.first);
-            L::put(p_out, i, L::narrow16(((words16<L>(p, i) ^ 0x8000u) & to_zero) |
-                                         (u16 & ~to_zero)));
+            const U u16 = lane_words16<L>(u.first);
+            L::put(p_out, i, words16_of<L>(((words16<L>(p, i) ^ 0x8000u) & to_zero) |
+                                           (u16 & (to_zero ^ kAll))));
           }
           if (mark != nullptr) {
-            const F at = L::floats(L::bits(lj) & ~to_zero);
-            const U at_nan = ~equal_lanes<L>(at, at);
-            const U counted = missed & ~equal_lanes<L>(at, t32) &
-                              ~(at_nan & ~equal_lanes<L>(t32, t32));
-            const U bits = (at_nan & 0xFFFFu) | (~at_nan & ~to_zero & L::widen16(landed16));
+            const F at = L::floats(L::bits(lj) & (to_zero ^ kAll));
+            const U at_nan = equal_lanes<L>(at, at) ^ kAll;
+            const U counted = missed & (equal_lanes<L>(at, t32) ^ kAll) &
+                              ((at_nan & (equal_lanes<L>(t32, t32) ^ kAll)) ^ kAll);
+            const U bits = (at_nan & 0xFFFFu) |
+                           ((at_nan ^ kAll) & (to_zero ^ kAll) & lane_words16<L>(landed16));
             *mark += lane_marks<L>(index0 + uint64_t(i), bits, counted);
           }
         }

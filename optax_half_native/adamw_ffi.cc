@@ -256,19 +256,21 @@ uint32_t off_mark(const oh::Tensor& t, const oh::ParallelFor& parallel) {
     };
     int64_t i = c * oh::kMinPerThread;
     const int64_t e = std::min(n, i + oh::kMinPerThread);
-    // Whole blocks in the kernel's lanes (its rounding's bits); the off lanes hashed, in
-    // the lanes where they are contiguous (near zero crossings many blocks have one).
+    // Whole blocks in the kernel's lanes (its rounding's bits); the off lanes hashed in the
+    // lanes too (near zero crossings many blocks have one).
     for (; i + L::kWidth <= e; i += L::kWidth) {
       const F pw = L::get(p, i);
       const F zero = L::floats(L::bits(pw) & 0u), one = L::floats(L::bits(zero) | 0x3F800000u);
       const F t = L::widen(L::to(L::get(master, i), P{}), P{});
       const F off = L::where_equal(t, pw, zero, one);
-      if constexpr (oh::contiguous_lanes<L>::value) {
+      if constexpr (L::kWidth > 1) {
         if (L::any_bits(off)) {
           using U = typename L::U;
-          const U p_nan = ~oh::equal_lanes<L>(pw, pw);
-          const U counted = (U)(L::bits(off) != 0u) & ~(p_nan & ~oh::equal_lanes<L>(t, t));
-          const U bits = (p_nan & 0xFFFFu) | (~p_nan & oh::words16<L>(p, i));
+          constexpr uint32_t kAll = 0xFFFFFFFFu;
+          const U p_nan = oh::equal_lanes<L>(pw, pw) ^ kAll;
+          const U counted = (oh::equal_lanes<L>(t, pw) ^ kAll) &
+                            ((p_nan & (oh::equal_lanes<L>(t, t) ^ kAll)) ^ kAll);
+          const U bits = (p_nan & 0xFFFFu) | ((p_nan ^ kAll) & oh::words16<L>(p, i));
           sum += oh::lane_marks<L>(uint64_t(i), bits, counted);
         }
       } else if (__builtin_expect(L::any_bits(off), 0)) {
