@@ -876,11 +876,16 @@ struct is_pairs : std::false_type {};  // Pairs8: even and odd elements apart
 template <typename L>
 struct is_pairs<L, std::void_t<typename L::V>> : std::true_type {};
 
-// All ones in the lanes where a == b (ordered: a NaN equals nothing).
+// All ones in the lanes where a == b (ordered: a NaN equals nothing), and
+// in the others.
 template <typename L>
 inline typename L::U equal_lanes(typename L::F a, typename L::F b) {
   const typename L::F zero = L::floats(L::bits(a) & 0u);
   return L::bits(L::where_equal(a, b, L::floats(L::bits(zero) ^ 0xFFFFFFFFu), zero));
+}
+template <typename L>
+inline typename L::U unequal_lanes(typename L::F a, typename L::F b) {
+  return equal_lanes<L>(a, b) ^ 0xFFFFFFFFu;
 }
 
 // 16-bit words as the lanes' loads and roundings hold them, one per lane
@@ -998,24 +1003,23 @@ inline __attribute__((always_inline)) bool adamw_write(
       if constexpr (L::kWidth > 1) {
         if (L::any_bits(off)) {  // in the lanes: near zero crossings miss often
           using U = typename L::U;
-          constexpr uint32_t kAll = 0xFFFFFFFFu;
           const F lj = L::widen(landed16, P{});
-          const U missed = equal_lanes<L>(lj, t32) ^ kAll;
+          const U missed = unequal_lanes<L>(lj, t32);  // off, as a mask
+          const U t_nan = unequal_lanes<L>(t32, t32);
           const F again = L::widen(L::to(lj + update_of<L>(t32 - lj, P{}).second, P{}), P{});
-          const U to_zero = missed & (equal_lanes<L>(again, t32) ^ kAll) &
-                            equal_lanes<L>(t32, t32) & equal_lanes<L>(pw - pw, zero);
+          const U to_zero = missed & unequal_lanes<L>(again, t32) & (t_nan ^ 0xFFFFFFFFu) &
+                            equal_lanes<L>(pw - pw, zero);
+          const U kept = to_zero ^ 0xFFFFFFFFu;  // the lanes left where p + u lands
           if (L::any_bits(L::floats(to_zero))) {  // -p: lands on +0
-            const U u16 = lane_words16<L>(u.first);
             L::put(p_out, i, words16_of<L>(((words16<L>(p, i) ^ 0x8000u) & to_zero) |
-                                           (u16 & (to_zero ^ kAll))));
+                                           (lane_words16<L>(u.first) & kept)));
           }
           if (mark != nullptr) {
-            const F at = L::floats(L::bits(lj) & (to_zero ^ kAll));
-            const U at_nan = equal_lanes<L>(at, at) ^ kAll;
-            const U counted = missed & (equal_lanes<L>(at, t32) ^ kAll) &
-                              ((at_nan & (equal_lanes<L>(t32, t32) ^ kAll)) ^ kAll);
+            const F at = L::floats(L::bits(lj) & kept);
+            const U at_nan = unequal_lanes<L>(at, at);
+            const U counted = missed & unequal_lanes<L>(at, t32) & ((at_nan & t_nan) ^ 0xFFFFFFFFu);
             const U bits = (at_nan & 0xFFFFu) |
-                           ((at_nan ^ kAll) & (to_zero ^ kAll) & lane_words16<L>(landed16));
+                           ((at_nan ^ 0xFFFFFFFFu) & kept & lane_words16<L>(landed16));
             *mark += lane_marks<L>(index0 + uint64_t(i), bits, counted);
           }
         }

@@ -266,11 +266,10 @@ uint32_t off_mark(const oh::Tensor& t, const oh::ParallelFor& parallel) {
       if constexpr (L::kWidth > 1) {
         if (L::any_bits(off)) {
           using U = typename L::U;
-          constexpr uint32_t kAll = 0xFFFFFFFFu;
-          const U p_nan = oh::equal_lanes<L>(pw, pw) ^ kAll;
-          const U counted = (oh::equal_lanes<L>(t, pw) ^ kAll) &
-                            ((p_nan & (oh::equal_lanes<L>(t, t) ^ kAll)) ^ kAll);
-          const U bits = (p_nan & 0xFFFFu) | ((p_nan ^ kAll) & oh::words16<L>(p, i));
+          const U p_nan = oh::unequal_lanes<L>(pw, pw);
+          const U counted = oh::unequal_lanes<L>(t, pw) &
+                            ((p_nan & oh::unequal_lanes<L>(t, t)) ^ 0xFFFFFFFFu);
+          const U bits = (p_nan & 0xFFFFu) | ((p_nan ^ 0xFFFFFFFFu) & oh::words16<L>(p, i));
           sum += oh::lane_marks<L>(uint64_t(i), bits, counted);
         }
       } else if (__builtin_expect(L::any_bits(off), 0)) {
