@@ -46,6 +46,7 @@ FLAX_ROWS = ("oh.nnx.Optimizer adamw_bf16 kahan", "oh.TrainState adamw_bf16 kaha
              "oh.nnx.Optimizer adamw_bf16 kahan flat_state (jit_partial)")
 
 
+@pytest.mark.slow  # a benchmark process's worth of compiles and timed steps
 def test_jax_benchmark_quick(tmp_path):
   path = tmp_path / "jax.json"
   f16_in_place = "adamw_bf16 kahan fp16" + step.IN_PLACE_SUFFIX
@@ -132,6 +133,7 @@ def _check_cpu_temporaries(runs):
   assert optax_clip == pytest.approx(2, abs=0.01) or optax_clip == pytest.approx(4, abs=0.01)
 
 
+@pytest.mark.slow  # a benchmark process's worth of compiles and timed steps
 def test_torch_benchmark_quick(tmp_path):
   pytest.importorskip("torch")
   from benchmarks import torch_step  # noqa: PLC0415
@@ -152,6 +154,7 @@ def test_torch_benchmark_quick(tmp_path):
       assert row["init_peak"] < 1.0 and row["step_peak"] < 0.5, (name, row)
 
 
+@pytest.mark.slow  # a benchmark process's worth of compiles and timed steps
 def test_torch_benchmark_scaled_adam_rows_and_the_transformer_tree(tmp_path):
   pytest.importorskip("torch")
   from benchmarks import common, torch_step  # noqa: PLC0415
@@ -234,6 +237,7 @@ def test_jax_yardsticks_write_into_the_donated_buffers():
     assert fn.lower(*args).compile().memory_analysis().alias_size_in_bytes == x.nbytes
 
 
+@pytest.mark.slow  # a benchmark process's worth of compiles and timed steps
 def test_flax_call_cost_benchmark_runs_every_wrapper():
   from benchmarks import flax_calls  # noqa: PLC0415
   out = flax_calls.main(["--reps", "1", "--trees", "quick"])["quick"]

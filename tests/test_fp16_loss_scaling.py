@@ -24,10 +24,12 @@ def _check(results):
   assert scaled["scale"] > 2.0**16              # it grew (growth_interval 100)
 
 
+@pytest.mark.slow  # a training run (800 steps)
 def test_jax():
   _check(example.run_jax(STEPS))
 
 
+@pytest.mark.slow  # a training run (800 steps)
 def test_torch():
   pytest.importorskip("torch")
   _check(example.run_torch(STEPS))

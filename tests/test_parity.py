@@ -277,6 +277,7 @@ def test_cli_table_json_and_exit_status(tmp_path, capsys, monkeypatch):
   assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # a fresh process: torch and JAX imported again
 def test_cli_runs_as_a_module():
   done = subprocess.run([sys.executable, "-m", "torch_bridge.parity", "--optimizer",
                          "adam_fp32_master", "--dtype", "fp16", "--steps", "5"],
