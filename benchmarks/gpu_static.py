@@ -192,19 +192,63 @@ def _entry(hlo: str) -> list:
   return out
 
 
+def _body(hlo: str, name: str) -> str:
+  """The text of computation ``name`` as ``_entry`` reads it."""
+  m = re.search(rf"^%?{re.escape(name)} \(.*\n((?:[^}}\n].*\n)*?)\}}$", hlo, re.M)
+  return f"\nENTRY x {{\n{m.group(1)}}}"
+
+
+def branches(hlo: str) -> dict:
+  """conditional's name -> its branch computations' names."""
+  out = {}
+  for line in hlo.splitlines():
+    m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = .* conditional\(", line)
+    if m:
+      found = re.search(r"branch_computations=\{([^}]*)\}", line)
+      names = (found.group(1).split(",") if found else
+               re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line))
+      out[m.group(1)] = [n.strip().lstrip("%") for n in names]
+  return out
+
+
+def cheaper_branch(hlo: str, name: str, cost, pick=min) -> tuple:
+  """(cost, kernels) of conditional ``name``'s branch of least ``cost(instructions)``
+  (the kernels it launches, the conditional not counted). A conditional's operands are
+  passed, not moved: what it moves is what its branch's kernels do. For the master's mark
+  check that branch is the one every step takes after a step that landed exactly.
+  ``pick=max``: the costlier branch instead."""
+  found = []
+  for branch in branches(hlo)[name]:
+    instrs = _entry(_body(hlo, branch))
+    found.append((cost(instrs), [i for i in instrs if i[2] not in _NO_KERNEL]))
+  return pick(found, key=lambda f: f[0])
+
+
 def hlo_properties(hlo: str, leaf_shapes) -> dict:
-  """Kernels, bytes moved and param-sized copies of an optimized XLA:GPU module."""
+  """Kernels, bytes moved and param-sized copies of an optimized XLA:GPU module; a
+  conditional counts its cheaper branch (``cheaper_branch``)."""
   entry = _entry(hlo)
-  types = {name: type_text for name, type_text, _, _ in entry}
+
+  def moved_by(instrs, pick=min) -> int:
+    types = {name: type_text for name, type_text, _, _ in instrs}
+    total = 0
+    for name, t, op, ops in instrs:
+      if op == "conditional":
+        total += cheaper_branch(hlo, name, lambda i: moved_by(i, pick), pick)[0]
+      elif op not in _NO_KERNEL:
+        total += _type_bytes(t) + sum(_type_bytes(types.get(o, "")) for o in ops)
+    return total
   kernels = [(name, t, op, ops) for name, t, op, ops in entry if op not in _NO_KERNEL]
-  moved = sum(_type_bytes(t) + sum(_type_bytes(types.get(o, "")) for o in ops)
-              for _, t, _, ops in kernels)
+  moved = moved_by(entry)
   shapes = {f"[{','.join(map(str, s))}]" for s in leaf_shapes if s}
   copies = [name for name, t, op, _ in kernels
             if op == "copy" and re.search(r"\[[\d,]*\]", t).group(0) in shapes]
   aliased = len(re.findall(r"\{[\d,]*\}: \(\d+, \{", hlo.splitlines()[0]))
+  kernels += [k for name, _, op, _ in kernels if op == "conditional"
+              for k in cheaper_branch(hlo, name, moved_by)[1]]
   return dict(kernels=len(kernels), kernel_ops=dict(collections.Counter(op for _, _, op, _ in kernels)),
-              bytes_moved=moved, param_sized_copies=len(copies), aliased_outputs=aliased)
+              bytes_moved=moved, bytes_moved_costlier_branches=moved_by(entry, max),
+              param_sized_copies=len(copies), aliased_outputs=aliased)
 
 
 def ptx_properties(ptx: str) -> dict:
@@ -251,7 +295,9 @@ def compile_jax(name: str, tree: str, dump: Path) -> tuple[str, str, dict]:
   memory = compiled.memory_analysis()
   outputs = len(jax.tree.leaves(lowered.out_info))
   info.update(ptx_properties(ptx), leaves=len(shapes), params=n, outputs=outputs,
-              bytes_per_param=info["bytes_moved"] / n, temp_bytes=memory.temp_size_in_bytes,
+              bytes_per_param=info["bytes_moved"] / n,
+              bytes_per_param_costlier_branches=info["bytes_moved_costlier_branches"] / n,
+              temp_bytes=memory.temp_size_in_bytes,
               largest_leaf_bytes=max(math.prod(s) for s in shapes) * jax.numpy.dtype(dtype).itemsize,
               compile_s=seconds, in_place=bool(in_place))
   return hlo, ptx, info

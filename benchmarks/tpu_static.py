@@ -43,7 +43,7 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.gpu_static import _BYTES, _NO_KERNEL, _entry, _type_bytes, jax_rows
+from benchmarks.gpu_static import _BYTES, _NO_KERNEL, _entry, _type_bytes, cheaper_branch, jax_rows
 
 # chip -> get_topology_desc's arguments for a deviceless 2x2 slice of it
 CHIPS = {
@@ -133,29 +133,47 @@ def hlo_properties(hlo: str, leaf_shapes) -> dict:
   a buffer it slices or updates in place); an asynchronous copy or slice
   (``copy-start`` ... ``copy-done``) what it delivers (the done's result),
   read from HBM if its source is there and written to HBM if its
-  destination is."""
+  destination is; a conditional what its cheaper branch's kernels move
+  (``gpu_static.cheaper_branch``)."""
   entry = _entry(hlo)
   types = {name: type_text for name, type_text, _, _ in entry}
   operands = {name: ops for name, _, _, ops in entry}
   calls = dict(re.findall(r"^\s*(?:ROOT )?%?([\w.\-]+) = .* calls=%?([\w.\-]+)", hlo, re.M))
   computations = _computations(hlo)
+
+  def hbm_by(instrs, pick=min) -> int:
+    types = {name: type_text for name, type_text, _, _ in instrs}
+    operands = {name: ops for name, _, _, ops in instrs}
+    hbm = 0
+    for name, t, op, ops in instrs:
+      if op in _NO_KERNEL or op.endswith("-start"):
+        continue  # an asynchronous op: counted at its done
+      if op.endswith("-done"):
+        ops = [o for start in ops for o in operands[start]]
+      sources = [types.get(o, "") for o in ops]
+      if op.endswith("-done"):
+        hbm += _type_bytes(t) * ((not _on_chip(t)) + any(not _on_chip(s) for s in sources))
+      elif op == "conditional":
+        hbm += cheaper_branch(hlo, name, lambda i: hbm_by(i, pick), pick)[0]
+      elif op == "fusion" and calls.get(name) in computations:
+        hbm += _fusion_hbm_bytes(t, sources, computations[calls[name]])
+      elif op == "dynamic-update-slice":  # in place: the update read and written
+        hbm += _hbm_bytes(sources[1]) + (_hbm_bytes(t) and _type_bytes(sources[1]))
+      else:
+        hbm += _hbm_bytes(t) + sum(map(_hbm_bytes, sources))
+    return hbm
+  hbm = hbm_by(entry)
   kernels = [(name, t, op, ops) for name, t, op, ops in entry if op not in _NO_KERNEL]
+  kernels += [k for name, _, op, _ in kernels if op == "conditional"
+              for k in cheaper_branch(hlo, name, hbm_by)[1]]
   shapes = {f"[{','.join(map(str, s))}]" for s in leaf_shapes if s}
-  hbm, copies, transfers, integer, scalars = 0, 0, 0, 0, collections.Counter()
+  copies, transfers, integer, scalars = 0, 0, 0, collections.Counter()
   for name, t, op, ops in kernels:
     if op.endswith("-start"):
       continue  # counted at its done
     if op.endswith("-done"):
-      ops = [o for start in ops for o in operands[start]]
+      ops = [o for start in ops for o in operands.get(start, ())]
     sources = [types.get(o, "") for o in ops]
-    if op.endswith("-done"):
-      hbm += _type_bytes(t) * ((not _on_chip(t)) + any(not _on_chip(s) for s in sources))
-    elif op == "fusion" and calls.get(name) in computations:
-      hbm += _fusion_hbm_bytes(t, sources, computations[calls[name]])
-    elif op == "dynamic-update-slice":  # in place: the update read and written
-      hbm += _hbm_bytes(sources[1]) + (_hbm_bytes(t) and _type_bytes(sources[1]))
-    else:
-      hbm += _hbm_bytes(t) + sum(map(_hbm_bytes, sources))
     if op in ("copy", "copy-done") and re.search(r"\[[\d,]*\]", t).group(0) in shapes:
       if _on_chip(t) or all(map(_on_chip, sources)):
         transfers += 1  # into or out of VMEM: the kernel's reads and writes
@@ -168,7 +186,8 @@ def hlo_properties(hlo: str, leaf_shapes) -> dict:
   aliased = len(re.findall(r"\{[\d,]*\}: \(\d+, \{", hlo.splitlines()[0]))
   ops = collections.Counter(op for _, _, op, _ in kernels)
   return dict(kernels=len(kernels), fusions=ops["fusion"], kernel_ops=dict(ops),
-              hbm_bytes=hbm, param_sized_copies=copies, param_sized_transfers=transfers,
+              hbm_bytes=hbm, hbm_bytes_costlier_branches=hbm_by(entry, max),
+              param_sized_copies=copies, param_sized_transfers=transfers,
               scalar_ops=sum(scalars.values()), integer_scalar_ops=integer,
               scalar_op_kinds=dict(scalars), aliased_outputs=aliased)
 
@@ -205,6 +224,7 @@ def compile_tpu(name: str, chip: str, tree: str = "gpt2") -> tuple[str, dict]:
   info = hlo_properties(hlo, shapes)
   info.update(leaves=len(shapes), params=n, outputs=len(jax.tree.leaves(lowered.out_info)),
               hbm_bytes_per_param=info["hbm_bytes"] / n,
+              hbm_bytes_per_param_costlier_branches=info["hbm_bytes_costlier_branches"] / n,
               scalar_ops_per_leaf=info["scalar_ops"] / len(shapes),
               temp_bytes=compiled.memory_analysis().temp_size_in_bytes,
               largest_leaf_bytes=max(math.prod(s) for s in shapes) * jax.numpy.dtype(dtype).itemsize,

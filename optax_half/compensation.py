@@ -132,6 +132,7 @@ class Compensation(native_lib.Rules):
   """A compensation's JAX rules; ``spec``'s shared facts read as attributes."""
 
   state_type: type = None  # the wrapper state holding the buffers
+  marks = False  # whether a leaf's buffer holds the marks of missed landings (a full master)
 
   def for_dtype(self, dtype) -> Compensation:
     """The compensation a 16-bit param of ``dtype`` takes (not bf16: ``spec.fp16``)."""
@@ -232,6 +233,25 @@ def kept(p, master, missed) -> jax.Array:
                          == missed)
 
 
+def kept_leaves(leaves) -> list:
+  """``kept(p, master, missed)`` of each ``(p, master, missed)`` in ``leaves``. The marks are
+  checked only where some leaf holds any (one ``lax.cond`` for the tree): after a step in
+  which every landing was exact (every in-place step) none does, and the step reads each
+  param and master once, not again in a reduction (docs/algorithms.md#landing-exactly)."""
+  if not leaves:
+    return []
+  # The old marks as one array (materialized: read one by one after the step writes the new
+  # ones into their buffers, XLA would first copy each).
+  missed = jax.lax.optimization_barrier(jnp.stack([m for _, _, m in leaves]))
+  marks = jax.lax.cond(
+      (missed != 0).any(),
+      lambda: jnp.stack([landing_mark(p, _differ(master.astype(p.dtype), p))
+                         for p, master, _ in leaves]),
+      lambda: jnp.zeros_like(missed))
+  keep = (missed != 0) & (marks == missed)
+  return [keep[k] for k in range(len(leaves))]
+
+
 def _differ(a, b) -> jax.Array:
   """Where two 16-bit arrays hold other values (-0 and +0 alike, a NaN like any NaN)."""
   a, b = rounding.widen(a), rounding.widen(b)
@@ -242,12 +262,16 @@ class _Master(_MasterState):
   def init_buffer(self, p, master_dtype):
     return MasterBuffer(p.astype(master_dtype), jnp.zeros((), jnp.uint32))
 
-  def read(self, p, buf):
+  marks = True  # its buffer is (master, missed): `read` takes `kept_leaves`' flag
+
+  def read(self, p, buf, keep=None):
     # Follows outside writes, and keeps the master where the last update missed
-    # (docs/algorithms.md#wrappers); `widen`: XLA keeps the round trip.
+    # (docs/algorithms.md#wrappers); `widen`: XLA keeps the round trip. `keep`: the leaf's
+    # `kept`, computed here if not given.
     master, missed = buf
+    keep = kept(p, master, missed) if keep is None else keep
     p_wide = rounding.widen(p).astype(master.dtype)
-    return jnp.where(kept(p, master, missed)
+    return jnp.where(keep
                      | (rounding.widen(master.astype(p.dtype)).astype(master.dtype) == p_wide),
                      master, p_wide)
 

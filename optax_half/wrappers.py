@@ -17,7 +17,7 @@ from optax_half._util import (check_state_fits, check_trees, compiled_init, is_f
                               leaf_indices, like_param, seed_from_key, transformation, unzip)
 from optax_half.compensation import (COMPENSATIONS, Compensation, KahanSummationState,
                                      MasterWeightsState, RoundToNearestState,
-                                     StochasticRoundingState)
+                                     StochasticRoundingState, kept_leaves)
 
 __all__ = [
     "master_weights",
@@ -55,12 +55,24 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
   def rules(p) -> Compensation:
     return compensation.for_dtype(p.dtype)
 
-  def view(params, buffers, rl):
-    def one(p, buf, r):
+  def view(params, buffers, rl, in_place=False):
+    treedef = jax.tree.structure(params)
+    ps, bs, rs = (treedef.flatten_up_to(t) for t in (params, buffers, rl))
+    # A full master's marks. In place they are checked for the whole tree at once, only
+    # where a leaf holds any (compensation.kept_leaves; after an in-place step none does).
+    # Through tx.update most steps hold some, and each leaf checks its own: XLA:GPU's
+    # copies of small leaves' outputs around a conditional would cost more there.
+    marked = [k for k, (p, r) in enumerate(zip(ps, rs))
+              if in_place and r == _LOW and rules(p).marks]
+    keep = dict(zip(marked, kept_leaves([(ps[k], *bs[k]) for k in marked])))
+
+    def one(k, p, buf, r):
       if r == _FROZEN:
         return MaskedNode()
-      return p if r == _DIRECT else rules(p).read(p, buf)
-    return jax.tree.map(one, params, buffers, rl)
+      if r == _DIRECT:
+        return p
+      return rules(p).read(p, buf, keep[k]) if k in keep else rules(p).read(p, buf)
+    return treedef.unflatten([one(k, *leaf) for k, leaf in enumerate(zip(ps, bs, rs))])
 
   def init(params):
     params = jax.tree.map(jnp.asarray, params)
@@ -96,7 +108,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
               if c.draws_bits else None)
       return c.write(x_new, p, buf, bits, in_place)
 
-    x = view(params, buffers, rl)
+    x = view(params, buffers, rl, in_place)
     g = jax.tree.map(
         lambda p, g_, r: MaskedNode() if r == _FROZEN
         else rounding.widen(g_).astype(master_dtype),

@@ -318,3 +318,44 @@ def test_without_outside_writes_following_changes_no_bit():
     ru, ref_state = ref.update(_to32(g), ref_state, master)
     master = optax.apply_updates(master, ru)
   assert np.array_equal(np.asarray(s.master["w"]), np.asarray(master["w"]))
+
+
+def test_the_marks_are_checked_for_the_tree_at_once_and_only_where_a_leaf_holds_any():
+  """``kept_leaves`` is ``kept`` of each leaf, eagerly and jitted: with a missed landing in
+  one leaf and an outside write in another, and with no marks at all. Compiled, the check
+  is one conditional for the tree whose other branch reads nothing, so a step after exact
+  landings (every in-place step) reads each param and master once."""
+  from benchmarks import gpu_static  # noqa: PLC0415 (the HLO reader of the static checks)
+  from optax_half import compensation  # noqa: PLC0415
+  tx = oh.master_weights(optax.sgd(1.0))
+  params = {"v": jnp.asarray([0.5, 1.5, -4.0], jnp.bfloat16),
+            "w": jnp.asarray([1e-3, 2.0, 3.0], jnp.bfloat16)}
+  state = tx.init(params)
+  p0 = np.float32(params["w"][0])
+  g = {"v": jnp.zeros(3), "w": jnp.asarray([p0 + np.float32(2e-5), 0.0, 0.0])}
+  u, state = tx.update(g, state, params)  # w[0] misses its landing
+  params = optax.apply_updates(params, u)
+  assert int(state.missed["w"]) != 0 and int(state.missed["v"]) == 0
+  loaded = {"v": params["v"].at[1].set(7.0), "w": params["w"]}
+  check = jax.jit(compensation.kept_leaves)
+  for p, s in [(params, state), (loaded, state), (loaded, tx.init(params)),
+               ({"v": params["v"], "w": params["w"].at[2].set(-1.0)}, state)]:
+    leaves = [(p[k], s.master[k], s.missed[k]) for k in ("v", "w")]
+    want = [bool(compensation.kept(*leaf)) for leaf in leaves]
+    assert [bool(x) for x in compensation.kept_leaves(leaves)] == want
+    assert [bool(x) for x in check(leaves)] == want
+  assert [bool(x) for x in check([(params[k], state.master[k], state.missed[k])
+                                  for k in ("v", "w")])] == [False, True]
+  zero = jax.tree.map(jnp.zeros_like, g)
+  _, state2 = jax.jit(tx.update)(zero, state, loaded)
+  assert float(state2.master["v"][1]) == 7.0  # taken up
+  assert np.array_equal(np.asarray(state2.master["w"]), np.asarray(state.master["w"]))  # kept
+  hlo = jax.jit(lambda s, p: oh.update_and_apply(tx, zero, s, p)).lower(state, params).compile()
+  conditionals = gpu_static.branches(hlo.as_text())
+  assert len(conditionals) == 1, conditionals
+  (name,) = conditionals
+  # What the branch's kernels read besides constants (its zeros): nothing.
+  reads = lambda instrs: [o for i in instrs if i[2] not in gpu_static._NO_KERNEL  # noqa: E731
+                          for o in i[3] if not o.startswith("constant")]
+  cost, kernels = gpu_static.cheaper_branch(hlo.as_text(), name, lambda i: len(reads(i)))
+  assert cost == 0 and len(kernels) <= 1, kernels

@@ -57,10 +57,6 @@ GAPS = {
        for chip in CHIPS},
     **{(chip, "adamw_bf16 stochastic (update_and_apply)"): _TWICE + ": about 17.6 B/param"
        for chip in CHIPS},
-    **{(chip, "adam_fp32_master (update_and_apply)"): "the master's read check (compensation.kept) "
-                                                      "reads param and master in a reduction of its "
-                                                      "own: about 35.2 B/param"
-       for chip in CHIPS},
 }
 # tx.update + apply_updates keeps buffers beyond the donated ones (update_and_apply does not)
 BUFFER_GAPS = {
