@@ -13,6 +13,7 @@ import pytest
 import optax_half as oh
 from optax_half import rounding
 from optax_half.compensation import COMPENSATIONS as JAX_RULES
+from suite_helpers import default_or_slow
 
 NAMES = ["kahan", "split", "stochastic", "none", "master"]
 
@@ -111,9 +112,15 @@ def test_updates_land_the_same_bits_every_way_and_in_torch(name, dtype):
   assert t_u.dtype == t_p.dtype
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-@pytest.mark.parametrize("compensation", ["kahan", "split", "stochastic", "none", "master"])
-@pytest.mark.parametrize("flat", [False, True])
+# make test: every compensation in both dtypes, flat_state in both dtypes; the rest slow.
+_BIG_CASES = [(c, d, f) for f in (False, True) for c in NAMES for d in ("bfloat16", "float16")]
+_BIG_DEFAULT = [("kahan", "bfloat16", False), ("split", "float16", False),
+                ("stochastic", "bfloat16", False), ("none", "float16", False),
+                ("master", "bfloat16", False), ("master", "float16", True),
+                ("kahan", "float16", True), ("stochastic", "bfloat16", True)]
+
+
+@pytest.mark.parametrize("compensation, dtype, flat", default_or_slow(_BIG_CASES, _BIG_DEFAULT))
 def test_big_steps_update_and_update_and_apply_agree(compensation, dtype, flat):
   """Steps of lr 0.5 on small weights change signs and binades: tx.update's u (the kernel's
   on CPU, else XLA's) applied by apply_updates and by p + u equals update_and_apply's params

@@ -513,12 +513,24 @@ def wrapper_configs(draw):
   return wrapper, hp, draw(KEY)
 
 
-@_examples(8)
+@_examples(4)
 @given(case=cases(), config=wrapper_configs())
 def test_wrappers_around_the_adamw_core(case, config):
   """The wrappers around the repo's own core (``scale_by_adamw`` in both
   frameworks): the generic wrapper code paths, which the repo claims are
   bitwise under jit and across frameworks like the named optimizers."""
+  _wrappers_around_the_adamw_core(case, config)
+
+
+@pytest.mark.slow
+@_examples(16)
+@given(case=cases(), config=wrapper_configs())
+def test_wrappers_around_the_adamw_core_more_examples(case, config):
+  """``test_wrappers_around_the_adamw_core`` on other examples (derandomized per test)."""
+  _wrappers_around_the_adamw_core(case, config)
+
+
+def _wrappers_around_the_adamw_core(case, config):
   wrapper, hp, key = config
   hp = dict(hp, weight_decay=0.01)
 
@@ -579,7 +591,7 @@ def _close_to_rounding(a, b, dtype, lr, steps, rel_update, what):
       f"{what}: |a - b| = {err[worst]:.3g} > {bound[worst]:.3g}; {_ulps(a, b)} ULP")
 
 
-@_examples(12)
+@_examples(6)
 @given(case=cases(), config=wrapper_configs())
 def test_wrappers_around_adam(case, config):
   """master_weights (also split), kahan_summation, stochastic_rounding and
@@ -594,6 +606,18 @@ def test_wrappers_around_adam(case, config):
   params of ``master_weights`` equal their rounded master in every run, and
   torch non-contiguous == contiguous.
   """
+  _wrappers_around_adam(case, config)
+
+
+@pytest.mark.slow
+@_examples(24)
+@given(case=cases(), config=wrapper_configs())
+def test_wrappers_around_adam_more_examples(case, config):
+  """``test_wrappers_around_adam`` on other examples (derandomized per test)."""
+  _wrappers_around_adam(case, config)
+
+
+def _wrappers_around_adam(case, config):
   wrapper, hp, key = config
   lr = hp["learning_rate"]
 

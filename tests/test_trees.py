@@ -10,6 +10,7 @@ import pytest
 
 import optax_half as oh
 from conftest import bitwise_equal
+from suite_helpers import default_or_slow
 
 
 def mixed_params():
@@ -59,7 +60,9 @@ def _run(tx, params, steps, jit):
   return params, state
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+# make test: every wrapper and each named optimizer's kernel path once; the rest slow.
+@pytest.mark.parametrize("name", default_or_slow(sorted(OPTIMIZERS), [
+    n for n in sorted(OPTIMIZERS) if n not in ("adamw_bf16_split", "adamw_bf16_none")]))
 def test_mixed_tree_dtypes_shapes_and_untouched_integers(name):
   params0 = mixed_params()
   params, state = _run(OPTIMIZERS[name](), params0, 5, jit=True)
