@@ -637,8 +637,10 @@ def _wrappers_around_adam(case, config):
   for k, (a, b) in enumerate(zip(jax.tree.leaves(jp), tparams)):
     _close_to_rounding(a, _to_numpy(b), a.dtype, lr, case.steps, 1e-3, f"JAX vs torch, param {k}")
   if wrapper.startswith("master_weights"):
-    masters = jax.tree.leaves(parity._jax_buffers(js, jax.tree.structure(jp),
-                                                  list(range(len(case.params))))["master"])
+    # One entry per leaf, None where a leaf has no master (jax.tree.leaves would drop those
+    # and pair a param with the next leaf's master).
+    masters = parity._jax_buffers(js, jax.tree.structure(jp),
+                                  list(range(len(case.params))))["master"]
     for k, (p, m) in enumerate(zip(jax.tree.leaves(jp), masters)):
       if m is not None and m.dtype == jnp.float32 and p.dtype != jnp.float32:
         assert _bitwise(p, m.astype(p.dtype)), k  # the param is its rounded master
