@@ -55,22 +55,27 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
   def rules(p) -> Compensation:
     return compensation.for_dtype(p.dtype)
 
-  def view(params, buffers, rl, in_place=False):
+  def view(params, buffers, rl, marks="each"):
+    """The values ``x`` the inner optimizer steps. ``marks``: how a full master's marks of
+    missed landings are checked: each leaf on its own (``"each"``: through tx.update most
+    steps hold some, and XLA:GPU would copy small leaves' outputs around a conditional),
+    the whole tree at once where a leaf holds any (``"tree"``, in place:
+    compensation.kept_leaves; after an in-place step none does), or not at all
+    (``"fresh"``: the buffers ``init`` just made, where a full master is its param, exactly,
+    and holds no mark; ``init`` may run op by op, so it reads nothing more)."""
     treedef = jax.tree.structure(params)
     ps, bs, rs = (treedef.flatten_up_to(t) for t in (params, buffers, rl))
-    # A full master's marks. In place they are checked for the whole tree at once, only
-    # where a leaf holds any (compensation.kept_leaves; after an in-place step none does).
-    # Through tx.update most steps hold some, and each leaf checks its own: XLA:GPU's
-    # copies of small leaves' outputs around a conditional would cost more there.
-    marked = [k for k, (p, r) in enumerate(zip(ps, rs))
-              if in_place and r == _LOW and rules(p).marks]
-    keep = dict(zip(marked, kept_leaves([(ps[k], *bs[k]) for k in marked])))
+    marked = [k for k, (p, r) in enumerate(zip(ps, rs)) if r == _LOW and rules(p).marks]
+    keep = (dict(zip(marked, kept_leaves([(ps[k], *bs[k]) for k in marked])))
+            if marks == "tree" else {})
 
     def one(k, p, buf, r):
       if r == _FROZEN:
         return MaskedNode()
       if r == _DIRECT:
         return p
+      if marks == "fresh" and k in marked:
+        return buf[0]
       return rules(p).read(p, buf, keep[k]) if k in keep else rules(p).read(p, buf)
     return treedef.unflatten([one(k, *leaf) for k, leaf in enumerate(zip(ps, bs, rs))])
 
@@ -82,7 +87,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
         params, rl)
     # The view is sharded like the params, so the inner state made from it is too.
     x = jax.tree.map(lambda p, xi, r: xi if r == _FROZEN else like_param(p, xi),
-                     params, view(params, buffers, rl), rl)
+                     params, view(params, buffers, rl, marks="fresh"), rl)
     inner_state = _like_view(inner, inner.init(x), x)
     if not nested_ok:
       _check_not_nested(name, inner_state)
@@ -108,7 +113,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
               if c.draws_bits else None)
       return c.write(x_new, p, buf, bits, in_place)
 
-    x = view(params, buffers, rl, in_place)
+    x = view(params, buffers, rl, marks="tree" if in_place else "each")
     g = jax.tree.map(
         lambda p, g_, r: MaskedNode() if r == _FROZEN
         else rounding.widen(g_).astype(master_dtype),
