@@ -57,7 +57,8 @@ jax_rows="adamw_bf16 kahan (update_and_apply)"
 jax_rows_big="adamw_bf16 kahan (update_and_apply)"
 torch_rows="torch AdamW foreach fp32,torch AdamW fused bf16 (naive),adamw_bf16 kahan,\
 adamw_bf16 stochastic,adamw_bf16 split,adam_fp32_master,adamw_bf16 kahan (fused=True),\
-scaled_adam clip 2.0"
+scaled_adam clip 2.0,master_weights(AdamW fused) foreach=True,\
+master_weights(AdamW fused) foreach=False"
 torch_rows_big="torch AdamW fused bf16 (naive),adamw_bf16 kahan,adam_fp32_master"
 # Limits: 30 + 150 + (100 + 60) + (80 + 60) s = 8 minutes at most.
 for tree in $trees; do

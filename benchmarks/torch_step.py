@@ -53,6 +53,11 @@ def candidates(lr=1e-3, device="cpu"):
       "adam_fp32_master": (bf16, lambda ps: tb.adam_fp32_master(ps, lr)),
       "adam_fp32_master fp16": (torch.float16, lambda ps: tb.adam_fp32_master(ps, lr)),
       "adamw_bf16 kahan fp16": (torch.float16, lambda ps: tb.adamw_bf16(ps, lr)),
+      "master_weights(AdamW fused) foreach=True": (bf16, lambda ps: tb.master_weights(
+          torch.optim.AdamW(ps, lr, fused=True), foreach=True)),
+      "master_weights(AdamW fused) foreach=False": (
+          bf16, lambda ps: tb.master_weights(torch.optim.AdamW(ps, lr, fused=True),
+                                             foreach=False)),
       "adamw_bf16 kahan, eager per-tensor (fused=False)": (
           bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False)),
       "scaled_adam": (bf16, lambda ps: tb.scaled_adam(ps, lr)),

@@ -16,6 +16,9 @@ simply runs.
 machine has cores; with two workers doing so on two cores, its threads wait
 for each other and a small step costs many times its work (300 steps of
 examples/train_mlp_torch.py: 18 s of CPU on 2 threads, 0.3 s on one). Tests that train with torch in the worker use one thread.
+
+``host_work``: what one call makes on the host: the Python calls whose code is
+in ``torch_bridge`` and the torch ops it dispatches.
 """
 
 from __future__ import annotations
@@ -84,3 +87,39 @@ def one_torch_thread():
     yield
   finally:
     torch.set_num_threads(threads)
+
+
+def host_work(run, skip=("_triton_kernels",)) -> tuple:
+  """``(calls, ops)`` of ``run()``: Counters of the Python functions of
+  ``torch_bridge`` it calls (files named in ``skip`` aside) and of the torch
+  ops it dispatches (a ``TorchDispatchMode``: an allocation or a scalar read
+  is an op)."""
+  import collections  # noqa: PLC0415
+  import sys  # noqa: PLC0415
+
+  from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
+
+  class Ops(TorchDispatchMode):
+    def __init__(self):
+      super().__init__()
+      self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+      self.ops[str(func)] += 1
+      return func(*args, **(kwargs or {}))
+
+  calls = collections.Counter()
+
+  def profile(frame, event, arg):
+    name = frame.f_code.co_filename
+    if event == "call" and "torch_bridge" in name and not any(s in name for s in skip):
+      calls[frame.f_code.co_name] += 1
+
+  mode = Ops()
+  with mode:
+    sys.setprofile(profile)
+    try:
+      run()
+    finally:
+      sys.setprofile(None)
+  return calls, mode.ops

@@ -34,7 +34,8 @@ TORCH_ONLY = {
                 "gradients first (optax.scale(-1))",
     "amsgrad": "torch.optim.AdamW's (drop-in): the running max of nu, stepped per tensor; "
                "optax.adamw has no amsgrad (optax.amsgrad is another optimizer)",
-    "foreach": "torch.optim.AdamW's (drop-in): accepted and not used; fused= picks the step",
+    "foreach": "torch.optim's: AdamW accepts it and fused= picks the step; master_weights "
+               "batches its host work (None: on CUDA); XLA compiles",
     "capturable": "torch.optim.AdamW's (drop-in): only False (the step count is read on the "
                   "host); XLA compiles the whole step",
     "differentiable": "torch.optim.AdamW's (drop-in): autograd records the step (params of "

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 import torch_bridge as tb  # noqa: E402
 from test_torch_optim import OPTIMIZERS, _grads, _params, _run, _same, _snapshot  # noqa: E402
+from suite_helpers import host_work  # noqa: E402
 from torch_bridge.compensation import kahan_remainder_fits  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -34,6 +35,7 @@ ADAM_LIKE = {
 WRAPPERS = {
     "master_weights": tb.master_weights,
     "master_weights split": lambda o: tb.master_weights(o, split=True),
+    "master_weights foreach": lambda o: tb.master_weights(o, foreach=True),
     "kahan_summation": tb.kahan_summation,
     "stochastic_rounding": lambda o: tb.stochastic_rounding(o, key=5),
     "round_to_nearest": tb.round_to_nearest,
@@ -448,9 +450,10 @@ def test_a_group_added_to_the_inner_optimizer_is_taken_up():
 # Weights loaded into the model after the optimizer was built.
 # ---------------------------------------------------------------------------
 
-FOLLOWING = ["adam_fp32_master", "master_weights(Adam)", "adamw_bf16 kahan",
-             "kahan_summation(Adam)", "master_weights(Adam, split)", "adamw_bf16 split"]
-MASTERS = ["adam_fp32_master", "master_weights(Adam)"]
+FOLLOWING = ["adam_fp32_master", "master_weights(Adam)", "master_weights(Adam, foreach)",
+             "adamw_bf16 kahan", "kahan_summation(Adam)", "master_weights(Adam, split)",
+             "adamw_bf16 split"]
+MASTERS = ["adam_fp32_master", "master_weights(Adam)", "master_weights(Adam, foreach)"]
 
 
 def _write(ps, weights, how):
@@ -575,3 +578,109 @@ def test_master_follows_writes_no_version_counter_sees_kernel_and_eager_alike():
     out[fused] = (p.detach().view(torch.int16).clone(), opt.state[p]["master"].clone())
   assert torch.equal(out[None][0], out[False][0])
   assert torch.equal(out[None][1].view(torch.int32), out[False][1].view(torch.int32))
+
+
+# ---------------------------------------------------------------------------
+# master_weights' batched step (foreach): the per-param step's values, with
+# host work that does not grow with the number of params.
+# ---------------------------------------------------------------------------
+
+
+def _mixed_model(gen, n: int) -> list:
+  """``n`` 16-bit params (bf16 and fp16), an fp32 one, and a frozen one."""
+  ps = [torch.nn.Parameter((torch.randn(40 + 7 * k, generator=gen) * 0.02).to(
+      torch.float16 if k % 3 == 2 else torch.bfloat16)) for k in range(n)]
+  ps.insert(2, torch.nn.Parameter(torch.randn(9, generator=gen)))
+  ps.append(torch.nn.Parameter(torch.randn(5, generator=gen).to(torch.bfloat16),
+                               requires_grad=False))
+  return ps
+
+
+@pytest.mark.parametrize("chunk", [None, 100])
+@pytest.mark.parametrize("inner", ["AdamW", "AdamW fused", "scaled_adam",
+                                   "scaled_adam skip_nonfinite", "SGD momentum"])
+def test_master_weights_batched_step_equals_the_per_param_step(inner, chunk, monkeypatch):
+  """``foreach=True`` against ``foreach=False``, bit for bit in params, masters
+  and the inner state: bf16, fp16 and fp32 params and a frozen one, in one
+  chunk and in many (``CHUNK_NUMEL`` 100: a wide param hides its gradient
+  outside its chunk), ``main_grad`` on some steps, gradients set to None
+  between steps, weights written from outside twice (the next step follows
+  them param by param), a state dict loaded midway, an infinite gradient, and inner
+  optimizers that step all params together."""
+  from torch_bridge import wrappers  # noqa: PLC0415
+  if chunk:
+    monkeypatch.setattr(wrappers, "CHUNK_NUMEL", chunk)
+  make = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
+          "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True),
+          "scaled_adam": lambda ps: tb.scaled_adam(ps, clipping_scale=2.0),
+          "scaled_adam skip_nonfinite": lambda ps: tb.scaled_adam(ps, skip_nonfinite=True),
+          "SGD momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)}[inner]
+  runs = []
+  for foreach in (True, False):
+    gen = torch.Generator().manual_seed(0)
+    ps = _mixed_model(gen, 7)
+    opt = tb.master_weights(make(ps), foreach=foreach)
+    saved, batched = None, []
+    for step in range(7):
+      for k, p in enumerate(ps):
+        if p.requires_grad:
+          g = torch.randn(p.shape, generator=gen) * 0.05
+          if step == 3 and k % 2:
+            p.main_grad = g  # fp32, as accumulate_in_fp32 keeps it
+          else:
+            p.grad = g.to(p.dtype)
+      if step == 5:
+        ps[0].grad[1] = float("inf")  # skipped by skip_nonfinite, NaN masters elsewhere
+      opt.step()
+      if "_batched" in opt.__dict__:
+        batched.append(step)
+      for p in ps:
+        p.main_grad = None
+      if step == 1:
+        opt.zero_grad()
+      if step == 2:
+        with torch.no_grad():
+          ps[4].mul_(0.5)  # an outside write
+        saved = copy.deepcopy(opt.state_dict())
+      if step == 4:
+        opt.load_state_dict(saved)
+      if step == 5:
+        with torch.no_grad():
+          ps[1].add_(0.25)  # and one the batched step must see (nothing else changed)
+    runs.append((ps, opt))
+    # The steps after an outside write follow it param by param.
+    assert batched == ([0, 1, 2, 4, 5] if foreach else []), batched
+  assert _same(_snapshot(runs[0][1], runs[0][0]), _snapshot(runs[1][1], runs[1][0]))
+
+
+def _host_step_of_master_weights(n: int) -> tuple:
+  """Python calls in torch_bridge and torch ops of one batched
+  ``master_weights(AdamW(fused=True))`` step of ``n`` bf16 params (after a
+  first step, which makes the plan), with fresh gradients as
+  ``zero_grad(set_to_none=True)`` and a backward make."""
+  gen = torch.Generator().manual_seed(0)
+  ps = [torch.nn.Parameter(torch.randn(64 + k, generator=gen).to(torch.bfloat16))
+        for k in range(n)]
+  opt = tb.master_weights(torch.optim.AdamW(ps, lr=1e-3, fused=True), foreach=True)
+  for step in range(2):
+    for p in ps:
+      p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    if step == 0:
+      opt.step()
+  work = host_work(opt.step)
+  assert "_batched" in opt.__dict__
+  return work
+
+
+def test_master_weights_batched_host_step_is_the_same_for_any_number_of_params():
+  """The batched step makes the same Python calls in torch_bridge and the
+  same torch ops at 8 and 40 params: one ``_foreach_copy_`` widens the
+  gradients, the wrapped optimizer steps (``AdamW(fused=True)``: one fused op
+  and its step counts' advance), one ``_foreach_copy_`` rounds the masters into
+  the params; no allocation, no scalar read (the per-param step makes about 26
+  calls a param)."""
+  (calls8, ops8), (calls40, ops40) = (_host_step_of_master_weights(n) for n in (8, 40))
+  assert calls8 == calls40 and sum(calls8.values()) < 40, (calls8, calls40)
+  assert ops8 == ops40, (ops8, ops40)
+  assert ops8["aten._foreach_copy_.default"] == 2, ops8
+  assert not [op for op in ops8 if "empty" in op or "local_scalar" in op or "item" in op], ops8

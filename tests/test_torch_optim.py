@@ -39,6 +39,7 @@ OPTIMIZERS = {
     "scale_by_adamw": lambda ps: tb.scale_by_adamw(ps, 1e-2),
     "master_weights(Adam)": lambda ps: tb.master_weights(_adam(ps)),
     "master_weights(Adam, split)": lambda ps: tb.master_weights(_adam(ps), split=True),
+    "master_weights(Adam, foreach)": lambda ps: tb.master_weights(_adam(ps), foreach=True),
     "kahan_summation(Adam)": lambda ps: tb.kahan_summation(_adam(ps)),
     "stochastic_rounding(Adam)": lambda ps: tb.stochastic_rounding(_adam(ps), key=5),
     "round_to_nearest(Adam)": lambda ps: tb.round_to_nearest(_adam(ps)),
@@ -47,6 +48,8 @@ OPTIMIZERS = {
         tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3)),
     "master_weights(scaled_adam)": lambda ps: tb.master_weights(
         tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3)),
+    "master_weights(scaled_adam, foreach)": lambda ps: tb.master_weights(
+        tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3), foreach=True),
 }
 
 

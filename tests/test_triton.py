@@ -17,6 +17,7 @@ pytest.importorskip("triton")
 
 import torch_bridge as tb  # noqa: E402
 from conftest import assert_same_torch_runs, torch_bits  # noqa: E402
+from suite_helpers import host_work  # noqa: E402
 from torch_bridge import _triton, adam, rounding  # noqa: E402
 
 SHAPES = [(1,), (7,), (10, 100), (4099,)]
@@ -205,18 +206,6 @@ def _host_step(n: int, monkeypatch, scaler=None) -> tuple:
   ``opt.step()`` of ``n`` bf16 tensors (the launches recorded, not run);
   ``scaler``: ``grad_scale`` and ``found_inf`` set on the optimizer, as
   GradScaler sets them."""
-  import sys  # noqa: PLC0415
-  from torch.utils._python_dispatch import TorchDispatchMode  # noqa: PLC0415
-
-  class Ops(TorchDispatchMode):
-    def __init__(self):
-      super().__init__()
-      self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-      self.ops[str(func)] += 1
-      return func(*args, **(kwargs or {}))
-
   gen = torch.Generator().manual_seed(0)
   params = [torch.randn(64 + k, generator=gen).to(torch.bfloat16).requires_grad_()
             for k in range(n)]
@@ -228,23 +217,11 @@ def _host_step(n: int, monkeypatch, scaler=None) -> tuple:
     setattr(opt, name, value)
   opt.step()
   launched = []
-  calls = collections.Counter()
-
-  def profile(frame, event, arg):
-    name = frame.f_code.co_filename
-    if event == "call" and "torch_bridge" in name and "_triton_kernels" not in name:
-      calls[frame.f_code.co_name] += 1
-
-  mode = Ops()
-  with monkeypatch.context() as patch, mode:
+  with monkeypatch.context() as patch:
     patch.setattr(_triton, "_launch", lambda kernel, grid, *a, **k: launched.append(
         kernel.fn.__name__ if hasattr(kernel, "fn") else kernel.__name__))
-    sys.setprofile(profile)
-    try:
-      opt.step()
-    finally:
-      sys.setprofile(None)
-  return calls, mode.ops, launched
+    calls, ops = host_work(opt.step)
+  return calls, ops, launched
 
 
 def test_host_step_is_the_same_for_any_number_of_tensors(monkeypatch):

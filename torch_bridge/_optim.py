@@ -712,6 +712,7 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     state.pop("_grouped_cache", None)  # LowPrecisionAdamW's device-side index cache
     state.pop("_state_fits", None)  # and its marks of checked states (made again)
     state.pop("_replay", None)  # and its Triton plans (they point at this one's tensors)
+    state.pop("_batched", None)  # a wrapper's batched plan (the same)
     return state
 
   def __setstate__(self, state: dict) -> None:

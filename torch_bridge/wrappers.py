@@ -42,12 +42,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Optional
 
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (LowPrecisionOptimizer, check_param, optimizer_kind,
-                                 prepare_load, seed_from_key, step_grad, stepping_params)
+from torch_bridge._optim import (_LOADED, LowPrecisionOptimizer, check_param,
+                                 optimizer_kind, prepare_load, seed_from_key, step_grad,
+                                 stepping_params)
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
@@ -80,7 +82,8 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
   """
 
   def __init__(self, inner: torch.optim.Optimizer, compensation: Compensation,
-               master_dtype: torch.dtype = torch.float32, seed: int = 0):
+               master_dtype: torch.dtype = torch.float32, seed: int = 0,
+               foreach: Optional[bool] = None):
     if not isinstance(inner, torch.optim.Optimizer):
       raise TypeError(
           "the wrappers take a constructed torch.optim.Optimizer (e.g. "
@@ -99,6 +102,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     self._compensation = compensation
     self._master_dtype = master_dtype
     self._seed = seed
+    self._foreach = foreach  # _Batched: None on CUDA, True everywhere, False never
     self._work: dict = {}  # model param -> the tensor the inner optimizer steps
     self._adopted: dict = {}  # model param -> (dtype, shape) when it was taken up
     # The inner optimizer's groups (and defaults) are the wrapper's: add_param_group
@@ -255,6 +259,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
     return {"inner": saved, "seed": self._seed}
 
   def _load(self, state_dict: dict) -> None:
+    self.__dict__.pop("_batched", None)
     # Check ours, load the inner optimizer's (it checks its own first), then ours:
     # a mismatch anywhere leaves both untouched.
     load = prepare_load(self, {k: state_dict[k] for k in ("state", "param_groups")})
@@ -269,26 +274,22 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
 
   def _step_all(self) -> None:
     self._adopt_all()  # groups added to the inner optimizer directly
+    # The last step's batched plan, while it fits; else a new one where one applies.
+    batched = self.__dict__.pop("_batched", None)
+    if batched is None or not batched.step(self):
+      batched = _Batched.of(self)
+      if batched is not None and not batched.step(self):
+        raise AssertionError("a new batched plan does not fit its optimizer")
+    if batched is not None:
+      self._batched = batched
+      return
     todo = stepping_params(self)  # (leaf position, param)
     # Wide params carry their own grads: hide them outside their chunk.
     hidden = {p: p.grad for _, p in todo if self._work[p] is p}
     for p in hidden:
       p.grad = None
     try:
-      # An optimizer that couples its params (ScaledAdam's clipping norm), or
-      # that skips a step on any non-finite gradient, is stepped once, on all
-      # of them.
-      together = (getattr(self.inner, "steps_all_params_together", False)
-                  or getattr(self.inner, "_skip_nonfinite", False))
-      limit = math.inf if together else CHUNK_NUMEL
-      chunk, numel = [], 0
-      for item in todo:
-        chunk.append(item)
-        numel += item[1].numel()
-        if numel >= limit:
-          self._step_chunk(chunk, hidden)
-          chunk, numel = [], 0
-      if chunk:
+      for chunk in _chunks(todo, self.inner):
         self._step_chunk(chunk, hidden)
     finally:
       for p, g in hidden.items():
@@ -333,6 +334,138 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
         self.state[p]["step"] += 1
 
 
+class _Batched:
+  """``master_weights``'s step over all params at once: the same values as
+  ``_step_chunk``'s per-param step, with Python work per step that does not
+  grow with the number of params (docs/algorithms.md#wrappers, "Batched").
+
+  Each chunk's gradients are widened by one ``torch._foreach_copy_`` into
+  views of one fp32 scratch buffer (kept between steps: the largest chunk,
+  at most ``CHUNK_NUMEL`` elements or the largest param), which are the
+  masters' gradients while the wrapped optimizer steps; one more
+  ``_foreach_copy_`` rounds the masters into the params. It applies where
+  ``foreach`` says (None: every stepping param on CUDA) to a plain wrapped
+  optimizer, dense local params, every 16-bit param with a master, and no
+  gradients handed over by a loss scaler. The plan is kept while the params,
+  their gradients' presence and dtypes and the wrapper's stand-ins are the
+  same; a param written from outside (its mark moved) takes the per-param
+  step, which follows the write, and the plan is made again after it.
+  """
+
+  def __init__(self, key: tuple, lows: list, chunks: list, scratch: torch.Tensor):
+    self.key = key
+    self.lows = lows  # the 16-bit params stepped, whose marks each step checks
+    self.chunks = chunks  # (params, masters, their gradients' views, wide params)
+    self.scratch = scratch
+
+  @staticmethod
+  def _key(opt) -> tuple:
+    params = opt._all_params()
+    # grad_of's choice (main_grad, else grad), without a call per param.
+    grads = [p.grad if m is None else m
+             for p, m in zip(params, [getattr(p, "main_grad", None) for p in params])]
+    return ([id(p) for p in params], [id(opt._work.get(p)) for p in params],
+            [None if g is None else (g.dtype, g.layout, g.device) for g in grads],
+            [len(g["params"]) for g in opt.param_groups], opt._foreach,
+            bool(opt._unscaled_grads), _together(opt.inner)), params, grads
+
+  @classmethod
+  def of(cls, opt) -> Optional["_Batched"]:
+    """The plan of ``opt``'s step, or None where the per-param step runs."""
+    if (opt._foreach is False or opt._compensation.name != "master"
+        or isinstance(opt.inner, LowPrecisionWrapper) or opt._unscaled_grads):
+      return None
+    key, params, grads = cls._key(opt)
+    todo = stepping_params(opt)  # checks each gradient, as the per-param step does
+    if len(set(map(id, params))) != len(params) or not todo:
+      return None
+    for _, p in todo:
+      if (_dist.is_dtensor(p) or p.is_complex() or (opt._is_low(p) and (
+          opt._param_compensation(p).name != "master" or opt._work[p] is p))):
+        return None
+      if opt._foreach is None and not p.is_cuda:
+        return None
+      mark = opt._marks.get(p)
+      if opt._is_low(p) and mark not in (_LOADED, (p._version, p.data_ptr())):
+        return None  # written from outside: the per-param step follows it
+    spans = [[p for _, p in chunk] for chunk in _chunks(todo, opt.inner)]
+    lows = [p for _, p in todo if opt._is_low(p)]
+    size = max(sum(p.numel() for p in s if opt._is_low(p)) for s in spans)
+    scratch = torch.empty(size, dtype=opt._master_dtype,
+                          device=lows[0].device if lows else "cpu")
+    chunks = []
+    for span in spans:
+      low = [p for p in span if opt._is_low(p)]
+      views, offset = [], 0
+      for p in low:
+        views.append(scratch[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+      chunks.append((low, [opt._work[p] for p in low], views,
+                     [p for p in span if not opt._is_low(p)]))
+    return cls(key, lows, chunks, scratch)
+
+  def step(self, opt) -> bool:
+    """One step of ``opt`` by this plan; False (nothing done) where it no
+    longer fits: another key, or a stepped param written from outside since
+    the last step (which ``_follow`` takes up, param by param)."""
+    key, params, grads = self._key(opt)
+    marks = opt._marks
+    if key != self.key or not all(
+        [marks.get(p) in (_LOADED, (p._version, p.data_ptr())) for p in self.lows]):
+      return False
+    grad_of_param = dict(zip(params, grads))
+    wides = [p for chunk in self.chunks for p in chunk[3]]
+    hidden = dict(zip(wides, [p.grad for p in wides]))  # a wide param steps in its chunk only
+    for p in wides:
+      p.grad = None
+    try:
+      for low, masters, views, wide in self.chunks:
+        if low:
+          torch._foreach_copy_(views, [grad_of_param[p] for p in low])
+        for m, v in zip(masters, views):
+          m.grad = v
+        for p in wide:
+          p.grad = hidden[p]
+        try:
+          with opt.stand_ins() as inner:
+            inner.step()
+        finally:
+          for m in masters:
+            m.grad = None
+          for p in wide:
+            p.grad = None
+        if low:
+          torch._foreach_copy_(low, masters)  # the master's rounding, as _Master.write
+          opt._marks.update(zip(low, [(p._version, p.data_ptr()) for p in low]))
+    finally:
+      for p, g in hidden.items():
+        p.grad = g
+    return True
+
+
+def _together(inner) -> bool:
+  """Whether ``inner`` is stepped on all params at once (one chunk): it couples
+  its params (ScaledAdam's clipping norm), or skips a whole step on any
+  non-finite gradient."""
+  return bool(getattr(inner, "steps_all_params_together", False)
+              or getattr(inner, "_skip_nonfinite", False))
+
+
+def _chunks(todo: list, inner) -> list:
+  """``todo``'s ``(position, param)`` items in the chunks the wrapped optimizer
+  steps: consecutive, each ending once it reaches ``CHUNK_NUMEL`` elements
+  (one chunk where ``_together``)."""
+  limit = math.inf if _together(inner) else CHUNK_NUMEL
+  chunks, chunk, numel = [], [], 0
+  for item in todo:
+    chunk.append(item)
+    numel += item[1].numel()
+    if numel >= limit:
+      chunks.append(chunk)
+      chunk, numel = [], 0
+  return chunks + [chunk] if chunk else chunks
+
+
 def _keeps_low_precision(inner) -> str:
   """What ``optax_half.wrappers._check_not_nested`` finds in a JAX inner state:
   a wrapper or a compensating named optimizer, named; or ''."""
@@ -350,7 +483,8 @@ def _keeps_low_precision(inner) -> str:
 
 
 def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
-                   split: bool = False) -> LowPrecisionWrapper:
+                   split: bool = False, *, foreach: Optional[bool] = None
+                   ) -> LowPrecisionWrapper:
   """Keeps a ``master_dtype`` master copy of every narrower param.
 
   The wrapped optimizer's param lists are switched to the masters (state it
@@ -361,6 +495,12 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
   exact at 2 bytes/param; it is rebuilt during ``step`` only. Weights
   loaded into the model after wrapping are taken up at the next step
   (``docs/algorithms.md#pytorch-mirror``, "Params written from outside").
+  ``foreach`` (``torch.optim``'s switch): the step of all params at once
+  (``torch._foreach_copy_`` of the gradients into the masters' and of the
+  masters into the params, host work that does not grow with the number of
+  params) or param by param (False); None, the default, batches where every
+  stepping param is on CUDA. Both give the same values; the batched step keeps
+  one chunk of fp32 gradients between steps. ``split=True`` steps param by param.
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -377,12 +517,18 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
   """
   if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
     raise ValueError(f"master_dtype must be a torch float dtype; got {master_dtype!r}.")
+  if foreach and split:
+    raise ValueError(
+        "master_weights(split=True) steps param by param (its master is rebuilt from two "
+        "halves in each step): leave foreach out, or use split=False for the batched step.")
+  if foreach not in (None, True, False):
+    raise TypeError(f"foreach must be None, True or False; got {foreach!r}.")
   if split and master_dtype != torch.float32:
     raise ValueError(
         "master_weights(split=True) stores an fp32 master as a bf16 high half plus "
         f"int16 low half; it needs master_dtype=torch.float32, got {master_dtype}.")
   return LowPrecisionWrapper(optimizer, COMPENSATIONS["split" if split else "master"],
-                             master_dtype)
+                             master_dtype, foreach=foreach)
 
 
 def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
