@@ -58,6 +58,10 @@ def candidates(lr=1e-3, device="cpu"):
       "master_weights(AdamW fused) foreach=False": (
           bf16, lambda ps: tb.master_weights(torch.optim.AdamW(ps, lr, fused=True),
                                              foreach=False)),
+      "kahan_summation(AdamW fused) foreach=True": (bf16, lambda ps: tb.kahan_summation(
+          torch.optim.AdamW(ps, lr, fused=True), foreach=True)),
+      "kahan_summation(AdamW fused) foreach=False": (bf16, lambda ps: tb.kahan_summation(
+          torch.optim.AdamW(ps, lr, fused=True), foreach=False)),
       "adamw_bf16 kahan, eager per-tensor (fused=False)": (
           bf16, lambda ps: tb.adamw_bf16(ps, lr, fused=False)),
       "scaled_adam": (bf16, lambda ps: tb.scaled_adam(ps, lr)),

@@ -36,6 +36,9 @@ WRAPPERS = {
     "master_weights": tb.master_weights,
     "master_weights split": lambda o: tb.master_weights(o, split=True),
     "master_weights foreach": lambda o: tb.master_weights(o, foreach=True),
+    "master_weights split foreach": lambda o: tb.master_weights(o, split=True, foreach=True),
+    "kahan_summation foreach": lambda o: tb.kahan_summation(o, foreach=True),
+    "round_to_nearest foreach": lambda o: tb.round_to_nearest(o, foreach=True),
     "kahan_summation": tb.kahan_summation,
     "stochastic_rounding": lambda o: tb.stochastic_rounding(o, key=5),
     "round_to_nearest": tb.round_to_nearest,
@@ -451,7 +454,8 @@ def test_a_group_added_to_the_inner_optimizer_is_taken_up():
 # ---------------------------------------------------------------------------
 
 FOLLOWING = ["adam_fp32_master", "master_weights(Adam)", "master_weights(Adam, foreach)",
-             "adamw_bf16 kahan", "kahan_summation(Adam)", "master_weights(Adam, split)",
+             "adamw_bf16 kahan", "kahan_summation(Adam)", "kahan_summation(Adam, foreach)",
+             "master_weights(Adam, split)", "master_weights(Adam, split, foreach)",
              "adamw_bf16 split"]
 MASTERS = ["adam_fp32_master", "master_weights(Adam)", "master_weights(Adam, foreach)"]
 
@@ -596,20 +600,31 @@ def _mixed_model(gen, n: int) -> list:
   return ps
 
 
+BATCHED = {
+    "master_weights": tb.master_weights,
+    "master_weights split": lambda o, foreach: tb.master_weights(o, split=True, foreach=foreach),
+    "kahan_summation": tb.kahan_summation,
+    "round_to_nearest": tb.round_to_nearest,
+}
+
+
 @pytest.mark.parametrize("chunk", [None, 100])
 @pytest.mark.parametrize("inner", ["AdamW", "AdamW fused", "scaled_adam",
                                    "scaled_adam skip_nonfinite", "SGD momentum"])
-def test_master_weights_batched_step_equals_the_per_param_step(inner, chunk, monkeypatch):
-  """``foreach=True`` against ``foreach=False``, bit for bit in params, masters
-  and the inner state: bf16, fp16 and fp32 params and a frozen one, in one
-  chunk and in many (``CHUNK_NUMEL`` 100: a wide param hides its gradient
-  outside its chunk), ``main_grad`` on some steps, gradients set to None
-  between steps, weights written from outside twice (the next step follows
-  them param by param), a state dict loaded midway, an infinite gradient, and inner
-  optimizers that step all params together."""
+@pytest.mark.parametrize("wrapper", list(BATCHED))
+def test_batched_wrapper_step_equals_the_per_param_step(wrapper, inner, chunk, monkeypatch):
+  """``foreach=True`` against ``foreach=False``, bit for bit in params,
+  buffers and the inner state: bf16, fp16 and fp32 params and a frozen one,
+  in one chunk and in many (``CHUNK_NUMEL`` 100: a wide param hides its
+  gradient outside its chunk; flat reads and writes in blocks of 37),
+  ``main_grad`` on some steps, gradients set to None between steps, weights
+  written from outside twice (the next step follows them param by param), a
+  state dict loaded midway, an infinite gradient, and inner optimizers that
+  step all params together."""
   from torch_bridge import wrappers  # noqa: PLC0415
-  if chunk:
+  if chunk:  # and the flat reads and writes in blocks of 37 elements
     monkeypatch.setattr(wrappers, "CHUNK_NUMEL", chunk)
+    monkeypatch.setattr(wrappers, "_BLOCK", 37)
   make = {"AdamW": lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1),
           "AdamW fused": lambda ps: torch.optim.AdamW(ps, lr=3e-3, fused=True),
           "scaled_adam": lambda ps: tb.scaled_adam(ps, clipping_scale=2.0),
@@ -619,7 +634,7 @@ def test_master_weights_batched_step_equals_the_per_param_step(inner, chunk, mon
   for foreach in (True, False):
     gen = torch.Generator().manual_seed(0)
     ps = _mixed_model(gen, 7)
-    opt = tb.master_weights(make(ps), foreach=foreach)
+    opt = BATCHED[wrapper](make(ps), foreach=foreach)
     saved, batched = None, []
     for step in range(7):
       for k, p in enumerate(ps):
@@ -653,15 +668,15 @@ def test_master_weights_batched_step_equals_the_per_param_step(inner, chunk, mon
   assert _same(_snapshot(runs[0][1], runs[0][0]), _snapshot(runs[1][1], runs[1][0]))
 
 
-def _host_step_of_master_weights(n: int) -> tuple:
-  """Python calls in torch_bridge and torch ops of one batched
-  ``master_weights(AdamW(fused=True))`` step of ``n`` bf16 params (after a
+def _host_step_of(wrapper: str, n: int) -> tuple:
+  """Python calls in torch_bridge and torch ops of one batched step of
+  ``BATCHED[wrapper](AdamW(fused=True))`` over ``n`` bf16 params (after a
   first step, which makes the plan), with fresh gradients as
   ``zero_grad(set_to_none=True)`` and a backward make."""
   gen = torch.Generator().manual_seed(0)
   ps = [torch.nn.Parameter(torch.randn(64 + k, generator=gen).to(torch.bfloat16))
         for k in range(n)]
-  opt = tb.master_weights(torch.optim.AdamW(ps, lr=1e-3, fused=True), foreach=True)
+  opt = BATCHED[wrapper](torch.optim.AdamW(ps, lr=1e-3, fused=True), foreach=True)
   for step in range(2):
     for p in ps:
       p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
@@ -672,15 +687,20 @@ def _host_step_of_master_weights(n: int) -> tuple:
   return work
 
 
-def test_master_weights_batched_host_step_is_the_same_for_any_number_of_params():
-  """The batched step makes the same Python calls in torch_bridge and the
-  same torch ops at 8 and 40 params: one ``_foreach_copy_`` widens the
-  gradients, the wrapped optimizer steps (``AdamW(fused=True)``: one fused op
-  and its step counts' advance), one ``_foreach_copy_`` rounds the masters into
-  the params; no allocation, no scalar read (the per-param step makes about 26
-  calls a param)."""
-  (calls8, ops8), (calls40, ops40) = (_host_step_of_master_weights(n) for n in (8, 40))
-  assert calls8 == calls40 and sum(calls8.values()) < 40, (calls8, calls40)
+@pytest.mark.parametrize("wrapper, copies", [("master_weights", 2), ("kahan_summation", 7),
+                                             ("master_weights split", 7),
+                                             ("round_to_nearest", 4)])
+def test_batched_wrapper_host_step_is_the_same_for_any_number_of_params(wrapper, copies):
+  """A batched step makes the same Python calls in torch_bridge and the same
+  torch ops at 8 and 40 params, and reads no scalar: ``_foreach_copy_``
+  calls (gradients in; a master's rounding out, or the params and buffers
+  gathered before the step and after it and scattered back), the
+  compensation's flat read and write, and the wrapped ``AdamW(fused=True)``
+  (one fused op and its step counts). The per-param step makes about 26
+  Python calls a param (``master_weights``), 49 (``kahan_summation``)."""
+  (calls8, ops8), (calls40, ops40) = (_host_step_of(wrapper, n) for n in (8, 40))
+  assert calls8 == calls40 and sum(calls8.values()) < 80, (calls8, calls40)
   assert ops8 == ops40, (ops8, ops40)
-  assert ops8["aten._foreach_copy_.default"] == 2, ops8
-  assert not [op for op in ops8 if "empty" in op or "local_scalar" in op or "item" in op], ops8
+  assert ops8["aten._foreach_copy_.default"] == copies, ops8
+  assert ops8["aten._fused_adamw_.default"] == 1, ops8
+  assert not [op for op in ops8 if "local_scalar" in op or "item" in op], ops8

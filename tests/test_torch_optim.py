@@ -40,15 +40,21 @@ OPTIMIZERS = {
     "master_weights(Adam)": lambda ps: tb.master_weights(_adam(ps)),
     "master_weights(Adam, split)": lambda ps: tb.master_weights(_adam(ps), split=True),
     "master_weights(Adam, foreach)": lambda ps: tb.master_weights(_adam(ps), foreach=True),
+    "master_weights(Adam, split, foreach)": lambda ps: tb.master_weights(
+        _adam(ps), split=True, foreach=True),
     "kahan_summation(Adam)": lambda ps: tb.kahan_summation(_adam(ps)),
+    "kahan_summation(Adam, foreach)": lambda ps: tb.kahan_summation(_adam(ps), foreach=True),
     "stochastic_rounding(Adam)": lambda ps: tb.stochastic_rounding(_adam(ps), key=5),
     "round_to_nearest(Adam)": lambda ps: tb.round_to_nearest(_adam(ps)),
+    "round_to_nearest(Adam, foreach)": lambda ps: tb.round_to_nearest(_adam(ps), foreach=True),
     "scaled_adam": lambda ps: tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3),
     "kahan_summation(scaled_adam)": lambda ps: tb.kahan_summation(
         tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3)),
     "master_weights(scaled_adam)": lambda ps: tb.master_weights(
         tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3)),
     "master_weights(scaled_adam, foreach)": lambda ps: tb.master_weights(
+        tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3), foreach=True),
+    "kahan_summation(scaled_adam, foreach)": lambda ps: tb.kahan_summation(
         tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3), foreach=True),
 }
 

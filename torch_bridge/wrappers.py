@@ -25,9 +25,15 @@ and load through the wrapper. Except for ``master_weights``, ``x`` exists
 only during ``step``: its storage
 is filled before the wrapped optimizer steps and released after, chunk by
 chunk (at most ``CHUNK_NUMEL`` elements of fp32 ``x`` and gradient at a time),
-so no fp32 copy of the model is kept between steps. Params of 32 bits or more
+so no fp32 copy of the model is kept between steps (the batched step,
+``foreach``, keeps one chunk's buffers). Params of 32 bits or more
 (or as wide as ``master_dtype``) are handed to the wrapped optimizer as they
 are. Spec: ``docs/algorithms.md#wrappers``.
+
+``foreach`` (``master_weights``, ``kahan_summation``, ``round_to_nearest``;
+None: where every stepping param is on CUDA) steps all params at once
+(``_Batched``): a few ``torch._foreach_copy_`` calls and flat ops a chunk,
+host work that does not grow with the number of params, the same values.
 
 The wrapped optimizer is stepped once per chunk, so it must treat params
 independently (Adam, AdamW, SGD, RMSprop, ... do; LBFGS does not), or say
@@ -56,6 +62,7 @@ __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to
            "LowPrecisionWrapper", "CHUNK_NUMEL"]
 
 CHUNK_NUMEL = 1 << 24  # fp32 elements materialised per chunk (64 MiB of x + 64 MiB of grads)
+_BLOCK = 1 << 18  # elements a batched read or write takes at a time on the CPU (_Group)
 
 
 
@@ -335,28 +342,38 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
 
 
 class _Batched:
-  """``master_weights``'s step over all params at once: the same values as
-  ``_step_chunk``'s per-param step, with Python work per step that does not
-  grow with the number of params (docs/algorithms.md#wrappers, "Batched").
+  """A wrapper's step over all params at once: the per-param step's values
+  (``_step_chunk``), with Python work per step that does not grow with the
+  number of params (docs/algorithms.md#pytorch-mirror, "Batched wrappers").
 
-  Each chunk's gradients are widened by one ``torch._foreach_copy_`` into
-  views of one fp32 scratch buffer (kept between steps: the largest chunk,
-  at most ``CHUNK_NUMEL`` elements or the largest param), which are the
-  masters' gradients while the wrapped optimizer steps; one more
-  ``_foreach_copy_`` rounds the masters into the params. It applies where
-  ``foreach`` says (None: every stepping param on CUDA) to a plain wrapped
-  optimizer, dense local params, every 16-bit param with a master, and no
-  gradients handed over by a loss scaler. The plan is kept while the params,
-  their gradients' presence and dtypes and the wrapper's stand-ins are the
-  same; a param written from outside (its mark moved) takes the per-param
-  step, which follows the write, and the plan is made again after it.
+  Per chunk, one ``torch._foreach_copy_`` widens the gradients into views of
+  a scratch buffer of the master dtype, which are the stand-ins' gradients
+  while the wrapped optimizer steps. A master (``holds_value``) is stepped in
+  place and one more ``_foreach_copy_`` writes its rounding into the params.
+  The other compensations without random bits (kahan, split, none) gather
+  each dtype's params and buffers into flat views, run the compensation's own
+  ``read`` and ``write`` on those (elementwise, so each param's values are
+  the per-param step's), the stand-ins viewing a second scratch buffer
+  ``x``, and scatter the results back: two scratch buffers of a chunk (at
+  most ``CHUNK_NUMEL`` elements or the largest param), kept between steps,
+  as the per-param step makes them in each; the gathers reuse the
+  gradients' buffer, which is free when they run.
+
+  It applies where ``foreach`` says (None: every stepping param on CUDA) to
+  a plain wrapped optimizer, dense local params, a compensation without
+  random bits, and no gradients handed over by a loss scaler. The plan is
+  kept while the params, their gradients' presence and dtypes and the
+  stand-ins are the same; a param written from outside (its mark moved)
+  takes the per-param step, which follows the write, and the plan is made
+  again after it.
   """
 
-  def __init__(self, key: tuple, lows: list, chunks: list, scratch: torch.Tensor):
+  def __init__(self, key: tuple, lows: list, chunks: list, scratch: tuple):
     self.key = key
     self.lows = lows  # the 16-bit params stepped, whose marks each step checks
-    self.chunks = chunks  # (params, masters, their gradients' views, wide params)
-    self.scratch = scratch
+    self.chunks = chunks  # (groups, wide params); a group: _Group
+    self.scratch = scratch  # (gradients, x): the buffers the views hold
+    self.empty = torch.empty(0, dtype=scratch[0].dtype, device=scratch[0].device)
 
   @staticmethod
   def _key(opt) -> tuple:
@@ -372,7 +389,7 @@ class _Batched:
   @classmethod
   def of(cls, opt) -> Optional["_Batched"]:
     """The plan of ``opt``'s step, or None where the per-param step runs."""
-    if (opt._foreach is False or opt._compensation.name != "master"
+    if (opt._foreach is False or opt._compensation.draws_bits
         or isinstance(opt.inner, LowPrecisionWrapper) or opt._unscaled_grads):
       return None
     key, params, grads = cls._key(opt)
@@ -380,10 +397,8 @@ class _Batched:
     if len(set(map(id, params))) != len(params) or not todo:
       return None
     for _, p in todo:
-      if (_dist.is_dtensor(p) or p.is_complex() or (opt._is_low(p) and (
-          opt._param_compensation(p).name != "master" or opt._work[p] is p))):
-        return None
-      if opt._foreach is None and not p.is_cuda:
+      if (_dist.is_dtensor(p) or p.is_complex() or (opt._foreach is None and not p.is_cuda)
+          or (opt._is_low(p) and opt._param_compensation(p).draws_bits)):
         return None
       mark = opt._marks.get(p)
       if opt._is_low(p) and mark not in (_LOADED, (p._version, p.data_ptr())):
@@ -391,18 +406,22 @@ class _Batched:
     spans = [[p for _, p in chunk] for chunk in _chunks(todo, opt.inner)]
     lows = [p for _, p in todo if opt._is_low(p)]
     size = max(sum(p.numel() for p in s if opt._is_low(p)) for s in spans)
-    scratch = torch.empty(size, dtype=opt._master_dtype,
-                          device=lows[0].device if lows else "cpu")
+    device = lows[0].device if lows else todo[0][1].device
+    holds = [opt._param_compensation(p).holds_value for p in lows]
+    grads_buf = torch.empty(size, dtype=opt._master_dtype, device=device)
+    x_buf = torch.empty(size if not all(holds) else 0, dtype=opt._master_dtype, device=device)
     chunks = []
     for span in spans:
       low = [p for p in span if opt._is_low(p)]
-      views, offset = [], 0
+      kinds: dict = {}  # (dtype, compensation) -> params, in order
       for p in low:
-        views.append(scratch[offset:offset + p.numel()].view(p.shape))
-        offset += p.numel()
-      chunks.append((low, [opt._work[p] for p in low], views,
-                     [p for p in span if not opt._is_low(p)]))
-    return cls(key, lows, chunks, scratch)
+        kinds.setdefault((p.dtype, opt._param_compensation(p)), []).append(p)
+      groups, offset = [], 0
+      for (dtype, compensation), members in kinds.items():
+        groups.append(_Group(opt, compensation, members, grads_buf, x_buf, offset))
+        offset += sum(p.numel() for p in members)
+      chunks.append((groups, [p for p in span if not opt._is_low(p)]))
+    return cls(key, lows, chunks, (grads_buf, x_buf))
 
   def step(self, opt) -> bool:
     """One step of ``opt`` by this plan; False (nothing done) where it no
@@ -414,33 +433,119 @@ class _Batched:
         [marks.get(p) in (_LOADED, (p._version, p.data_ptr())) for p in self.lows]):
       return False
     grad_of_param = dict(zip(params, grads))
-    wides = [p for chunk in self.chunks for p in chunk[3]]
+    wides = [p for chunk in self.chunks for p in chunk[1]]
     hidden = dict(zip(wides, [p.grad for p in wides]))  # a wide param steps in its chunk only
     for p in wides:
       p.grad = None
     try:
-      for low, masters, views, wide in self.chunks:
-        if low:
-          torch._foreach_copy_(views, [grad_of_param[p] for p in low])
-        for m, v in zip(masters, views):
-          m.grad = v
+      for groups, wide in self.chunks:
+        for group in groups:
+          group.read()
+        for group in groups:  # after every read: the gathers share the gradients' buffer
+          group.take_grads(grad_of_param)
         for p in wide:
           p.grad = hidden[p]
         try:
           with opt.stand_ins() as inner:
             inner.step()
         finally:
-          for m in masters:
-            m.grad = None
+          for group in groups:
+            group.release(self.empty)
           for p in wide:
             p.grad = None
-        if low:
-          torch._foreach_copy_(low, masters)  # the master's rounding, as _Master.write
-          opt._marks.update(zip(low, [(p._version, p.data_ptr()) for p in low]))
+        for group in groups:
+          group.write()
+          opt._marks.update(zip(group.params, [(p._version, p.data_ptr())
+                                               for p in group.params]))
     finally:
       for p, g in hidden.items():
         p.grad = g
     return True
+
+
+class _Group:
+  """The params of one dtype and compensation in a chunk of ``_Batched``:
+  their views into the scratch buffers (from ``offset``, in elements) and
+  the compensation's read and write on them, flat."""
+
+  def __init__(self, opt, compensation: Compensation, params: list, grads_buf: torch.Tensor,
+               x_buf: torch.Tensor, offset: int):
+    self.compensation = compensation
+    self.params = params
+    self.works = [opt._work[p] for p in params]
+    numel = sum(p.numel() for p in params)
+    dtype = params[0].dtype
+
+    def views(flat: torch.Tensor) -> list:
+      out, start = [], 0
+      for p in params:
+        out.append(flat[start:start + p.numel()].view(p.shape))
+        start += p.numel()
+      return out
+    self.grads = views(grads_buf[offset:offset + numel])
+    self.bufs = self.p_flat = self.b_flat = None
+    if compensation.holds_value:  # the stand-ins are the masters
+      return
+    self.x_flat = x_buf[offset:offset + numel]
+    self.xs = views(self.x_flat)
+    # The params and buffers gathered into the gradients' buffer, seen as 16-bit halves:
+    # the params in its first half, the buffers in its second.
+    halves = grads_buf.view(torch.int16)
+    self.p_flat = halves[offset:offset + numel].view(dtype)
+    self.p_views = views(self.p_flat)
+    if compensation.buffer is not None:
+      self.bufs = [opt.state[p][compensation.buffer] for p in params]
+      start = grads_buf.numel() + offset
+      self.b_flat = halves[start:start + numel].view(self.bufs[0].dtype)
+      self.b_views = views(self.b_flat)
+    # The flat read and write in blocks of _BLOCK elements on the CPU, each block's ops in
+    # cache (as a small param's are in the per-param step), their temporaries never mapped
+    # and faulted in afresh (glibc maps blocks over 32 MiB). Off the CPU (a caching
+    # allocator, kernels that stream) the whole group is one block.
+    block = _BLOCK if self.p_flat.device.type == "cpu" else numel
+    self.blocks = [(self.x_flat[a:a + block], self.p_flat[a:a + block],
+                    None if self.b_flat is None else self.b_flat[a:a + block])
+                   for a in range(0, numel, block)]
+
+  def _gather(self) -> None:
+    torch._foreach_copy_(self.p_views, self.params)
+    if self.bufs is not None:
+      torch._foreach_copy_(self.b_views, self.bufs)
+
+  def read(self) -> None:
+    """The stand-ins take ``x = read(p, buffer)`` (not for a master: it is ``x``)."""
+    if self.p_flat is None:
+      return
+    self._gather()
+    for x, p, b in self.blocks:
+      x.copy_(self.compensation.read(p, b))
+    for w, x in zip(self.works, self.xs):
+      w.data = x
+
+  def take_grads(self, grad_of_param: dict) -> None:
+    torch._foreach_copy_(self.grads, [grad_of_param[p] for p in self.params])
+    for w, g in zip(self.works, self.grads):
+      w.grad = g
+
+  def release(self, empty: torch.Tensor) -> None:
+    """The stand-ins let go of the gradients, and of ``x`` (a master keeps its value)."""
+    for w in self.works:
+      w.grad = None
+    if self.p_flat is not None:
+      for w in self.works:
+        w.data = empty
+
+  def write(self) -> None:
+    """``write(x', p, buffer)`` into the params and buffers."""
+    if self.p_flat is None:
+      torch._foreach_copy_(self.params, self.works)  # the master's rounding (_Master.write)
+      return
+    self._gather()
+    for x, p, b in self.blocks:
+      self.compensation.write(x, p, b, None)
+    torch._foreach_copy_(self.params, self.p_views)
+    if self.bufs is not None:
+      torch._foreach_copy_(self.bufs, self.b_views)
 
 
 def _together(inner) -> bool:
@@ -464,6 +569,11 @@ def _chunks(todo: list, inner) -> list:
       chunks.append(chunk)
       chunk, numel = [], 0
   return chunks + [chunk] if chunk else chunks
+
+
+def _check_foreach(foreach) -> None:
+  if foreach not in (None, True, False):
+    raise TypeError(f"foreach must be None, True or False; got {foreach!r}.")
 
 
 def _keeps_low_precision(inner) -> str:
@@ -495,12 +605,13 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
   exact at 2 bytes/param; it is rebuilt during ``step`` only. Weights
   loaded into the model after wrapping are taken up at the next step
   (``docs/algorithms.md#pytorch-mirror``, "Params written from outside").
-  ``foreach`` (``torch.optim``'s switch): the step of all params at once
-  (``torch._foreach_copy_`` of the gradients into the masters' and of the
-  masters into the params, host work that does not grow with the number of
-  params) or param by param (False); None, the default, batches where every
-  stepping param is on CUDA. Both give the same values; the batched step keeps
-  one chunk of fp32 gradients between steps. ``split=True`` steps param by param.
+  ``foreach`` (``torch.optim``'s switch, as in ``kahan_summation`` and
+  ``round_to_nearest``): True steps all params at once (``_Batched``: a few
+  ``torch._foreach_copy_`` calls a step, host work that does not grow with
+  the number of params), False param by param; None, the default, batches
+  where every stepping param is on CUDA. Both give the same values; the
+  batched step keeps its scratch buffers (a chunk of fp32 gradients, and of
+  ``x`` with ``split``) between steps.
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -517,12 +628,7 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
   """
   if not (isinstance(master_dtype, torch.dtype) and master_dtype.is_floating_point):
     raise ValueError(f"master_dtype must be a torch float dtype; got {master_dtype!r}.")
-  if foreach and split:
-    raise ValueError(
-        "master_weights(split=True) steps param by param (its master is rebuilt from two "
-        "halves in each step): leave foreach out, or use split=False for the batched step.")
-  if foreach not in (None, True, False):
-    raise TypeError(f"foreach must be None, True or False; got {foreach!r}.")
+  _check_foreach(foreach)
   if split and master_dtype != torch.float32:
     raise ValueError(
         "master_weights(split=True) stores an fp32 master as a bf16 high half plus "
@@ -531,9 +637,11 @@ def master_weights(optimizer: torch.optim.Optimizer, master_dtype=torch.float32,
                              master_dtype, foreach=foreach)
 
 
-def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
+def kahan_summation(optimizer: torch.optim.Optimizer, *, foreach: Optional[bool] = None
+                    ) -> LowPrecisionWrapper:
   """Kahan-compensated 16-bit params: ``x = p + c``, ``p' = round(x')``,
   ``c' = round(x' - p')``, with one buffer ``c`` in the param dtype.
+  ``foreach``: as in ``master_weights`` (None: batched on CUDA).
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -550,7 +658,8 @@ def kahan_summation(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
     <https://doi.org/10.1145/363707.363723>`_, CACM 1965; Zamirai et al.,
     `Revisiting BFloat16 Training <https://arxiv.org/abs/2010.06192>`_, 2020.
   """
-  return LowPrecisionWrapper(optimizer, COMPENSATIONS["kahan"])
+  _check_foreach(foreach)
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["kahan"], foreach=foreach)
 
 
 def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWrapper:
@@ -579,9 +688,11 @@ def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWr
   return LowPrecisionWrapper(optimizer, COMPENSATIONS["stochastic"], seed=seed_from_key(key))
 
 
-def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
+def round_to_nearest(optimizer: torch.optim.Optimizer, *, foreach: Optional[bool] = None
+                     ) -> LowPrecisionWrapper:
   """No compensation: the wrapped optimizer steps an fp32 view of each 16-bit
   param and the result is rounded to nearest (the naive baseline).
+  ``foreach``: as in ``master_weights`` (None: batched on CUDA).
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -596,4 +707,5 @@ def round_to_nearest(optimizer: torch.optim.Optimizer) -> LowPrecisionWrapper:
     Micikevicius et al., `Mixed Precision Training <https://arxiv.org/abs/1710.03740>`_,
     ICLR 2018, on updates lost to rounding when weights are kept in 16 bits.
   """
-  return LowPrecisionWrapper(optimizer, COMPENSATIONS["none"])
+  _check_foreach(foreach)
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["none"], foreach=foreach)
