@@ -278,27 +278,32 @@ def test_torch_keywords_and_dtypes_on_cuda_equal_cpu(name, fused):
 
 
 @torch_cuda
-@pytest.mark.parametrize("wrapper", ["master_weights", "kahan_summation"])
+@pytest.mark.parametrize("wrapper", ["master_weights", "kahan_summation", "stochastic_rounding"])
 def test_wrappers_batch_on_cuda_with_the_per_param_bits(wrapper):
   """On CUDA the wrappers take their batched step by default
   (``foreach=None``): bit for bit the per-param step (``foreach=False``) on
   the same device, with ``torch.optim.AdamW(fused=True)`` inside."""
   runs = []
-  buffer = {"master_weights": "master", "kahan_summation": "compensation"}[wrapper]
+  buffer = {"master_weights": "master", "kahan_summation": "compensation",
+            "stochastic_rounding": "step"}[wrapper]
+  make = {"stochastic_rounding": lambda o, foreach: tb.stochastic_rounding(
+      o, key=3, foreach=foreach)}.get(wrapper, getattr(tb, wrapper))
   for foreach in (None, False):
     gen = torch.Generator().manual_seed(0)
     ps = [(torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16).cuda().requires_grad_()
           for s in ((64, 33), (129,), (7,))]
-    opt = getattr(tb, wrapper)(torch.optim.AdamW(ps, lr=1e-3, fused=True), foreach=foreach)
+    opt = make(torch.optim.AdamW(ps, lr=1e-3, fused=True), foreach=foreach)
     for _ in range(STEPS):
       for p in ps:
         p.grad = (torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16).cuda()
       opt.step()
     assert ("_batched" in opt.__dict__) == (foreach is None)
     runs.append([t.detach().cpu() for p in ps for t in (p, opt.state[p][buffer])])
+  bits = {2: torch.int16, 4: torch.int32}
   for a, b in zip(*runs):
-    assert torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                       b.view(torch.int16 if b.element_size() == 2 else torch.int32))
+    if a.is_floating_point():
+      a, b = a.view(bits[a.element_size()]), b.view(bits[b.element_size()])
+    assert torch.equal(a, b)
 
 
 @torch_cuda

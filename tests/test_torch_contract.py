@@ -39,6 +39,7 @@ WRAPPERS = {
     "master_weights split foreach": lambda o: tb.master_weights(o, split=True, foreach=True),
     "kahan_summation foreach": lambda o: tb.kahan_summation(o, foreach=True),
     "round_to_nearest foreach": lambda o: tb.round_to_nearest(o, foreach=True),
+    "stochastic_rounding foreach": lambda o: tb.stochastic_rounding(o, key=5, foreach=True),
     "kahan_summation": tb.kahan_summation,
     "stochastic_rounding": lambda o: tb.stochastic_rounding(o, key=5),
     "round_to_nearest": tb.round_to_nearest,
@@ -423,7 +424,7 @@ def test_add_param_group_on_a_wrapper(wrapper):
   _run(ref1, first[:1], [g[:1] for g in grads])
   ref2 = WRAPPERS[wrapper](torch.optim.Adam(second[1:], lr=2e-2))
   _run(ref2, second[1:], [g[1:] for g in grads[3:]])
-  if wrapper != "stochastic_rounding":  # its random bits follow the param's position
+  if not wrapper.startswith("stochastic_rounding"):  # its random bits follow the position
     assert torch.equal(ps[0], first[0])
     assert all(torch.equal(a, b) for a, b in zip(ps[1:], second[1:]))
   # Save, rebuild with the same groups, load: the same bits.
@@ -605,6 +606,7 @@ BATCHED = {
     "master_weights split": lambda o, foreach: tb.master_weights(o, split=True, foreach=foreach),
     "kahan_summation": tb.kahan_summation,
     "round_to_nearest": tb.round_to_nearest,
+    "stochastic_rounding": lambda o, foreach: tb.stochastic_rounding(o, key=5, foreach=foreach),
 }
 
 
@@ -689,7 +691,8 @@ def _host_step_of(wrapper: str, n: int) -> tuple:
 
 @pytest.mark.parametrize("wrapper, copies", [("master_weights", 2), ("kahan_summation", 7),
                                              ("master_weights split", 7),
-                                             ("round_to_nearest", 4)])
+                                             ("round_to_nearest", 4),
+                                             ("stochastic_rounding", 4)])
 def test_batched_wrapper_host_step_is_the_same_for_any_number_of_params(wrapper, copies):
   """A batched step makes the same Python calls in torch_bridge and the same
   torch ops at 8 and 40 params, and reads no scalar: ``_foreach_copy_``

@@ -45,6 +45,8 @@ OPTIMIZERS = {
     "kahan_summation(Adam)": lambda ps: tb.kahan_summation(_adam(ps)),
     "kahan_summation(Adam, foreach)": lambda ps: tb.kahan_summation(_adam(ps), foreach=True),
     "stochastic_rounding(Adam)": lambda ps: tb.stochastic_rounding(_adam(ps), key=5),
+    "stochastic_rounding(Adam, foreach)": lambda ps: tb.stochastic_rounding(
+        _adam(ps), key=5, foreach=True),
     "round_to_nearest(Adam)": lambda ps: tb.round_to_nearest(_adam(ps)),
     "round_to_nearest(Adam, foreach)": lambda ps: tb.round_to_nearest(_adam(ps), foreach=True),
     "scaled_adam": lambda ps: tb.scaled_adam(ps, clipping_scale=2.0, clipping_update_period=3),

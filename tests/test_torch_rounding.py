@@ -23,6 +23,20 @@ def test_random_bits_match(seed, step, stream, leaf):
   assert np.array_equal(j, t.numpy().view(np.uint32))
 
 
+def test_leaf_keys_are_leaf_key_for_many_leaves_at_once():
+  """The vectorized keys (the batched wrappers' bits) equal ``leaf_key`` one by
+  one, over seeds, step counts and leaves past 32 bits, mixed step counts."""
+  rng = np.random.default_rng(0)
+  for seed in (0, 12345, 2**32 - 1, 2**40 + 3):
+    steps = np.concatenate([rng.integers(0, 2**34, 40), [0, 0, 2**31 - 1, 2**32]])
+    leaves = np.concatenate([rng.integers(0, 2**34, 40), [0, 1, 2**32 - 1, 2**32]])
+    for stream in (tr.STREAM_PARAMS, tr.STREAM_MOMENTS):
+      keys = tr.leaf_keys(seed, steps, stream, leaves)
+      assert keys.dtype == np.int32
+      assert keys.view(np.uint32).tolist() == [
+          tr.leaf_key(seed, int(t), stream, int(leaf)) for t, leaf in zip(steps, leaves)]
+
+
 def _values(rng, n=200_000):
   mag = 10.0 ** rng.uniform(-30, 30, n)
   x = (mag * rng.choice([-1.0, 1.0], n)).astype(np.float32)

@@ -28,6 +28,7 @@ __all__ = [
     "leaf_key",
     "device_scalar",
     "key_tensor",
+    "leaf_keys",
     "bits_from_key",
     "random_bits",
     "stochastic_round",
@@ -117,6 +118,36 @@ def leaf_key(seed: int, step: int, stream: int, leaf: int) -> int:
     True
   """
   return _mix32_int(_stream_key(seed, step, stream) ^ (leaf & _MASK))
+
+
+def _mix32_np(x: np.ndarray) -> np.ndarray:
+  """``mix32`` on a uint32 numpy array (products wrap mod 2^32)."""
+  x = x ^ (x >> np.uint32(16))
+  x = x * np.uint32(_M1)
+  x = x ^ (x >> np.uint32(15))
+  x = x * np.uint32(_M2)
+  return x ^ (x >> np.uint32(15))
+
+
+def leaf_keys(seed: int, steps, stream: int, leaves) -> np.ndarray:
+  """``leaf_key`` of many leaves at once, as int32 words (uint32 bits): one
+  host computation for a whole step, whatever the number of leaves.
+
+  Example:
+    >>> from torch_bridge import rounding
+    >>> keys = rounding.leaf_keys(0, [1, 1, 2], rounding.STREAM_PARAMS, [0, 1, 0])
+    >>> [int(k) & 0xFFFFFFFF for k in keys] == [
+    ...     rounding.leaf_key(0, s, rounding.STREAM_PARAMS, leaf) for s, leaf in
+    ...     ((1, 0), (1, 1), (2, 0))]
+    True
+  """
+  steps = np.asarray(steps, np.int64)
+  leaves = (np.asarray(leaves, np.int64) & _MASK).astype(np.uint32)
+  out = np.empty(leaves.shape, np.uint32)
+  for step in np.unique(steps):  # the part common to the leaves of one step count, once
+    at = steps == step
+    out[at] = _mix32_np(np.uint32(_stream_key(int(seed), int(step), int(stream))) ^ leaves[at])
+  return out.view(np.int32)
 
 
 def device_scalar(value, dtype: torch.dtype, device=None) -> torch.Tensor:

@@ -30,8 +30,8 @@ so no fp32 copy of the model is kept between steps (the batched step,
 (or as wide as ``master_dtype``) are handed to the wrapped optimizer as they
 are. Spec: ``docs/algorithms.md#wrappers``.
 
-``foreach`` (``master_weights``, ``kahan_summation``, ``round_to_nearest``;
-None: where every stepping param is on CUDA) steps all params at once
+``foreach`` (every wrapper; None: where every stepping param is on CUDA)
+steps all params at once
 (``_Batched``): a few ``torch._foreach_copy_`` calls and flat ops a chunk,
 host work that does not grow with the number of params, the same values.
 
@@ -50,6 +50,7 @@ import contextlib
 import math
 from typing import Optional
 
+import numpy as np
 import torch
 
 from torch_bridge import _dist, rounding
@@ -350,26 +351,28 @@ class _Batched:
   a scratch buffer of the master dtype, which are the stand-ins' gradients
   while the wrapped optimizer steps. A master (``holds_value``) is stepped in
   place and one more ``_foreach_copy_`` writes its rounding into the params.
-  The other compensations without random bits (kahan, split, none) gather
-  each dtype's params and buffers into flat views, run the compensation's own
+  The other compensations (kahan, split, stochastic, none) gather each
+  dtype's params and buffers into flat views, run the compensation's own
   ``read`` and ``write`` on those (elementwise, so each param's values are
-  the per-param step's), the stand-ins viewing a second scratch buffer
-  ``x``, and scatter the results back: two scratch buffers of a chunk (at
-  most ``CHUNK_NUMEL`` elements or the largest param), kept between steps,
-  as the per-param step makes them in each; the gathers reuse the
-  gradients' buffer, which is free when they run.
+  the per-param step's; stochastic rounding's bits from the step's keys of
+  all params, ``rounding.leaf_keys``), the stand-ins viewing a second
+  scratch buffer ``x``, and scatter the results back: two scratch buffers
+  of a chunk (at most ``CHUNK_NUMEL`` elements or the largest param), kept
+  between steps, as the per-param step makes them in each; the gathers
+  reuse the gradients' buffer, which is free when they run.
 
   It applies where ``foreach`` says (None: every stepping param on CUDA) to
-  a plain wrapped optimizer, dense local params, a compensation without
-  random bits, and no gradients handed over by a loss scaler. The plan is
+  a plain wrapped optimizer, dense local params, and no gradients handed
+  over by a loss scaler. The plan is
   kept while the params, their gradients' presence and dtypes and the
   stand-ins are the same; a param written from outside (its mark moved)
   takes the per-param step, which follows the write, and the plan is made
   again after it.
   """
 
-  def __init__(self, key: tuple, lows: list, chunks: list, scratch: tuple):
+  def __init__(self, key: tuple, lows: list, chunks: list, scratch: tuple, counted: list):
     self.key = key
+    self.counted = counted  # the params whose step count advances (stochastic_rounding)
     self.lows = lows  # the 16-bit params stepped, whose marks each step checks
     self.chunks = chunks  # (groups, wide params); a group: _Group
     self.scratch = scratch  # (gradients, x): the buffers the views hold
@@ -389,21 +392,21 @@ class _Batched:
   @classmethod
   def of(cls, opt) -> Optional["_Batched"]:
     """The plan of ``opt``'s step, or None where the per-param step runs."""
-    if (opt._foreach is False or opt._compensation.draws_bits
-        or isinstance(opt.inner, LowPrecisionWrapper) or opt._unscaled_grads):
+    if (opt._foreach is False or isinstance(opt.inner, LowPrecisionWrapper)
+        or opt._unscaled_grads):
       return None
     key, params, grads = cls._key(opt)
     todo = stepping_params(opt)  # checks each gradient, as the per-param step does
     if len(set(map(id, params))) != len(params) or not todo:
       return None
     for _, p in todo:
-      if (_dist.is_dtensor(p) or p.is_complex() or (opt._foreach is None and not p.is_cuda)
-          or (opt._is_low(p) and opt._param_compensation(p).draws_bits)):
+      if _dist.is_dtensor(p) or p.is_complex() or (opt._foreach is None and not p.is_cuda):
         return None
       mark = opt._marks.get(p)
       if opt._is_low(p) and mark not in (_LOADED, (p._version, p.data_ptr())):
         return None  # written from outside: the per-param step follows it
     spans = [[p for _, p in chunk] for chunk in _chunks(todo, opt.inner)]
+    leaf_of = {id(p): leaf for leaf, p in todo}
     lows = [p for _, p in todo if opt._is_low(p)]
     size = max(sum(p.numel() for p in s if opt._is_low(p)) for s in spans)
     device = lows[0].device if lows else todo[0][1].device
@@ -418,10 +421,12 @@ class _Batched:
         kinds.setdefault((p.dtype, opt._param_compensation(p)), []).append(p)
       groups, offset = [], 0
       for (dtype, compensation), members in kinds.items():
-        groups.append(_Group(opt, compensation, members, grads_buf, x_buf, offset))
+        groups.append(_Group(opt, compensation, members, [leaf_of[id(p)] for p in members],
+                             grads_buf, x_buf, offset))
         offset += sum(p.numel() for p in members)
       chunks.append((groups, [p for p in span if not opt._is_low(p)]))
-    return cls(key, lows, chunks, (grads_buf, x_buf))
+    counted = [p for _, p in todo if "step" in opt.state.get(p, ())]  # the random bits' counts
+    return cls(key, lows, chunks, (grads_buf, x_buf), counted)
 
   def step(self, opt) -> bool:
     """One step of ``opt`` by this plan; False (nothing done) where it no
@@ -454,12 +459,14 @@ class _Batched:
           for p in wide:
             p.grad = None
         for group in groups:
-          group.write()
+          group.write(opt)
           opt._marks.update(zip(group.params, [(p._version, p.data_ptr())
                                                for p in group.params]))
     finally:
       for p, g in hidden.items():
         p.grad = g
+    if self.counted:
+      torch._foreach_add_([opt.state[p]["step"] for p in self.counted], 1)
     return True
 
 
@@ -468,10 +475,11 @@ class _Group:
   their views into the scratch buffers (from ``offset``, in elements) and
   the compensation's read and write on them, flat."""
 
-  def __init__(self, opt, compensation: Compensation, params: list, grads_buf: torch.Tensor,
-               x_buf: torch.Tensor, offset: int):
+  def __init__(self, opt, compensation: Compensation, params: list, leaves: list,
+               grads_buf: torch.Tensor, x_buf: torch.Tensor, offset: int):
     self.compensation = compensation
     self.params = params
+    self.leaves = np.asarray(leaves, np.int64)
     self.works = [opt._work[p] for p in params]
     numel = sum(p.numel() for p in params)
     dtype = params[0].dtype
@@ -502,10 +510,25 @@ class _Group:
     # cache (as a small param's are in the per-param step), their temporaries never mapped
     # and faulted in afresh (glibc maps blocks over 32 MiB). Off the CPU (a caching
     # allocator, kernels that stream) the whole group is one block.
-    block = _BLOCK if self.p_flat.device.type == "cpu" else numel
+    device = self.p_flat.device
+    block = _BLOCK if device.type == "cpu" else numel
     self.blocks = [(self.x_flat[a:a + block], self.p_flat[a:a + block],
                     None if self.b_flat is None else self.b_flat[a:a + block])
                    for a in range(0, numel, block)]
+    self.draws = []
+    if compensation.draws_bits:
+      # Per block: each element's counter in its param (random_bits' index) and, to spread
+      # the step's per-param keys over the block, which params it holds and how many
+      # elements of each.
+      sizes = np.array([p.numel() for p in params], np.int64)
+      starts = np.concatenate([[0], np.cumsum(sizes)])
+      counters = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(device)
+      for a in range(0, numel, block):
+        b = min(a + block, numel)
+        first, last = np.searchsorted(starts, a, "right") - 1, np.searchsorted(starts, b, "left")
+        counts = np.minimum(starts[first + 1:last + 1], b) - np.maximum(starts[first:last], a)
+        self.draws.append((torch.arange(first, last, device=device),
+                           torch.from_numpy(counts).to(device), counters[a:b]))
 
   def _gather(self) -> None:
     torch._foreach_copy_(self.p_views, self.params)
@@ -535,14 +558,26 @@ class _Group:
       for w in self.works:
         w.data = empty
 
-  def write(self) -> None:
-    """``write(x', p, buffer)`` into the params and buffers."""
+  def write(self, opt) -> None:
+    """``write(x', p, buffer, bits)`` into the params and buffers."""
     if self.p_flat is None:
       torch._foreach_copy_(self.params, self.works)  # the master's rounding (_Master.write)
       return
     self._gather()
-    for x, p, b in self.blocks:
-      self.compensation.write(x, p, b, None)
+    keys = None
+    if self.draws:  # random_bits' keys of this step, one host computation and one copy
+      steps = torch.stack([opt.state[p]["step"] for p in self.params]).numpy()
+      keys = torch.from_numpy(rounding.leaf_keys(opt._seed, steps, rounding.STREAM_PARAMS,
+                                                 self.leaves))
+      if self.p_flat.device.type != "cpu":
+        keys = keys.pin_memory().to(self.p_flat.device, non_blocking=True)
+    for k, (x, p, b) in enumerate(self.blocks):
+      bits = None
+      if keys is not None:
+        which, counts, counters = self.draws[k]
+        spread = keys.index_select(0, which).repeat_interleave(counts, output_size=x.numel())
+        bits = rounding.bits_from_key(spread, x.shape, x.device, index=counters)
+      self.compensation.write(x, p, b, bits)
     torch._foreach_copy_(self.params, self.p_views)
     if self.bufs is not None:
       torch._foreach_copy_(self.bufs, self.b_views)
@@ -662,11 +697,13 @@ def kahan_summation(optimizer: torch.optim.Optimizer, *, foreach: Optional[bool]
   return LowPrecisionWrapper(optimizer, COMPENSATIONS["kahan"], foreach=foreach)
 
 
-def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWrapper:
+def stochastic_rounding(optimizer: torch.optim.Optimizer, key, *,
+                        foreach: Optional[bool] = None) -> LowPrecisionWrapper:
   """Stochastically rounded 16-bit params, with the random bits of
   ``optax_half.stochastic_rounding`` for the same integer ``key`` (required):
   bits ``random_bits(seed, step, STREAM_PARAMS, position, shape)`` with
   ``step`` the param's step count and ``position`` its place in the param groups.
+  ``foreach``: as in ``master_weights`` (None: batched on CUDA).
 
   Example:
     >>> import torch, torch_bridge as tb
@@ -685,7 +722,9 @@ def stochastic_rounding(optimizer: torch.optim.Optimizer, key) -> LowPrecisionWr
     raise ValueError(
         "stochastic_rounding needs a key: pass key=<int seed> (an int gives the same "
         "random bits in optax_half and torch_bridge; optax_half also takes a jax.random.key).")
-  return LowPrecisionWrapper(optimizer, COMPENSATIONS["stochastic"], seed=seed_from_key(key))
+  _check_foreach(foreach)
+  return LowPrecisionWrapper(optimizer, COMPENSATIONS["stochastic"], seed=seed_from_key(key),
+                             foreach=foreach)
 
 
 def round_to_nearest(optimizer: torch.optim.Optimizer, *, foreach: Optional[bool] = None
