@@ -192,10 +192,16 @@ def _entry(hlo: str) -> list:
   return out
 
 
-def _body(hlo: str, name: str) -> str:
-  """The text of computation ``name`` as ``_entry`` reads it."""
-  m = re.search(rf"^%?{re.escape(name)} \(.*\n((?:[^}}\n].*\n)*?)\}}$", hlo, re.M)
-  return f"\nENTRY x {{\n{m.group(1)}}}"
+def computations(hlo: str) -> dict:
+  """name -> the instructions' text of each computation of ``hlo`` but the
+  entry (fused computations, a conditional's branches)."""
+  return {m.group(1): m.group(2)
+          for m in re.finditer(r"^%?([\w.\-]+) \(.*\n((?:[^}\n].*\n)*?)\}$", hlo, re.M)}
+
+
+def instructions(body: str) -> list:
+  """A computation's text (``computations``) as ``_entry`` reads an entry's."""
+  return _entry(f"\nENTRY x {{\n{body}\n}}")
 
 
 def branches(hlo: str) -> dict:
@@ -217,9 +223,9 @@ def cheaper_branch(hlo: str, name: str, cost, pick=min) -> tuple:
   passed, not moved: what it moves is what its branch's kernels do. For the master's mark
   check that branch is the one every step takes after a step that landed exactly.
   ``pick=max``: the costlier branch instead."""
-  found = []
+  found, bodies = [], computations(hlo)
   for branch in branches(hlo)[name]:
-    instrs = _entry(_body(hlo, branch))
+    instrs = instructions(bodies[branch])
     found.append((cost(instrs), [i for i in instrs if i[2] not in _NO_KERNEL]))
   return pick(found, key=lambda f: f[0])
 

@@ -43,7 +43,8 @@ import time
 import warnings
 from pathlib import Path
 
-from benchmarks.gpu_static import _BYTES, _NO_KERNEL, _entry, _type_bytes, cheaper_branch, jax_rows
+from benchmarks.gpu_static import (_BYTES, _NO_KERNEL, _entry, _type_bytes, cheaper_branch,
+                                   computations, instructions, jax_rows)
 
 # chip -> get_topology_desc's arguments for a deviceless 2x2 slice of it
 CHIPS = {
@@ -88,11 +89,10 @@ def _computations(hlo: str) -> dict:
   """name -> (instructions as ``_entry`` gives them, parameter names by number,
   the root's name) of each fused computation."""
   out = {}
-  for m in re.finditer(r"^%?([\w.\-]+) \(.*\n((?:[^}\n].*\n)*?)\}$", hlo, re.M):
-    body = m.group(2)
+  for name, body in computations(hlo).items():
     params = {int(n): p for p, n in re.findall(r"%?([\w.\-]+) = \S+ parameter\((\d+)\)", body)}
     root = re.search(r"ROOT %?([\w.\-]+) = ", body)
-    out[m.group(1)] = (_entry(f"\nENTRY x {{\n{body}\n}}"), params, root and root.group(1))
+    out[name] = (instructions(body), params, root and root.group(1))
   return out
 
 
