@@ -229,8 +229,18 @@ def kept(p, master, missed) -> jax.Array:
   """Whether ``master`` is kept where ``p`` is not its rounding: the elements that are not
   are exactly those the last update missed, by their mark ``missed`` (nonzero), so nothing
   was written into ``p`` from outside since (docs/algorithms.md#landing-exactly)."""
-  return jnp.logical_and(missed != 0, landing_mark(p, _differ(master.astype(p.dtype), p))
-                         == missed)
+  return _keeps(missed, _mark_of(p, master))
+
+
+def _mark_of(p, master) -> jax.Array:
+  """The mark of the elements where ``p`` is not ``master``'s rounding."""
+  return landing_mark(p, _differ(master.astype(p.dtype), p))
+
+
+def _keeps(missed, marks) -> jax.Array:
+  """The rule: the master is kept where it holds a mark that the elements it
+  does not round to give again."""
+  return (missed != 0) & (marks == missed)
 
 
 def kept_leaves(leaves) -> list:
@@ -245,10 +255,9 @@ def kept_leaves(leaves) -> list:
   missed = jax.lax.optimization_barrier(jnp.stack([m for _, _, m in leaves]))
   marks = jax.lax.cond(
       (missed != 0).any(),
-      lambda: jnp.stack([landing_mark(p, _differ(master.astype(p.dtype), p))
-                         for p, master, _ in leaves]),
+      lambda: jnp.stack([_mark_of(p, master) for p, master, _ in leaves]),
       lambda: jnp.zeros_like(missed))
-  keep = (missed != 0) & (marks == missed)
+  keep = _keeps(missed, marks)
   return [keep[k] for k in range(len(leaves))]
 
 
