@@ -363,11 +363,10 @@ class _Batched:
 
   It applies where ``foreach`` says (None: every stepping param on CUDA) to
   a plain wrapped optimizer, dense local params, and no gradients handed
-  over by a loss scaler. The plan is
-  kept while the params, their gradients' presence and dtypes and the
-  stand-ins are the same; a param written from outside (its mark moved)
-  takes the per-param step, which follows the write, and the plan is made
-  again after it.
+  over by a loss scaler. The plan is kept while the params, their
+  gradients' presence and dtypes and the stand-ins are the same; a param
+  written from outside (its mark moved) takes the per-param step, which
+  follows the write, and the plan is made again after it.
   """
 
   def __init__(self, key: tuple, lows: list, chunks: list, scratch: tuple, counted: list):
@@ -395,6 +394,9 @@ class _Batched:
     if (opt._foreach is False or isinstance(opt.inner, LowPrecisionWrapper)
         or opt._unscaled_grads):
       return None
+    first = next(iter(opt.param_groups[0]["params"]), None) if opt.param_groups else None
+    if opt._foreach is None and not (first is not None and first.is_cuda):
+      return None  # the default off CUDA, decided before any work per param
     key, params, grads = cls._key(opt)
     todo = stepping_params(opt)  # checks each gradient, as the per-param step does
     if len(set(map(id, params))) != len(params) or not todo:
