@@ -707,3 +707,86 @@ def test_batched_wrapper_host_step_is_the_same_for_any_number_of_params(wrapper,
   assert ops8["aten._foreach_copy_.default"] == copies, ops8
   assert ops8["aten._fused_adamw_.default"] == 1, ops8
   assert not [op for op in ops8 if "local_scalar" in op or "item" in op], ops8
+
+
+class _RebindingSGD(torch.optim.Optimizer):
+  """SGD as some older optimizers write it: ``p.data`` rebound, not updated in place."""
+
+  def __init__(self, params, lr):
+    super().__init__(params, dict(lr=lr))
+
+  @torch.no_grad()
+  def step(self, closure=None):
+    for group in self.param_groups:
+      for p in group["params"]:
+        if p.grad is not None:
+          p.data = p.data - group["lr"] * p.grad
+
+
+@pytest.mark.parametrize("case", ["rebinding inner", "fp8 params", "transposed param",
+                                  "transposed gradient", "buffer replaced", "int step"])
+@pytest.mark.parametrize("wrapper", list(BATCHED))
+def test_batched_wrapper_edge_cases_equal_the_per_param_step(wrapper, case):
+  """Where the batched step does not apply, or must notice a change, it gives the
+  per-param step's bits: an inner optimizer that rebinds ``p.data``; fp8 params
+  (the flat gathers take 16-bit ones); a transposed param under an inner step
+  with reductions (ScaledAdam: the stand-in keeps the param's strides); a
+  transposed gradient into ``AdamW(fused=True)`` (widened into the stand-in's
+  layout, as its fused kernel reads both flat); a buffer or step count replaced
+  between steps; a Python int as a step count."""
+  make_inner = {"rebinding inner": lambda ps: _RebindingSGD(ps, 0.5),
+                "transposed param": lambda ps: tb.scaled_adam(ps, clipping_scale=2.0),
+                }.get(case, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
+  dtype = torch.float8_e4m3fn if case == "fp8 params" else torch.bfloat16
+  if case == "fp8 params" and wrapper == "stochastic_rounding":
+    for foreach in (True, False):  # refused alike, with the rounding's own error
+      p = torch.nn.Parameter(torch.ones(8).to(dtype))
+      opt = BATCHED[wrapper](torch.optim.SGD([p], lr=0.1), foreach=foreach)
+      p.main_grad = torch.ones(8)
+      with pytest.raises(ValueError, match="rounds to bfloat16 or float16"):
+        opt.step()
+    return
+
+  def snapshot(opt, ps):  # every param and state value as bytes (fp8 and int counts too)
+    values = list(ps) + [v for o in (opt, opt.inner) for st in o.state.values()
+                         for _, v in sorted(st.items())]
+    return [torch.as_tensor(v).detach().contiguous().reshape(-1).view(torch.uint8)
+            for v in values if torch.is_tensor(v) or isinstance(v, int)]
+  runs = []
+  for foreach in (True, False):
+    gen = torch.Generator().manual_seed(0)
+    ps = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype))
+          for s in ((12, 8), (30,), (5, 6))]
+    if case == "transposed param":
+      ps[0] = torch.nn.Parameter(ps[0].detach().t())
+    opt = BATCHED[wrapper](make_inner(ps), foreach=foreach)
+    for step in range(4):
+      for p in ps:
+        g = torch.randn(p.shape, generator=gen)
+        if case == "fp8 params":
+          p.main_grad = g  # fp8 params take fp32 gradients (accumulate_in_fp32)
+        else:
+          p.grad = (g.t().contiguous().t() if case == "transposed gradient" and p.dim() == 2
+                    else g).to(p.dtype)
+      opt.step()
+      for p in ps:
+        state = opt.state.get(p, {})
+        if case == "buffer replaced" and step == 1:
+          for name in ("compensation", "master"):
+            if name in state:
+              state[name] = state[name].clone()
+        if case in ("buffer replaced", "int step") and "step" in state and step == 1:
+          state["step"] = int(state["step"]) if case == "int step" else state["step"].clone()
+    runs.append(snapshot(opt, ps))
+  assert _same(*runs)
+
+
+def test_a_gradient_of_another_shape_is_refused_by_both_steps():
+  """A ``main_grad`` of another shape (broadcastable) is an error in both steps."""
+  for foreach in (True, False):
+    p = torch.nn.Parameter(torch.ones(4, 5, dtype=torch.bfloat16))
+    opt = tb.kahan_summation(torch.optim.SGD([p], lr=0.1), foreach=foreach)
+    p.main_grad = torch.ones(5)
+    with pytest.raises(RuntimeError, match=r"param 0 is \[4, 5\] but its gradient \(main_grad\)"):
+      opt.step()
+    assert torch.equal(p, torch.ones(4, 5, dtype=torch.bfloat16))

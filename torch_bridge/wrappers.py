@@ -54,9 +54,9 @@ import numpy as np
 import torch
 
 from torch_bridge import _dist, rounding
-from torch_bridge._optim import (_LOADED, LowPrecisionOptimizer, check_param,
-                                 optimizer_kind, prepare_load, seed_from_key, step_grad,
-                                 stepping_params)
+from torch_bridge._optim import (_LOADED, LowPrecisionOptimizer, check_param, grad_of,
+                                 optimizer_kind, prepare_load, seed_from_key, step_count,
+                                 step_grad, stepping_params)
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 
 __all__ = ["master_weights", "kahan_summation", "stochastic_rounding", "round_to_nearest",
@@ -304,7 +304,7 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
         p.grad = g
 
   def _step_chunk(self, chunk, hidden) -> None:
-    for _, p in chunk:
+    for leaf, p in chunk:
       work = self._work[p]
       if work is p:
         p.grad = hidden[p]
@@ -315,7 +315,16 @@ class LowPrecisionWrapper(LowPrecisionOptimizer):
         self._follow(p, compensation, buffer)
       if not compensation.holds_value:  # a sharded param reads its shard
         self._fill(work, compensation.read(_dist.local(p), _dist.local(buffer)))
-      work.grad = _dist.like(rounding.widen(_dist.local(step_grad(self, p))).to(work.dtype), p)
+      # Widened into the stand-in's layout: a fused inner step (AdamW(fused=True)) reads
+      # param and gradient memory alike, so a transposed gradient must not keep its strides.
+      local, g = _dist.local(work), _dist.local(step_grad(self, p))
+      if g.shape != local.shape:  # copy_ below would broadcast it
+        which = "main_grad" if getattr(p, "main_grad", None) is not None else "grad"
+        raise RuntimeError(f"param {leaf} is {list(local.shape)} but its gradient ({which}) "
+                           f"is {list(g.shape)}: a gradient has its param's shape.")
+      grad = torch.empty_like(local)
+      grad.copy_(rounding.widen(g))
+      work.grad = _dist.like(grad, p)
     with self.stand_ins() as inner:
       inner.step()
     for leaf, p in chunk:
@@ -383,8 +392,11 @@ class _Batched:
     # grad_of's choice (main_grad, else grad), without a call per param.
     grads = [p.grad if m is None else m
              for p, m in zip(params, [getattr(p, "main_grad", None) for p in params])]
+    state = opt.state
     return ([id(p) for p in params], [id(opt._work.get(p)) for p in params],
-            [None if g is None else (g.dtype, g.layout, g.device) for g in grads],
+            [None if g is None else (g.dtype, g.layout, g.device, g.shape) for g in grads],
+            # the buffers and step counts, as objects (one replaced: a new plan)
+            [tuple(map(id, state[p].values())) if p in state else () for p in params],
             [len(g["params"]) for g in opt.param_groups], opt._foreach,
             bool(opt._unscaled_grads), _together(opt.inner)), params, grads
 
@@ -394,19 +406,26 @@ class _Batched:
     if (opt._foreach is False or isinstance(opt.inner, LowPrecisionWrapper)
         or opt._unscaled_grads):
       return None
-    first = next(iter(opt.param_groups[0]["params"]), None) if opt.param_groups else None
+    first = next((p for g in opt.param_groups for p in g["params"]), None)
     if opt._foreach is None and not (first is not None and first.is_cuda):
       return None  # the default off CUDA, decided before any work per param
-    key, params, grads = cls._key(opt)
     todo = stepping_params(opt)  # checks each gradient, as the per-param step does
-    if len(set(map(id, params))) != len(params) or not todo:
+    if len(set(map(id, opt._all_params()))) != len(opt._all_params()) or not todo:
       return None
     for _, p in todo:
       if _dist.is_dtensor(p) or p.is_complex() or (opt._foreach is None and not p.is_cuda):
         return None
-      mark = opt._marks.get(p)
-      if opt._is_low(p) and mark not in (_LOADED, (p._version, p.data_ptr())):
+      if not opt._is_low(p):
+        continue
+      if (grad_of(p).shape != p.shape  # the per-param step refuses it as .grad
+          or not p.is_contiguous()  # the stand-ins and gradients keep a param's strides
+          or (p.element_size() != 2 and not opt._param_compensation(p).holds_value)):
+        return None  # (the flat gathers take 16-bit params)
+      if opt._marks.get(p) not in (_LOADED, (p._version, p.data_ptr())):
         return None  # written from outside: the per-param step follows it
+      if "step" in opt.state.get(p, ()):
+        step_count(opt.state[p])  # a tensor, which the batched step advances in place
+    key, params, grads = cls._key(opt)
     spans = [[p for _, p in chunk] for chunk in _chunks(todo, opt.inner)]
     leaf_of = {id(p): leaf for leaf, p in todo}
     lows = [p for _, p in todo if opt._is_low(p)]
@@ -428,6 +447,8 @@ class _Batched:
         offset += sum(p.numel() for p in members)
       chunks.append((groups, [p for p in span if not opt._is_low(p)]))
     counted = [p for _, p in todo if "step" in opt.state.get(p, ())]  # the random bits' counts
+    for p in counted:
+      step_count(opt.state[p])
     return cls(key, lows, chunks, (grads_buf, x_buf), counted)
 
   def step(self, opt) -> bool:
@@ -498,6 +519,7 @@ class _Group:
       return
     self.x_flat = x_buf[offset:offset + numel]
     self.xs = views(self.x_flat)
+    self.x_ptrs = [x.data_ptr() for x in self.xs]
     # The params and buffers gathered into the gradients' buffer, seen as 16-bit halves:
     # the params in its first half, the buffers in its second.
     halves = grads_buf.view(torch.int16)
@@ -519,18 +541,18 @@ class _Group:
                    for a in range(0, numel, block)]
     self.draws = []
     if compensation.draws_bits:
-      # Per block: each element's counter in its param (random_bits' index) and, to spread
-      # the step's per-param keys over the block, which params it holds and how many
-      # elements of each.
+      # Per block, to spread the step's per-param keys and each element's counter in its
+      # param (random_bits' index) over the block: which params it holds, how many elements
+      # of each, and where each starts in the group (the counters are made each step).
       sizes = np.array([p.numel() for p in params], np.int64)
       starts = np.concatenate([[0], np.cumsum(sizes)])
-      counters = torch.cat([torch.arange(n, dtype=torch.int32) for n in sizes]).to(device)
       for a in range(0, numel, block):
         b = min(a + block, numel)
         first, last = np.searchsorted(starts, a, "right") - 1, np.searchsorted(starts, b, "left")
         counts = np.minimum(starts[first + 1:last + 1], b) - np.maximum(starts[first:last], a)
         self.draws.append((torch.arange(first, last, device=device),
-                           torch.from_numpy(counts).to(device), counters[a:b]))
+                           torch.from_numpy(counts).to(device),
+                           torch.from_numpy(starts[first:last].astype(np.int32)).to(device), a))
 
   def _gather(self) -> None:
     torch._foreach_copy_(self.p_views, self.params)
@@ -553,10 +575,13 @@ class _Group:
       w.grad = g
 
   def release(self, empty: torch.Tensor) -> None:
-    """The stand-ins let go of the gradients, and of ``x`` (a master keeps its value)."""
+    """The stand-ins let go of the gradients, and of ``x`` (a master keeps its value).
+    A stand-in the wrapped optimizer rebound (``p.data = ...``) hands its value to ``x``."""
     for w in self.works:
       w.grad = None
     if self.p_flat is not None:
+      if [w.data_ptr() for w in self.works] != self.x_ptrs:
+        torch._foreach_copy_(self.xs, self.works)
       for w in self.works:
         w.data = empty
 
@@ -576,8 +601,11 @@ class _Group:
     for k, (x, p, b) in enumerate(self.blocks):
       bits = None
       if keys is not None:
-        which, counts, counters = self.draws[k]
-        spread = keys.index_select(0, which).repeat_interleave(counts, output_size=x.numel())
+        which, counts, starts, a = self.draws[k]
+        n = x.numel()
+        spread = keys.index_select(0, which).repeat_interleave(counts, output_size=n)
+        counters = (torch.arange(a, a + n, dtype=torch.int32, device=x.device)
+                    - starts.repeat_interleave(counts, output_size=n))
         bits = rounding.bits_from_key(spread, x.shape, x.device, index=counters)
       self.compensation.write(x, p, b, bits)
     torch._foreach_copy_(self.params, self.p_views)
