@@ -19,7 +19,7 @@ torch = pytest.importorskip("torch")
 
 import torch_bridge as tb  # noqa: E402
 from test_torch_optim import OPTIMIZERS, _grads, _params, _run, _same, _snapshot  # noqa: E402
-from suite_helpers import host_work  # noqa: E402
+from suite_helpers import default_or_slow, host_work  # noqa: E402
 from torch_bridge.compensation import kahan_remainder_fits  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -610,10 +610,17 @@ BATCHED = {
 }
 
 
-@pytest.mark.parametrize("chunk", [None, 100])
-@pytest.mark.parametrize("inner", ["AdamW", "AdamW fused", "scaled_adam",
-                                   "scaled_adam skip_nonfinite", "SGD momentum"])
-@pytest.mark.parametrize("wrapper", list(BATCHED))
+_BATCHED_CASES = [(w, i, c) for w in BATCHED for i in (
+    "AdamW", "AdamW fused", "scaled_adam", "scaled_adam skip_nonfinite", "SGD momentum")
+    for c in (None, 100)]
+# make test: each wrapper in many chunks under the fused step, and in one chunk under an
+# inner step of all params at once; every case in make test-slow.
+_BATCHED_DEFAULT = [(w, i, c) for w in BATCHED
+                    for i, c in (("AdamW fused", 100), ("scaled_adam skip_nonfinite", None))]
+
+
+@pytest.mark.parametrize("wrapper, inner, chunk",
+                         default_or_slow(_BATCHED_CASES, _BATCHED_DEFAULT))
 def test_batched_wrapper_step_equals_the_per_param_step(wrapper, inner, chunk, monkeypatch):
   """``foreach=True`` against ``foreach=False``, bit for bit in params,
   buffers and the inner state: bf16, fp16 and fp32 params and a frozen one,
