@@ -764,6 +764,8 @@ def test_batched_wrapper_edge_cases_equal_the_per_param_step(wrapper, case):
     gen = torch.Generator().manual_seed(0)
     ps = [torch.nn.Parameter((torch.randn(s, generator=gen) * 0.5).to(dtype))
           for s in ((12, 8), (30,), (5, 6))]
+    if case == "int step":  # and a wide param, whose count is taken up too
+      ps.append(torch.nn.Parameter(torch.randn(7, generator=gen)))
     if case == "transposed param":
       ps[0] = torch.nn.Parameter(ps[0].detach().t())
     opt = BATCHED[wrapper](make_inner(ps), foreach=foreach)

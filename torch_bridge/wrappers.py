@@ -423,8 +423,9 @@ class _Batched:
         return None  # (the flat gathers take 16-bit params)
       if opt._marks.get(p) not in (_LOADED, (p._version, p.data_ptr())):
         return None  # written from outside: the per-param step follows it
-      if "step" in opt.state.get(p, ()):
-        step_count(opt.state[p])  # a tensor, which the batched step advances in place
+    counted = [p for _, p in todo if "step" in opt.state.get(p, ())]  # the random bits' counts
+    for p in counted:  # tensors, which the step advances in place (before the key reads them)
+      step_count(opt.state[p])
     key, params, grads = cls._key(opt)
     spans = [[p for _, p in chunk] for chunk in _chunks(todo, opt.inner)]
     leaf_of = {id(p): leaf for leaf, p in todo}
@@ -446,9 +447,6 @@ class _Batched:
                              grads_buf, x_buf, offset))
         offset += sum(p.numel() for p in members)
       chunks.append((groups, [p for p in span if not opt._is_low(p)]))
-    counted = [p for _, p in todo if "step" in opt.state.get(p, ())]  # the random bits' counts
-    for p in counted:
-      step_count(opt.state[p])
     return cls(key, lows, chunks, (grads_buf, x_buf), counted)
 
   def step(self, opt) -> bool:
