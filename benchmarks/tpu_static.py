@@ -57,7 +57,9 @@ CHIPS = {
 TPU_ENV = {"TPU_SKIP_MDS_QUERY": "1", "TPU_ACCELERATOR_TYPE": "v5litepod-4",
            "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu",
            "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
-           "OPTAX_HALF_NATIVE": "0"}  # the trace a TPU process makes: no CPU kernel
+           # the trace a TPU process makes: no CPU kernel, the TPU kernels in
+           # (deviceless, the default backend is the CPU: optax_half._native.on_tpu)
+           "OPTAX_HALF_NATIVE": "0", "OPTAX_HALF_TPU_KERNEL": "1"}
 # An array type and its layout: f32[768,64]{1,0:T(8,128)S(1)}
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^{}]*\})?")
 
@@ -186,6 +188,8 @@ def hlo_properties(hlo: str, leaf_shapes) -> dict:
   aliased = len(re.findall(r"\{[\d,]*\}: \(\d+, \{", hlo.splitlines()[0]))
   ops = collections.Counter(op for _, _, op, _ in kernels)
   return dict(kernels=len(kernels), fusions=ops["fusion"], kernel_ops=dict(ops),
+              # Pallas kernels (optax_half._tpu), apart from XLA:TPU's own custom calls
+              pallas_kernels=len(re.findall(r'custom_call_target="tpu_custom_call"', hlo)),
               hbm_bytes=hbm, hbm_bytes_costlier_branches=hbm_by(entry, max),
               param_sized_copies=copies, param_sized_transfers=transfers,
               scalar_ops=sum(scalars.values()), integer_scalar_ops=integer,

@@ -1,5 +1,6 @@
-"""The fp32 scalars of one AdamW step, shared by the composed core
-(``optax_half.adam``) and the native kernel's entry (``optax_half._native``)."""
+"""The fp32 scalars of one AdamW step and its math on one leaf, shared by the composed core
+(``optax_half.adam``), the native kernel's entry (``optax_half._native``) and the TPU
+kernel (``optax_half._tpu``)."""
 
 from __future__ import annotations
 
@@ -43,3 +44,31 @@ def coefficients(learning_rate, b1, b2, eps, weight_decay, count) -> Coefficient
   inv_bc2 = 1 / rounding.one_minus_pow(b2_, t, zero)
   return Coefficients(lr, b1_, b2_, 1 - b1_, 1 - b2_, inv_bc1, inv_bc2, _f32(eps),
                       _f32(weight_decay), zero)
+
+
+def _is_zero(v) -> bool:
+  return isinstance(v, (int, float)) and v == 0
+
+
+def adamw_leaf(c: Coefficients, g, m, v, x, decay: bool, eps_root=0.0, inv_bc1_next=None):
+  """``scale_by_adamw``'s fp32 step of one leaf (any shape: a whole leaf, or a block of it
+  in a kernel): ``(u, m32, v32)``, the update before the param dtype and the moments before
+  their storage rounding. ``decay``: the weight-decay term (``c.weight_decay`` 0 at run time
+  adds none); ``inv_bc1_next``: Nesterov's, at the next step's bias correction."""
+  def rounded(product):
+    return rounding.no_fma(product, c.zero)
+  # rounding.widen: exact upcasts that XLA cannot fold into excess precision.
+  g = rounding.widen(g)
+  m32 = rounded(c.b1 * rounding.widen(m)) + rounded(c.one_minus_b1 * g)
+  v32 = rounded(c.b2 * rounding.widen(v)) + rounded(c.one_minus_b2 * (g * g))
+  if inv_bc1_next is not None:  # optax's mu_hat reads m at the next step's bias correction
+    m_hat = rounded(c.b1 * (m32 * inv_bc1_next)) + rounded(c.one_minus_b1 * (g * c.inv_bc1))
+  else:
+    m_hat = m32 * c.inv_bc1
+  v_hat = v32 * c.inv_bc2
+  if not _is_zero(eps_root):
+    v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)
+  u = m_hat / (jnp.sqrt(v_hat) + c.eps)
+  if decay:  # none at 0, also a traced 0 (the kernel's)
+    u = jnp.where(c.weight_decay == 0, u, u + rounded(c.weight_decay * rounding.widen(x)))
+  return rounded(-c.lr * u), m32, v32

@@ -4,6 +4,7 @@ with the composed transformation's bits (docs/algorithms.md#the-jax-entry).
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple, Optional
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import optax
 
 import optax_half_native as native
-from optax_half import _flat, _in_place, rounding
+from optax_half import _flat, _in_place, _tpu, rounding
 from optax_half import compensation as compensation_lib
 from optax_half._coefficients import coefficients
 from optax_half._util import (check_state_fits, compiled_init, decay_mask, is_float,
@@ -218,6 +219,17 @@ def on_cpu(params) -> bool:
               or not available() or differentiating())
 
 
+def on_tpu(params) -> bool:
+  """Whether a step over ``params`` takes ``_tpu``'s kernels where it is compiled for a TPU:
+  on the TPU backend (``OPTAX_HALF_TPU_KERNEL=1``: from any backend, as a deviceless
+  compile for a TPU needs; ``0``: never), unsharded and not differentiated (a
+  ``pallas_call`` has no partitioning rule or derivative here)."""
+  mode = os.environ.get("OPTAX_HALF_TPU_KERNEL", "auto")
+  if mode == "0" or (mode != "1" and jax.default_backend() != "tpu"):
+    return False
+  return not (params is None or _maybe_sharded(params) or differentiating())
+
+
 def _maybe_sharded(params) -> bool:
   """Whether the params may be sharded: JAX has several devices, a mesh is
   set (``jax.set_mesh``), or a leaf's type carries a mesh (explicit sharding)."""
@@ -292,13 +304,19 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
         return optax.apply_updates(params, new_updates), new_state
       return new_updates, new_state
 
-    if not native(updates, state, params):
+    branches = {}
+    if native(updates, state, params):
+      branches["cpu"] = lambda: _native_update(
+          compensation, hyperparams, state_rounding, updates, state, params, in_place=in_place,
+          grad_scale=inv_scale, clip=clip, decays=decays(updates, params))
+    if on_tpu(params) and inv_scale is None and clip is None and _tpu.takes(
+        compensation, params, updates, state.inner_state):
+      branches["tpu"] = lambda: _tpu_update(
+          compensation, hyperparams, state_rounding, updates, state, params, in_place,
+          decays=decays(updates, params))
+    if not branches:
       return elsewhere()
-    return jax.lax.platform_dependent(
-        cpu=lambda: _native_update(compensation, hyperparams, state_rounding, updates, state, params,
-                                   in_place=in_place, grad_scale=inv_scale, clip=clip,
-                                   decays=decays(updates, params)),
-        default=elsewhere)
+    return jax.lax.platform_dependent(**branches, default=elsewhere)
 
   def flat_step(in_place, updates, state, params, extra_args, inv_scale=None, clip=None):
     if params is None:
@@ -390,6 +408,18 @@ def _stepped(compensation: Compensation, state, mu, nu, buffers):
   core = state.inner_state
   new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
   return compensation.next_state(state, buffers, new_core)
+
+
+def _tpu_update(compensation, hyperparams, state_rounding, updates, state, params, in_place,
+                decays=None, interpret=False):
+  """(new params or updates, state) of ``_tpu``'s kernels, a Pallas kernel per leaf
+  (``_tpu.takes``; docs/algorithms.md#xlatpu-without-a-tpu); ``interpret``: on CPU, in
+  Pallas's interpreter."""
+  n = len(jax.tree.leaves(params))  # every leaf a float leaf: its index is its position
+  out, mu, nu, buffers = _tpu.update(
+      compensation, hyperparams, state_rounding, updates, state, params, in_place,
+      _keys(compensation, state, jnp.arange(n, dtype=jnp.uint32)), decays, interpret)
+  return out, _stepped(compensation, state, mu, nu, buffers)
 
 
 def _flat_update(compensation, hyperparams, state_rounding, updates, state, params,

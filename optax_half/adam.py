@@ -14,7 +14,8 @@ import optax
 import optax_half_native as native_lib
 from optax_half_native import checks
 from optax_half import _native, rounding, wrappers
-from optax_half._coefficients import Coefficients, _f32, coefficients  # noqa: F401
+from optax_half._coefficients import (Coefficients, _f32, _is_zero, adamw_leaf,  # noqa: F401
+                                      coefficients)
 from optax_half._util import (check_no_float64, check_trees, decay_mask, leaf_indices,
                               maybe_skip_nonfinite, seed_from_key, transformation, unzip,
                               zeros_like_param)
@@ -49,10 +50,6 @@ class ScaleByAdamWState(NamedTuple):
 def moment_dtype(param_dtype) -> jnp.dtype:
   """The moments' default dtype for a param of ``param_dtype`` (fp16: fp32)."""
   return jnp.dtype(native_lib.moment_dtype_of(jnp.dtype(param_dtype).name))
-
-
-def _is_zero(v) -> bool:
-  return isinstance(v, (int, float)) and v == 0
 
 
 def _check_hyperparams(learning_rate, b1, b2, eps, weight_decay, eps_root=0.0):
@@ -171,8 +168,6 @@ def scale_by_adamw(
     if params is not None:
       check_trees("scale_by_adamw", updates, params)
     c = coefficients(learning_rate, b1, b2, eps, weight_decay, state.count)
-    lr, b1_, b2_, one_minus_b1, one_minus_b2 = c.lr, c.b1, c.b2, c.one_minus_b1, c.one_minus_b2
-    inv_bc1, inv_bc2, eps_, wd_, zero = c.inv_bc1, c.inv_bc2, c.eps, c.weight_decay, c.zero
     count = optax.safe_increment(state.count)
     leaf_index = leaf_indices(updates)
     # Without weight decay the params are not read: any tree of the same shape will do.
@@ -183,29 +178,13 @@ def scale_by_adamw(
     if nesterov:  # optax's mu_hat reads m at the next step's bias correction
       inv_bc1_next = coefficients(learning_rate, b1, b2, eps, weight_decay, count).inv_bc1
 
-    def rounded(product):
-      return rounding.no_fma(product, zero)
-
     def one(g, m, v, x, i, decay):
-      # rounding.widen: exact upcasts that XLA cannot fold into excess precision.
-      g = rounding.widen(g)
-      m32 = rounded(b1_ * rounding.widen(m)) + rounded(one_minus_b1 * g)
-      v32 = rounded(b2_ * rounding.widen(v)) + rounded(one_minus_b2 * (g * g))
-      if nesterov:
-        m_hat = rounded(b1_ * (m32 * inv_bc1_next)) + rounded(one_minus_b1 * (g * inv_bc1))
-      else:
-        m_hat = m32 * inv_bc1
-      v_hat = v32 * inv_bc2
-      if not _is_zero(eps_root):
-        v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)
-      u = m_hat / (jnp.sqrt(v_hat) + eps_)
-      if decay and not _is_zero(weight_decay):  # none at 0, also a traced 0 (the kernel's)
-        u = jnp.where(wd_ == 0, u, u + rounded(wd_ * rounding.widen(x)))
+      u, m32, v32 = adamw_leaf(c, g, m, v, x, decay and not _is_zero(weight_decay), eps_root,
+                               inv_bc1_next if nesterov else None)
       # The caller adds it to the params, in their dtype (optax's convention: fp32 inside
       # the wrappers, which hand the core fp32 params). A 16-bit param lands on
       # round_nearest(x + u), as torch's scale_by_adamw and round_to_nearest
       # (docs/algorithms.md#landing-exactly); without params, round(u) in the gradient's dtype.
-      u = rounded(-lr * u)
       x = jnp.asarray(x)
       if not jnp.issubdtype(x.dtype, jnp.floating):  # non-float leaves: fp32, as before
         pass

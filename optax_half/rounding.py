@@ -461,9 +461,11 @@ def _stochastic_moments(m_dtype, v_dtype, rounding: str) -> bool:
 
 
 def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: str,
-                  seed=None, step=None, leaf: int = 0) -> tuple[jax.Array, jax.Array]:
+                  seed=None, step=None, leaf: int = 0,
+                  bits=None) -> tuple[jax.Array, jax.Array]:
   """Round Adam's fp32 moments to their storage dtypes, stochastically from one word
-  per element (docs/algorithms.md#one-random-word-for-both-moments).
+  per element (docs/algorithms.md#one-random-word-for-both-moments): ``bits``, or
+  ``random_bits(seed, step, STREAM_MOMENTS, leaf, m32.shape)``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -477,5 +479,5 @@ def round_moments(m32: jax.Array, v32: jax.Array, m_dtype, v_dtype, rounding: st
   m_dtype, v_dtype = jnp.dtype(m_dtype), jnp.dtype(v_dtype)
   if not _stochastic_moments(m_dtype, v_dtype, rounding):
     return jnp.asarray(m32).astype(m_dtype), jnp.asarray(v32).astype(v_dtype)
-  w = random_bits(seed, step, STREAM_MOMENTS, leaf, m32.shape)
+  w = random_bits(seed, step, STREAM_MOMENTS, leaf, m32.shape) if bits is None else bits
   return stochastic_round(m32, m_dtype, w), stochastic_round(v32, v_dtype, swap_halves(w))
