@@ -47,7 +47,7 @@ def _block(rows: int, cols: int):
 def takes(compensation, params, grads, core) -> bool:
   """Whether the kernel steps this tree (trace time): bf16 params, bf16 or fp32 gradients
   and moments of the params' shapes, a compensation of ``COMPENSATIONS``, and every leaf
-  laid out as ``_shape2d`` allows."""
+  one that ``_block`` can cut."""
   if compensation.name not in COMPENSATIONS:
     return False
   leaves = jax.tree.leaves(params)
