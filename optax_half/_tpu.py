@@ -129,8 +129,8 @@ def _leaf(rules, decay, state_rounding, scalars, keys, leaf, p, g, m, v, b, in_p
 def update(compensation, hyperparams, state_rounding, updates, state, params, in_place,
            keys, decays=None, interpret=False):
   """``adamw_bf16``'s step over a tree ``takes`` accepts, a kernel per leaf: the trees of
-  (new params or updates, mu, nu, buffers or None). ``keys``: per leaf (param stream key,
-  moment stream key, anything), ``_native._keys``'s rows; ``decays``: per leaf, whether
+  (new params or updates, mu, nu, buffers or None). ``keys``: ``_native._keys``'s uint32
+  rows, per leaf (param stream key, moment stream key, mark); ``decays``: per leaf, whether
   weight decay applies (None: all); ``interpret``: Pallas's interpreter (tests, on CPU)."""
   leaves, treedef = jax.tree.flatten(params)
   core = state.inner_state
@@ -141,8 +141,7 @@ def update(compensation, hyperparams, state_rounding, updates, state, params, in
   scalars = jnp.stack(list(c[:9])).astype(jnp.float32)
   # Every leaf's keys in a row, hashed as one vector, then no_fma's zero: each kernel reads
   # its own row (no scalar ops a leaf outside the kernels).
-  keys = jnp.concatenate([jnp.asarray(keys, jnp.uint32)[:, :3].ravel(),
-                          c.zero[None].astype(jnp.uint32)])
+  keys = jnp.concatenate([keys.ravel(), c.zero[None]])
   rules = compensation.for_dtype(jnp.bfloat16)
   outs = []
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
