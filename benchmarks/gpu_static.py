@@ -230,10 +230,32 @@ def cheaper_branch(hlo: str, name: str, cost, pick=min) -> tuple:
   return pick(found, key=lambda f: f[0])
 
 
+def _elements(text: str) -> list:
+  """(elements, bytes each) of each array of an HLO type (``_type_bytes``'s)."""
+  return [(math.prod(int(d) for d in filter(None, dims.split(","))), _BYTES[dtype])
+          for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", text) if dtype in _BYTES]
+
+
+def leaf_kernels(hlo: str) -> set:
+  """The names of the Pallas step kernels (``optax_half._gpu``: ``adamw_bf16_leaf<k>``)."""
+  return set(re.findall(r"%([\w.\-]+) = [^\n]*custom-call\([^\n]*adamw_bf16_leaf\d+/pallas_call",
+                        hlo))
+
+
+def _leaf_kernel_bytes(t: str, operands: list) -> int:
+  """What a Pallas step kernel moves: its key vector, then of each stream the leaf's
+  elements (its param operand's count; a flat state's arrays are read and written at the
+  leaf's offset, masked to the leaf: tests/test_pallas_kernels.py)."""
+  (keys, width), (n, _) = _elements(operands[0])[0], _elements(operands[1])[0]
+  streams = [e for o in operands[1:] for e in _elements(o)] + _elements(t)
+  return keys * width + sum(min(e, n) * b for e, b in streams)
+
+
 def hlo_properties(hlo: str, leaf_shapes) -> dict:
   """Kernels, bytes moved and param-sized copies of an optimized XLA:GPU module; a
   conditional counts its cheaper branch (``cheaper_branch``)."""
   entry = _entry(hlo)
+  pallas = leaf_kernels(hlo)
 
   def moved_by(instrs, pick=min) -> int:
     types = {name: type_text for name, type_text, _, _ in instrs}
@@ -241,6 +263,8 @@ def hlo_properties(hlo: str, leaf_shapes) -> dict:
     for name, t, op, ops in instrs:
       if op == "conditional":
         total += cheaper_branch(hlo, name, lambda i: moved_by(i, pick), pick)[0]
+      elif name in pallas:
+        total += _leaf_kernel_bytes(t, [types.get(o, "") for o in ops])
       elif op not in _NO_KERNEL:
         total += _type_bytes(t) + sum(_type_bytes(types.get(o, "")) for o in ops)
     return total
@@ -252,7 +276,8 @@ def hlo_properties(hlo: str, leaf_shapes) -> dict:
   aliased = len(re.findall(r"\{[\d,]*\}: \(\d+, \{", hlo.splitlines()[0]))
   kernels += [k for name, _, op, _ in kernels if op == "conditional"
               for k in cheaper_branch(hlo, name, moved_by)[1]]
-  return dict(kernels=len(kernels), kernel_ops=dict(collections.Counter(op for _, _, op, _ in kernels)),
+  return dict(kernels=len(kernels), pallas_kernels=len(pallas),
+              kernel_ops=dict(collections.Counter(op for _, _, op, _ in kernels)),
               bytes_moved=moved, bytes_moved_costlier_branches=moved_by(entry, max),
               param_sized_copies=len(copies), aliased_outputs=aliased)
 
@@ -316,6 +341,7 @@ def jax_kernels(out: Path, rows=None, tree: str = "gpt2", ieee: bool = False) ->
   os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")  # no CUDA to load: the H100 is deviceless
   os.environ.setdefault("OPTAX_HALF_NATIVE", "0")  # the trace a GPU process makes
+  os.environ.setdefault("OPTAX_HALF_GPU_KERNEL", "1")  # on the GPU backend by default
   suffix = "-ieee" if ieee else ""
   dump = out / f"jax{suffix}" / "xla"
   shutil.rmtree(dump, ignore_errors=True)  # module numbers restart in each process

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import optax_half_native as native
-from optax_half import _flat, _in_place, _tpu, rounding
+from optax_half import _flat, _gpu, _in_place, _tpu, rounding
 from optax_half import compensation as compensation_lib
 from optax_half._coefficients import coefficients
 from optax_half._util import (check_state_fits, compiled_init, decay_mask, is_float,
@@ -219,15 +219,25 @@ def on_cpu(params) -> bool:
               or not available() or differentiating())
 
 
-def on_tpu(params) -> bool:
-  """Whether a step over ``params`` takes ``_tpu``'s kernels where it is compiled for a TPU:
-  on the TPU backend (``OPTAX_HALF_TPU_KERNEL=1``: from any backend, as a deviceless
-  compile for a TPU needs; ``0``: never), unsharded and not differentiated (a
-  ``pallas_call`` has no partitioning rule or derivative here)."""
-  mode = os.environ.get("OPTAX_HALF_TPU_KERNEL", "auto")
-  if mode == "0" or (mode != "1" and jax.default_backend() != "tpu"):
+def _on(backend: str, variable: str, params) -> bool:
+  """Whether a step over ``params`` takes a backend's Pallas kernels where it is compiled
+  for it: on that backend (``variable=1``: from any backend, as a deviceless compile
+  needs; ``0``: never), unsharded and not differentiated (a ``pallas_call`` has no
+  partitioning rule or derivative here)."""
+  mode = os.environ.get(variable, "auto")
+  if mode == "0" or (mode != "1" and jax.default_backend() != backend):
     return False
   return not (params is None or _maybe_sharded(params) or differentiating())
+
+
+def on_tpu(params) -> bool:
+  """``_on`` for ``_tpu``'s kernels (``OPTAX_HALF_TPU_KERNEL``)."""
+  return _on("tpu", "OPTAX_HALF_TPU_KERNEL", params)
+
+
+def on_gpu(params) -> bool:
+  """``_on`` for ``_gpu``'s kernels on an NVIDIA GPU (``OPTAX_HALF_GPU_KERNEL``)."""
+  return _on("gpu", "OPTAX_HALF_GPU_KERNEL", params)
 
 
 def _maybe_sharded(params) -> bool:
@@ -309,9 +319,16 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
       branches["cpu"] = lambda: _native_update(
           compensation, hyperparams, state_rounding, updates, state, params, in_place=in_place,
           grad_scale=inv_scale, clip=clip, decays=decays(updates, params))
-    if on_tpu(params) and inv_scale is None and clip is None and _tpu.takes(
+    if kernel and on_tpu(params) and inv_scale is None and clip is None and _tpu.takes(
         compensation, params, updates, state.inner_state):
       branches["tpu"] = lambda: _tpu_update(
+          compensation, hyperparams, state_rounding, updates, state, params, in_place,
+          decays=decays(updates, params))
+    # Through tx.update, XLA:GPU fuses the caller's apply_updates into its step (18 B/param);
+    # a kernel cannot (24): docs/algorithms.md#pallas-kernels.
+    if (kernel and in_place and on_gpu(params) and inv_scale is None and clip is None
+        and _gpu.takes(compensation, params, updates, state.inner_state)):
+      branches["cuda"] = lambda: _gpu_update(
           compensation, hyperparams, state_rounding, updates, state, params, in_place,
           decays=decays(updates, params))
     if not branches:
@@ -331,13 +348,21 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
 
     # One flat call has one weight decay: a mask with a leaf off goes leaf by leaf.
     flags = decays(updates, params) if kernel and mask is not None else None
-    if not (kernel and on_cpu(params) and _takes_flat(compensation, params, updates, state)
-            and (flags is None or all(flags))):
+    branches = {}
+    if (kernel and on_cpu(params) and _takes_flat(compensation, params, updates, state)
+        and (flags is None or all(flags))):
+      branches["cpu"] = lambda: _flat_update(
+          compensation, hyperparams, state_rounding, updates, state, params,
+          in_place=in_place, grad_scale=inv_scale, clip=clip)
+    if (kernel and on_gpu(params) and inv_scale is None and clip is None
+        and (flags is None or all(flags))
+        and _gpu.takes(compensation, params, updates, like.inner_state)
+        and all(len(f.arrays) == 1 for f in _flat_fields(compensation, state))):
+      branches["cuda"] = lambda: _gpu_flat_update(
+          compensation, hyperparams, state_rounding, updates, state, params, in_place)
+    if not branches:
       return via_tree()
-    return jax.lax.platform_dependent(
-        cpu=lambda: _flat_update(compensation, hyperparams, state_rounding, updates, state, params,
-                                 in_place=in_place, grad_scale=inv_scale, clip=clip),
-        default=via_tree)
+    return jax.lax.platform_dependent(**branches, default=via_tree)
 
   if not isinstance(flat_state, bool):
     raise TypeError(f"flat_state must be True or False; got {flat_state!r}.")
@@ -410,16 +435,48 @@ def _stepped(compensation: Compensation, state, mu, nu, buffers):
   return compensation.next_state(state, buffers, new_core)
 
 
-def _tpu_update(compensation, hyperparams, state_rounding, updates, state, params, in_place,
-                decays=None, interpret=False):
-  """(new params or updates, state) of ``_tpu``'s kernels, a Pallas kernel per leaf
-  (``_tpu.takes``; docs/algorithms.md#xlatpu-without-a-tpu); ``interpret``: on CPU, in
+def _pallas_update(kernels, compensation, hyperparams, state_rounding, updates, state, params,
+                   in_place, decays=None, interpret=False):
+  """(new params or updates, state) of a Pallas kernel per leaf: ``kernels`` ``_tpu`` or
+  ``_gpu`` (its ``takes``; docs/algorithms.md#pallas-kernels); ``interpret``: on CPU, in
   Pallas's interpreter."""
   n = len(jax.tree.leaves(params))  # every leaf a float leaf: its index is its position
-  out, mu, nu, buffers = _tpu.update(
+  out, mu, nu, buffers = kernels.update(
       compensation, hyperparams, state_rounding, updates, state, params, in_place,
       _keys(compensation, state, jnp.arange(n, dtype=jnp.uint32)), decays, interpret)
   return out, _stepped(compensation, state, mu, nu, buffers)
+
+
+def _tpu_update(*args, **kwargs):
+  """``_pallas_update`` of ``_tpu``'s kernels."""
+  return _pallas_update(_tpu, *args, **kwargs)
+
+
+def _gpu_update(*args, **kwargs):
+  """``_pallas_update`` of ``_gpu``'s kernels."""
+  return _pallas_update(_gpu, *args, **kwargs)
+
+
+def _flat_fields(compensation, state) -> list:
+  """A flat state's ``_flat.Flat`` fields a step writes: mu, nu and the buffer, if any."""
+  core = state.inner_state
+  return [core.mu, core.nu] + ([compensation.buffers(state)] if compensation.buffer else [])
+
+
+def _gpu_flat_update(compensation, hyperparams, state_rounding, updates, state, params,
+                     in_place, interpret=False):
+  """``_gpu_update`` for a flat state: each leaf's kernel steps its slice of the flat
+  arrays in place (docs/algorithms.md#pallas-kernels)."""
+  core = state.inner_state
+  fields = _flat_fields(compensation, state)
+  names = [next(iter(f.arrays)) for f in fields]  # one array a field (flat_step checks)
+  n = len(jax.tree.leaves(params))
+  out, flats = _gpu.update_flat(
+      compensation.for_dtype(jnp.bfloat16), hyperparams, state_rounding, updates, params,
+      core.count, [f.arrays[k] for f, k in zip(fields, names)], in_place,
+      _keys(compensation, state, jnp.arange(n, dtype=jnp.uint32)), interpret)
+  mu, nu, *buffers = (_flat.Flat({k: x}) for k, x in zip(names, flats))
+  return out, _stepped(compensation, state, mu, nu, buffers[0] if buffers else None)
 
 
 def _flat_update(compensation, hyperparams, state_rounding, updates, state, params,

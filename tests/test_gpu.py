@@ -6,8 +6,11 @@ side of each comparison is the reference: there JAX runs the composed
 transformation on XLA:CPU (with a GPU as the default backend the native
 kernel is not taken), which the native kernel equals bit for bit
 (test_native), and torch its CPU step, equal to the JAX one (test_parity).
-On the GPU JAX runs the composed transformation on XLA:GPU and torch_bridge
-its eager or compiled (Triton) step.
+On the GPU JAX runs the composed transformation on XLA:GPU, or, for
+adamw_bf16 in place and with a flat state, its Pallas kernels
+(docs/algorithms.md#pallas-kernels: IEEE division and square root, expected
+to give the CPU's bits; not yet run on a GPU), and torch_bridge its eager or
+compiled (Triton) step.
 
 Over 12 steps scaled_adam's params, the JAX adamw_bf16 steps with kahan,
 stochastic and no compensation (no implicit host transfer in them), and every
@@ -67,6 +70,8 @@ def _grads(step, dtype):
 
 JAX_CASES = {
     "adamw_bf16/kahan": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1),
+    "adamw_bf16/kahan flat_state": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1,
+                                                         flat_state=True),
     "adamw_bf16/split": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1, compensation="split"),
     "adamw_bf16/stochastic": lambda: oh.adamw_bf16(1e-3, weight_decay=0.1,
                                                    compensation="stochastic"),

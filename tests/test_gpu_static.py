@@ -35,11 +35,11 @@ BYTE_MODEL = {
     "adamw_bf16 kahan fp16 (update_and_apply)": 26,  # fp32 moments
     "adam_fp32_master fp16 (update_and_apply)": 30,
 }
-# Not there yet (docs/algorithms.md#on-gpu): flat_state unpacks and repacks its buffers.
-GAPS = {
-    "adamw_bf16 kahan flat_state (update_and_apply)": "flat_state slices and updates its "
-                                                      "flat buffers through copies",
-}
+GAPS: dict = {}  # rows not at the byte model yet (docs/algorithms.md#on-gpu): none
+# The rows optax_half._gpu steps, a Pallas kernel a leaf (docs/algorithms.md#pallas-kernels);
+# the others are XLA:GPU's fusions.
+KERNEL_ROWS = ["adamw_bf16 kahan (update_and_apply)", "adamw_bf16 stochastic (update_and_apply)",
+               "adamw_bf16 kahan flat_state (update_and_apply)"]
 # A full master's marks: each leaf's new mark (0 in place) is a scalar copy of its own.
 MARK_KERNELS = {r: "a scalar copy per leaf writes its mark of missed landings" for r in (
     "adam_fp32_master (update_and_apply)", "adam_fp32_master fp16 (update_and_apply)")}
@@ -48,7 +48,7 @@ REFERENCE = "optax.adamw fp32 (reference)"
 TREE = "gpt2-layer"
 
 
-IEEE_ROWS = ["adamw_bf16 kahan (update_and_apply)", "adam_fp32_master (update_and_apply)"]
+IEEE_ROWS = ["adamw_bf16 kahan", "adam_fp32_master (update_and_apply)"]  # XLA:GPU's steps
 
 
 def _compile(out: Path, rows, *flags) -> dict:
@@ -82,21 +82,41 @@ def test_row_is_one_pass_over_memory(row, compiled):
   assert r["fma"] == 0, r
 
 
-# Each leaf's random-bit key (mix32(stream key ^ leaf), for the stochastic
-# moments and params) is a scalar computation XLA:GPU leaves as a kernel of
-# its own for about a quarter of the leaves; one vector of keys for the tree
-# gets the consumers sibling-fused, with copies (docs/algorithms.md#xlagpu-without-a-gpu).
+# In XLA:GPU's steps each leaf's random-bit key (mix32(stream key ^ leaf), for the
+# stochastic moments and params) is a scalar computation XLA:GPU leaves as a kernel of
+# its own for about a quarter of the leaves; one vector of keys for the tree gets the
+# consumers sibling-fused, with copies (docs/algorithms.md#xlagpu-without-a-gpu). The
+# Pallas kernels read their keys from one vector made for all of them.
 KEY_KERNELS = "a scalar kernel per leaf's random-bit key (5 of 16 leaves, about 40 at GPT-2 size)"
+# Stochastic rounding keeps a second count (the param stream's): XLA:GPU copies each
+# donated count before its increment, two scalar kernels a count.
+COUNT_KERNELS = {"adamw_bf16 stochastic (update_and_apply)":
+                 "two counts, each a scalar copy and an increment, and the kernels' operands"}
 
 
 NO_KEYS = {"adamw_bf16 kahan fp16 (update_and_apply)"}  # fp32 moments: no random bits
 
 
-@pytest.mark.parametrize("row", _rows({**{r: KEY_KERNELS for r in BYTE_MODEL if r not in NO_KEYS},
-                                       **MARK_KERNELS, **GAPS}))
+@pytest.mark.parametrize("row", _rows({**{r: KEY_KERNELS for r in BYTE_MODEL
+                                          if r not in NO_KEYS and r not in KERNEL_ROWS},
+                                       **COUNT_KERNELS, **MARK_KERNELS, **GAPS}))
 def test_row_launches_a_kernel_a_leaf(row, compiled):
   r = compiled[row]
   assert r["kernels"] <= r["leaves"] + FEW, r
+
+
+@pytest.mark.parametrize("row", KERNEL_ROWS)
+def test_kernel_rows_are_a_pallas_kernel_a_leaf_with_ieee_ops(row, compiled):
+  """optax_half._gpu's rows: one Pallas kernel a leaf, and no approximate instruction in
+  the step without any XLA flag: division and square root are ``div.rn`` / ``sqrt.rn``,
+  the CPU's ops (the bias corrections are inverted in the kernels; XLA:GPU's ``1 / x``
+  is ``rcp.approx``). A flat state passes params, gradients and its few arrays in."""
+  r = compiled[row]
+  assert r["pallas_kernels"] == r["leaves"], r
+  assert r["approx_div"] == r["approx_sqrt"] == r["approx_other"] == 0, r
+  assert r["ieee_div"] > 0 and r["ieee_sqrt"] > 0, r
+  if "flat_state" in row:  # outputs: params, count, mu, nu, Kahan buffer
+    assert r["outputs"] == r["leaves"] + 5, r
 
 
 def test_optax_reference_is_what_the_model_says(compiled):
