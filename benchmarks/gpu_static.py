@@ -93,7 +93,7 @@ def compile_torch(mode: str) -> tuple[str, dict]:
     path = Path(tmp) / "k.ptx"
     path.write_text(ptx)
     arch = "sm_90a" if ".target sm_90a" in ptx else "sm_90"
-    report = subprocess.run([get_ptxas(90).path, f"-arch={arch}", "-v", str(path), "-o",
+    report = subprocess.run([find_ptxas(), f"-arch={arch}", "-v", str(path), "-o",
                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
                             check=True).stderr
   spills = [int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", report)]
@@ -291,6 +291,39 @@ def ptx_properties(ptx: str) -> dict:
               ieee_sqrt=len(re.findall(r"\bsqrt\.rn[.\w]*f32", ptx)))
 
 
+def find_ptxas() -> str | None:
+  """Triton's bundled ptxas: this environment's, or the repository's ``.venv``'s (``.venv-gpu``
+  has no Triton), or None."""
+  try:
+    from triton.backends.nvidia.compiler import get_ptxas  # noqa: PLC0415
+    return get_ptxas(90).path
+  except Exception:  # noqa: BLE001 (no Triton here: look in .venv)
+    found = sorted(Path(__file__).resolve().parents[1].glob(
+        ".venv/lib/python*/site-packages/triton/backends/nvidia/bin/ptxas"))
+    return str(found[0]) if found else None
+
+
+def pallas_kernel_properties(ptx_files) -> dict:
+  """Registers, spills and global accesses of the Pallas step kernels (``leaf_kernels``)
+  in ``ptx_files``, by ptxas for sm_90a; {} without ptxas."""
+  ptxas = find_ptxas()
+  files = [f for f in ptx_files if ".entry adamw_bf16_leaf" in f.read_text()]
+  if ptxas is None or not files:
+    return {}
+  registers, spills, accesses = [], 0, collections.Counter()
+  with tempfile.TemporaryDirectory() as tmp:
+    for f in files:
+      report = subprocess.run([ptxas, "-arch=sm_90a", "-v", str(f), "-o",
+                               str(Path(tmp) / "k.cubin")], capture_output=True, text=True,
+                              check=True).stderr
+      registers += [int(r) for r in re.findall(r"Used (\d+) registers", report)]
+      spills += sum(int(b) for b in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+      accesses.update(re.findall(r"\b((?:ld|st)\.global(?:\.nc)?(?:\.v\d)?\.b\d+)",
+                                 f.read_text()))
+  return dict(pallas_max_registers=max(registers), pallas_spill_bytes=spills,
+              pallas_accesses=dict(sorted(accesses.items())))
+
+
 def compile_jax(name: str, tree: str, dump: Path) -> tuple[str, str, dict]:
   """The optimized HLO and PTX of row ``name`` on ``tree``, and their properties."""
   import jax  # noqa: PLC0415
@@ -320,12 +353,13 @@ def compile_jax(name: str, tree: str, dump: Path) -> tuple[str, str, dict]:
     compiled = lowered.compile()
   seconds = time.perf_counter() - start
   hlo = compiled.as_text()
-  ptx = "\n".join(f.read_text() for f in sorted(dump.glob(f"*jit_{module}.*.ptx")))
+  ptx_files = sorted(dump.glob(f"*jit_{module}.*.ptx"))
+  ptx = "\n".join(f.read_text() for f in ptx_files)
   n = sum(math.prod(s) for s in shapes)
   info = hlo_properties(hlo, shapes)
   memory = compiled.memory_analysis()
   outputs = len(jax.tree.leaves(lowered.out_info))
-  info.update(ptx_properties(ptx), leaves=len(shapes), params=n, outputs=outputs,
+  info.update(ptx_properties(ptx), **pallas_kernel_properties(ptx_files), leaves=len(shapes), params=n, outputs=outputs,
               bytes_per_param=info["bytes_moved"] / n,
               bytes_per_param_costlier_branches=info["bytes_moved_costlier_branches"] / n,
               temp_bytes=memory.temp_size_in_bytes,

@@ -19,9 +19,16 @@ BLOCK = 1024  # elements a program steps (a power of 2, as Triton's blocks are)
 WARPS = 4  # 8 elements a thread: 16-byte accesses of the bf16 streams
 
 
-def takes(compensation, params, grads, core) -> bool:
-  """``_pallas.takes``: any leaf shape (a leaf is stepped as its 1-D raveling)."""
-  return _pallas.takes(compensation, params, grads, core)
+MAX_ELEMENTS = 2**31 - BLOCK  # a program's int32 start in a leaf or flat array
+
+
+def takes(compensation, params, grads, core, flat: bool = False) -> bool:
+  """``_pallas.takes``: leaves of any shape (stepped as their 1-D raveling) below
+  ``MAX_ELEMENTS``; ``flat``: also all of them together (a flat state's arrays)."""
+  sizes = [math.prod(np.shape(p)) for p in jax.tree.leaves(params)]
+  return ((not flat or sum(sizes) < MAX_ELEMENTS)
+          and _pallas.takes(compensation, params, grads, core,
+                            lambda shape: math.prod(shape) < MAX_ELEMENTS))
 
 
 def _ieee_ops():

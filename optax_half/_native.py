@@ -356,7 +356,7 @@ def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, t
           in_place=in_place, grad_scale=inv_scale, clip=clip)
     if (kernel and on_gpu(params) and inv_scale is None and clip is None
         and (flags is None or all(flags))
-        and _gpu.takes(compensation, params, updates, like.inner_state)
+        and _gpu.takes(compensation, params, updates, like.inner_state, flat=True)
         and all(len(f.arrays) == 1 for f in _flat_fields(compensation, state))):
       branches["cuda"] = lambda: _gpu_flat_update(
           compensation, hyperparams, state_rounding, updates, state, params, in_place)

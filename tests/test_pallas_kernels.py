@@ -126,6 +126,16 @@ def test_kernels_take_only_what_they_step(backend):
   assert takes(kahan, wide, wide, oh.adamw_bf16(1e-3).init(wide).inner_state) == (
       backend == "gpu")
   assert not takes(kahan, params, {**params, "p0": params["p1"]}, state)
+  if backend == "gpu":  # a program's start is an int32 index into a leaf or flat array
+    def abstract(**sizes):
+      tree = {k: jax.ShapeDtypeStruct((n,), jnp.bfloat16) for k, n in sizes.items()}
+      return tree, jax.eval_shape(oh.adamw_bf16(1e-3).init, tree).inner_state
+    each = _gpu.MAX_ELEMENTS // 2 + 1
+    two, two_state = abstract(a=each, b=each)
+    assert takes(kahan, two, two, two_state)
+    assert not takes(kahan, two, two, two_state, flat=True)
+    one, one_state = abstract(w=_gpu.MAX_ELEMENTS)
+    assert not takes(kahan, one, one, one_state)
 
 
 @pytest.mark.parametrize("backend, variable", [("tpu", "OPTAX_HALF_TPU_KERNEL"),
