@@ -19,6 +19,7 @@ BLOCK = 1024  # elements a program steps (a power of 2, as Triton's blocks are)
 WARPS = 4  # 8 elements a thread: 16-byte accesses of the bf16 streams
 
 
+COMPENSATIONS = (*_pallas.COMPENSATIONS, "split")  # the int16 low half too
 MAX_ELEMENTS = 2**31 - BLOCK  # a program's int32 start in a leaf or flat array
 
 
@@ -28,7 +29,7 @@ def takes(compensation, params, grads, core, flat: bool = False) -> bool:
   sizes = [math.prod(np.shape(p)) for p in jax.tree.leaves(params)]
   return ((not flat or sum(sizes) < MAX_ELEMENTS)
           and _pallas.takes(compensation, params, grads, core,
-                            lambda shape: math.prod(shape) < MAX_ELEMENTS))
+                            lambda shape: math.prod(shape) < MAX_ELEMENTS, COMPENSATIONS))
 
 
 def _ieee_ops():

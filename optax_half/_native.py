@@ -476,7 +476,11 @@ def _gpu_flat_update(compensation, hyperparams, state_rounding, updates, state, 
       core.count, [f.arrays[k] for f, k in zip(fields, names)], in_place,
       _keys(compensation, state, jnp.arange(n, dtype=jnp.uint32)), interpret)
   mu, nu, *buffers = (_flat.Flat({k: x}) for k, x in zip(names, flats))
-  return out, _stepped(compensation, state, mu, nu, buffers[0] if buffers else None)
+  new = _stepped(compensation, state, mu, nu, None)
+  if buffers:  # the flat buffer in its field, the compensation's other fields as they were
+    new = new._replace(**{k: getattr(state, k) for k in compensation._fields_of(None)})
+    new = new._replace(**{compensation.spec.buffer: buffers[0]})
+  return out, new
 
 
 def _flat_update(compensation, hyperparams, state_rounding, updates, state, params,

@@ -19,11 +19,12 @@ _STREAMS = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 SCALARS = 9  # Coefficients but zero: the f32 operand of every kernel
 
 
-def takes(compensation, params, grads, core, cuts=lambda shape: True) -> bool:
+def takes(compensation, params, grads, core, cuts=lambda shape: True,
+          compensations=COMPENSATIONS) -> bool:
   """Whether the kernels step this tree (trace time): bf16 params, bf16 or fp32 gradients
-  and moments of the params' shapes, a compensation of ``COMPENSATIONS``, and every
+  and moments of the params' shapes, a compensation of ``compensations``, and every
   leaf's shape one the backend ``cuts`` into blocks."""
-  if compensation.name not in COMPENSATIONS:
+  if compensation.name not in compensations:
     return False
   leaves = jax.tree.leaves(params)
   others = [jax.tree.leaves(t) for t in (grads, core.mu, core.nu)]

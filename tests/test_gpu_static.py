@@ -41,6 +41,7 @@ GAPS: dict = {}  # rows not at the byte model yet (docs/algorithms.md#on-gpu): n
 # The rows optax_half._gpu steps, a Pallas kernel a leaf (docs/algorithms.md#pallas-kernels);
 # the others are XLA:GPU's fusions.
 KERNEL_ROWS = ["adamw_bf16 kahan (update_and_apply)", "adamw_bf16 stochastic (update_and_apply)",
+               "adamw_bf16 split (update_and_apply)",
                "adamw_bf16 kahan flat_state (update_and_apply)"]
 # A full master's marks: each leaf's new mark (0 in place) is a scalar copy of its own.
 MARK_KERNELS = {r: "a scalar copy per leaf writes its mark of missed landings" for r in (

@@ -39,6 +39,7 @@ CONFIGS = {
     "kahan": {},
     "stochastic": dict(compensation="stochastic", key=3),
     "none": dict(compensation="none"),
+    "split": dict(compensation="split"),
     "nearest moments, fp32 nu": dict(state_rounding="nearest", nu_dtype=jnp.float32),
     "mask": dict(mask=lambda p: {k: k != "p2" for k in p}),
 }
@@ -76,7 +77,8 @@ def _step(layout, compensation, kwargs, in_place, decays):
 
 CASES = [(b, n, i, g) for b in ("tpu", "gpu", "gpu flat") for n in CONFIGS
          for i in (True, False) for g in ("bfloat16", "float32")
-         if not (b == "gpu flat" and n == "mask")]  # a flat state with a mask: the tree step
+         # a flat state with a mask: the tree step; split: not on TPU
+         if not (b == "gpu flat" and n == "mask") and not (b == "tpu" and n == "split")]
 
 
 @pytest.mark.parametrize("layout, name, in_place, grad_dtype", default_or_slow(CASES, [
@@ -112,14 +114,15 @@ def test_kernels_step_with_the_xla_steps_bits(layout, name, in_place, grad_dtype
 @pytest.mark.parametrize("backend", ["tpu", "gpu"])
 def test_kernels_take_only_what_they_step(backend):
   """bf16 params with bf16 or fp32 gradients and moments, Kahan, stochastic or no
-  compensation (TPU: leaves _tpu._block can block); anything else takes the XLA step."""
+  compensation (GPU: split too; TPU: leaves _tpu._block can block); anything else takes
+  the XLA step."""
   takes = MODULES[backend].takes
   params = _params(backend)
   state = oh.adamw_bf16(1e-3).init(params).inner_state
   kahan = COMPENSATIONS["kahan"]
   assert takes(kahan, params, params, state)
-  for other in ("master", "split"):
-    assert not takes(COMPENSATIONS[other], params, params, state)
+  assert not takes(COMPENSATIONS["master"], params, params, state)
+  assert takes(COMPENSATIONS["split"], params, params, state) == (backend == "gpu")
   half = jax.tree.map(lambda p: p.astype(jnp.float16), params)
   assert not takes(kahan, half, half, oh.adamw_bf16(1e-3).init(half).inner_state)
   wide = {"w": jnp.zeros((4, 5000), jnp.bfloat16)}  # a last dimension no TPU block holds
@@ -167,7 +170,7 @@ def _kernels_in(tx, in_place, params) -> int:
                                                ("gpu", "OPTAX_HALF_GPU_KERNEL")])
 def test_steps_the_kernels_lack_are_xlas(backend, variable, monkeypatch):
   """A step is built with a branch of kernels, a leaf each, for the compensations they
-  step; Nesterov, ``eps_root``, ``split`` and a master are XLA's alone. On a GPU,
+  step; Nesterov, ``eps_root`` and a master are XLA's alone, ``split`` on a TPU too. On a GPU,
   through ``tx.update`` only a flat state takes them (docs/algorithms.md#pallas-kernels)."""
   monkeypatch.setenv(variable, "1")
   params = _params(backend)
@@ -175,7 +178,9 @@ def test_steps_the_kernels_lack_are_xlas(backend, variable, monkeypatch):
   assert _kernels_in(oh.adamw_bf16(1e-3), True, params) == n
   assert _kernels_in(oh.adamw_bf16(1e-3), False, params) == (n if backend == "tpu" else 0)
   assert _kernels_in(oh.adamw_bf16(1e-3, flat_state=True), False, params) == n
-  for lacking in (dict(nesterov=True), dict(eps_root=1e-8), dict(compensation="split")):
+  for lacking in (dict(nesterov=True), dict(eps_root=1e-8)):
     assert _kernels_in(oh.adamw_bf16(1e-3, **lacking), True, params) == 0, lacking
     assert _kernels_in(oh.adamw_bf16(1e-3, **lacking, flat_state=True), True, params) == 0
+  split = oh.adamw_bf16(1e-3, compensation="split")  # its int16 low half: the GPU's only
+  assert _kernels_in(split, True, params) == (n if backend == "gpu" else 0)
   assert _kernels_in(oh.adam_fp32_master(1e-3), True, params) == 0
