@@ -17,8 +17,6 @@ from optax_half import _pallas
 
 BLOCK = 1024  # elements a program steps (a power of 2, as Triton's blocks are)
 WARPS = 4  # 8 elements a thread: 16-byte accesses of the bf16 streams
-
-
 COMPENSATIONS = (*_pallas.COMPENSATIONS, "split")  # the int16 low half too
 MAX_ELEMENTS = 2**31 - BLOCK  # a program's int32 start in a leaf or flat array
 
