@@ -112,7 +112,8 @@ def update(compensation, hyperparams, state_rounding, updates, state, params, in
     states = [jnp.ravel(x) for x in (m, v, *([b] if b is not None else []))]
     out = _call(rules, _pallas.decays(hyperparams, decays, k), state_rounding, keys,
                 k, p, g, states, 0, in_place, interpret)
-    outs.append([out[0], *(x.reshape(np.shape(p)) for x in out[1:])] + [None])
+    out = [out[0], *(x.reshape(np.shape(p)) for x in out[1:])]
+    outs.append(out if b is not None else [*out, None])  # no buffer: None in its place
   p_out, mu, nu, bufs = ([o[i] for o in outs] for i in range(4))
   unflat = lambda xs: jax.tree.unflatten(treedef, xs)  # noqa: E731
   return unflat(p_out), unflat(mu), unflat(nu), unflat(bufs) if compensation.buffer else None

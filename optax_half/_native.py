@@ -435,15 +435,20 @@ def _stepped(compensation: Compensation, state, mu, nu, buffers):
   return compensation.next_state(state, buffers, new_core)
 
 
+def _leaf_keys(compensation, state, params) -> jax.Array:
+  """``_keys``' rows of every leaf of ``params``, all float leaves (a leaf's index is its
+  position), no marks: the Pallas kernels' keys."""
+  return _keys(compensation, state, jnp.arange(len(jax.tree.leaves(params)), dtype=jnp.uint32))
+
+
 def _pallas_update(kernels, compensation, hyperparams, state_rounding, updates, state, params,
                    in_place, decays=None, interpret=False):
   """(new params or updates, state) of a Pallas kernel per leaf: ``kernels`` ``_tpu`` or
   ``_gpu`` (its ``takes``; docs/algorithms.md#pallas-kernels); ``interpret``: on CPU, in
   Pallas's interpreter."""
-  n = len(jax.tree.leaves(params))  # every leaf a float leaf: its index is its position
   out, mu, nu, buffers = kernels.update(
       compensation, hyperparams, state_rounding, updates, state, params, in_place,
-      _keys(compensation, state, jnp.arange(n, dtype=jnp.uint32)), decays, interpret)
+      _leaf_keys(compensation, state, params), decays, interpret)
   return out, _stepped(compensation, state, mu, nu, buffers)
 
 
@@ -470,11 +475,10 @@ def _gpu_flat_update(compensation, hyperparams, state_rounding, updates, state, 
   core = state.inner_state
   fields = _flat_fields(compensation, state)
   names = [next(iter(f.arrays)) for f in fields]  # one array a field (flat_step checks)
-  n = len(jax.tree.leaves(params))
   out, flats = _gpu.update_flat(
       compensation.for_dtype(jnp.bfloat16), hyperparams, state_rounding, updates, params,
       core.count, [f.arrays[k] for f, k in zip(fields, names)], in_place,
-      _keys(compensation, state, jnp.arange(n, dtype=jnp.uint32)), interpret)
+      _leaf_keys(compensation, state, params), interpret)
   mu, nu, *buffers = (_flat.Flat({k: x}) for k, x in zip(names, flats))
   new = _stepped(compensation, state, mu, nu, None)
   if buffers:  # the flat buffer in its field, the compensation's other fields as they were
