@@ -100,12 +100,11 @@ def _call(rules, decay, state_rounding, keys, leaf, p, g, states, offset, in_pla
 def update(compensation, hyperparams, state_rounding, updates, state, params, in_place,
            keys, decays=None, interpret=False):
   """``adamw_bf16``'s step over a tree ``takes`` accepts, a kernel per leaf: the trees of
-  (new params or updates, mu, nu, buffers or None). ``keys``: ``_native._keys``'s uint32
-  rows, per leaf; ``decays``: per leaf, whether weight decay applies (None: all);
+  (new params or updates, mu, nu, buffers or None). ``keys``: ``_pallas.operands``'s
+  vector; ``decays``: per leaf, whether weight decay applies (None: all);
   ``interpret``: Pallas's interpreter (tests, on CPU)."""
   leaves, treedef, grads, mus, nus, buffers = _pallas.leaves_of(compensation, updates, state,
                                                                 params)
-  keys = _pallas.operands(hyperparams, state.inner_state.count, keys)
   rules = compensation.for_dtype(jnp.bfloat16)
   outs = []
   for k, (p, g, m, v, b) in enumerate(zip(leaves, grads, mus, nus, buffers)):
@@ -119,7 +118,7 @@ def update(compensation, hyperparams, state_rounding, updates, state, params, in
   return unflat(p_out), unflat(mu), unflat(nu), unflat(bufs) if compensation.buffer else None
 
 
-def update_flat(rules, hyperparams, state_rounding, updates, params, count, flats, in_place,
+def update_flat(rules, hyperparams, state_rounding, updates, params, flats, in_place,
                 keys, interpret=False):
   """The step over a flat state (``_flat``: one array per field): (the tree of new params
   or updates, the new flat arrays). ``flats``: the flat mu, nu and buffer (if any) arrays,
@@ -127,7 +126,6 @@ def update_flat(rules, hyperparams, state_rounding, updates, params, count, flat
   place (no slice or concatenation outside them)."""
   leaves, treedef = jax.tree.flatten(params)
   grads = treedef.flatten_up_to(updates)
-  keys = _pallas.operands(hyperparams, count, keys)
   out, offset = [], 0
   for k, (p, g) in enumerate(zip(leaves, grads)):
     p_new, *flats = _call(rules, _pallas.decays(hyperparams, None, k), state_rounding, keys,

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 import optax_half_native as native
-from optax_half import _flat, _gpu, _in_place, _tpu, rounding
+from optax_half import _flat, _gpu, _in_place, _pallas, _tpu, rounding
 from optax_half import compensation as compensation_lib
 from optax_half._coefficients import coefficients
 from optax_half._util import (check_state_fits, compiled_init, decay_mask, is_float,
@@ -428,17 +428,33 @@ def _keys(compensation: Compensation, state, leaf, marks=None) -> jax.Array:
 
 
 
-def _stepped(compensation: Compensation, state, mu, nu, buffers):
-  """``state`` after one step: the new moments and buffers, the counts advanced."""
+def _counts(compensation: Compensation, state) -> list:
+  """The counts a step advances: the core's, and the wrapper's random-bit count where it
+  draws bits."""
   core = state.inner_state
-  new_core = core._replace(count=optax.safe_increment(core.count), mu=mu, nu=nu)
-  return compensation.next_state(state, buffers, new_core)
+  return [core.count] + ([state.rng_count] if compensation.spec.draws_bits else [])
 
 
-def _leaf_keys(compensation, state, params) -> jax.Array:
-  """``_keys``' rows of every leaf of ``params``, all float leaves (a leaf's index is its
-  position), no marks: the Pallas kernels' keys."""
-  return _keys(compensation, state, jnp.arange(len(jax.tree.leaves(params)), dtype=jnp.uint32))
+def _stepped(compensation: Compensation, state, mu, nu, buffers, counts=None):
+  """``state`` after one step: the new moments and buffers, the counts advanced (or
+  ``counts``, ``_counts``' values advanced)."""
+  if counts is None:
+    counts = [optax.safe_increment(c) for c in _counts(compensation, state)]
+  new_core = state.inner_state._replace(count=counts[0], mu=mu, nu=nu)
+  new = compensation.next_state(state, buffers, new_core)
+  return new._replace(rng_count=counts[1]) if len(counts) > 1 else new
+
+
+def _operands(kernels, compensation, hyperparams, state, params) -> tuple:
+  """``_pallas.operands`` of a step: the Pallas kernels' vector (``_keys``' rows of every
+  leaf of ``params``, all float leaves: a leaf's index is its position, no marks) and, for
+  ``_gpu``'s kernels, the advanced counts read back from it (else None: ``_stepped``
+  advances them; on XLA:TPU the vector's barrier grew a step's temporaries)."""
+  keys = _keys(compensation, state, jnp.arange(len(jax.tree.leaves(params)), dtype=jnp.uint32))
+  counts = ([optax.safe_increment(c) for c in _counts(compensation, state)]
+            if kernels is _gpu else [])
+  ops, counts = _pallas.operands(hyperparams, state.inner_state.count, keys, counts)
+  return ops, counts or None
 
 
 def _pallas_update(kernels, compensation, hyperparams, state_rounding, updates, state, params,
@@ -446,10 +462,11 @@ def _pallas_update(kernels, compensation, hyperparams, state_rounding, updates, 
   """(new params or updates, state) of a Pallas kernel per leaf: ``kernels`` ``_tpu`` or
   ``_gpu`` (its ``takes``; docs/algorithms.md#pallas-kernels); ``interpret``: on CPU, in
   Pallas's interpreter."""
+  ops, counts = _operands(kernels, compensation, hyperparams, state, params)
   out, mu, nu, buffers = kernels.update(
-      compensation, hyperparams, state_rounding, updates, state, params, in_place,
-      _leaf_keys(compensation, state, params), decays, interpret)
-  return out, _stepped(compensation, state, mu, nu, buffers)
+      compensation, hyperparams, state_rounding, updates, state, params, in_place, ops,
+      decays, interpret)
+  return out, _stepped(compensation, state, mu, nu, buffers, counts)
 
 
 def _tpu_update(*args, **kwargs):
@@ -472,15 +489,14 @@ def _gpu_flat_update(compensation, hyperparams, state_rounding, updates, state, 
                      in_place, interpret=False):
   """``_gpu_update`` for a flat state: each leaf's kernel steps its slice of the flat
   arrays in place (docs/algorithms.md#pallas-kernels)."""
-  core = state.inner_state
   fields = _flat_fields(compensation, state)
   names = [next(iter(f.arrays)) for f in fields]  # one array a field (flat_step checks)
+  ops, counts = _operands(_gpu, compensation, hyperparams, state, params)
   out, flats = _gpu.update_flat(
       compensation.for_dtype(jnp.bfloat16), hyperparams, state_rounding, updates, params,
-      core.count, [f.arrays[k] for f, k in zip(fields, names)], in_place,
-      _leaf_keys(compensation, state, params), interpret)
+      [f.arrays[k] for f, k in zip(fields, names)], in_place, ops, interpret)
   mu, nu, *buffers = (_flat.Flat({k: x}) for k, x in zip(names, flats))
-  new = _stepped(compensation, state, mu, nu, None)
+  new = _stepped(compensation, state, mu, nu, None, counts)
   if buffers:  # the flat buffer in its field, the compensation's other fields as they were
     new = new._replace(**{k: getattr(state, k) for k in compensation._fields_of(None)})
     new = new._replace(**{compensation.spec.buffer: buffers[0]})

@@ -38,16 +38,26 @@ def takes(compensation, params, grads, core, cuts=lambda shape: True,
   return True
 
 
-def operands(hyperparams, count, keys) -> jax.Array:
+def operands(hyperparams, count, keys, counts=()) -> tuple:
   """The uint32 vector every kernel reads: the step's ``Coefficients`` but ``zero`` (their
   f32 bits, ``SCALARS`` words; the bias corrections uninverted: each kernel divides, by
-  IEEE division on a GPU, where XLA:GPU's ``1 / x`` is ``rcp.approx``), every leaf's (param key, moment key, mark) in a row
-  (``_native._keys``, hashed as one vector), then ``zero``. Each kernel reads its own row:
-  no scalar op a leaf outside the kernels, and one small operand made for all of them."""
+  IEEE division on a GPU, where XLA:GPU's ``1 / x`` is ``rcp.approx``), every leaf's (param
+  key, moment key, mark) in a row (``_native._keys``, hashed as one vector), the state's
+  new int32 ``counts`` (if any), then ``zero``. Each kernel reads its own row: no scalar op a leaf
+  outside the kernels, and one small operand made for all of them. Returns the vector and
+  ``counts`` read back from it (behind an optimization barrier XLA cannot fold): a donated
+  count is then written after the vector's read of the old one, where XLA:GPU copied each
+  count first (docs/algorithms.md#pallas-kernels)."""
   c = coefficients(*hyperparams, count, invert=False)
   scalars = lax.bitcast_convert_type(jnp.stack(list(c[:SCALARS])).astype(jnp.float32),
                                      jnp.uint32)
-  return jnp.concatenate([scalars, keys.ravel(), c.zero[None]])
+  words = [lax.bitcast_convert_type(x, jnp.uint32)[None] for x in counts]
+  ops = jnp.concatenate([scalars, keys.ravel(), *words, c.zero[None]])
+  if not counts:
+    return ops, []
+  ops = lax.optimization_barrier(ops)
+  start = ops.shape[0] - 1 - len(words)
+  return ops, [lax.bitcast_convert_type(ops[start + j], x.dtype) for j, x in enumerate(counts)]
 
 
 def read_operands(ref, leaf: int, div=None) -> tuple:

@@ -97,12 +97,11 @@ def _leaf(rules, decay, state_rounding, keys, leaf, p, g, m, v, b, in_place,
 def update(compensation, hyperparams, state_rounding, updates, state, params, in_place,
            keys, decays=None, interpret=False):
   """``adamw_bf16``'s step over a tree ``takes`` accepts, a kernel per leaf: the trees of
-  (new params or updates, mu, nu, buffers or None). ``keys``: ``_native._keys``'s uint32
-  rows, per leaf (param stream key, moment stream key, mark); ``decays``: per leaf, whether
+  (new params or updates, mu, nu, buffers or None). ``keys``: ``_pallas.operands``'s
+  vector; ``decays``: per leaf, whether
   weight decay applies (None: all); ``interpret``: Pallas's interpreter (tests, on CPU)."""
   leaves, treedef, grads, mus, nus, buffers = _pallas.leaves_of(compensation, updates, state,
                                                                 params)
-  keys = _pallas.operands(hyperparams, state.inner_state.count, keys)
   rules = compensation.for_dtype(jnp.bfloat16)
   outs = [_leaf(rules, _pallas.decays(hyperparams, decays, k), state_rounding, keys, k,
                 *leaf, in_place, interpret)
