@@ -428,18 +428,18 @@ def _keys(compensation: Compensation, state, leaf, marks=None) -> jax.Array:
 
 
 
-def _counts(compensation: Compensation, state) -> list:
-  """The counts a step advances: the core's, and the wrapper's random-bit count where it
-  draws bits."""
+def _advanced_counts(compensation: Compensation, state) -> list:
+  """The counts after a step: the core's, and the wrapper's random-bit count where it draws
+  bits."""
   core = state.inner_state
-  return [core.count] + ([state.rng_count] if compensation.spec.draws_bits else [])
+  counts = [core.count] + ([state.rng_count] if compensation.spec.draws_bits else [])
+  return [optax.safe_increment(c) for c in counts]
 
 
 def _stepped(compensation: Compensation, state, mu, nu, buffers, counts=None):
-  """``state`` after one step: the new moments and buffers, the counts advanced (or
-  ``counts``, ``_counts``' values advanced)."""
-  if counts is None:
-    counts = [optax.safe_increment(c) for c in _counts(compensation, state)]
+  """``state`` after one step: the new moments and buffers, and ``counts``
+  (``_advanced_counts``' values; computed here if None)."""
+  counts = _advanced_counts(compensation, state) if counts is None else counts
   new_core = state.inner_state._replace(count=counts[0], mu=mu, nu=nu)
   new = compensation.next_state(state, buffers, new_core)
   return new._replace(rng_count=counts[1]) if len(counts) > 1 else new
@@ -451,8 +451,7 @@ def _operands(kernels, compensation, hyperparams, state, params) -> tuple:
   ``_gpu``'s kernels, the advanced counts read back from it (else None: ``_stepped``
   advances them; on XLA:TPU the vector's barrier grew a step's temporaries)."""
   keys = _keys(compensation, state, jnp.arange(len(jax.tree.leaves(params)), dtype=jnp.uint32))
-  counts = ([optax.safe_increment(c) for c in _counts(compensation, state)]
-            if kernels is _gpu else [])
+  counts = _advanced_counts(compensation, state) if kernels is _gpu else []
   ops, counts = _pallas.operands(hyperparams, state.inner_state.count, keys, counts)
   return ops, counts or None
 

@@ -43,8 +43,8 @@ def operands(hyperparams, count, keys, counts=()) -> tuple:
   f32 bits, ``SCALARS`` words; the bias corrections uninverted: each kernel divides, by
   IEEE division on a GPU, where XLA:GPU's ``1 / x`` is ``rcp.approx``), every leaf's (param
   key, moment key, mark) in a row (``_native._keys``, hashed as one vector), the state's
-  new int32 ``counts`` (if any), then ``zero``. Each kernel reads its own row: no scalar op a leaf
-  outside the kernels, and one small operand made for all of them. Returns the vector and
+  new int32 ``counts`` (if any), then ``zero``. Each kernel reads its own row: no scalar op
+  a leaf outside the kernels, and one small operand made for all of them. Returns the vector and
   ``counts`` read back from it (behind an optimization barrier XLA cannot fold): a donated
   count is then written after the vector's read of the old one, where XLA:GPU copied each
   count first (docs/algorithms.md#pallas-kernels)."""

@@ -98,8 +98,8 @@ def update(compensation, hyperparams, state_rounding, updates, state, params, in
            keys, decays=None, interpret=False):
   """``adamw_bf16``'s step over a tree ``takes`` accepts, a kernel per leaf: the trees of
   (new params or updates, mu, nu, buffers or None). ``keys``: ``_pallas.operands``'s
-  vector; ``decays``: per leaf, whether
-  weight decay applies (None: all); ``interpret``: Pallas's interpreter (tests, on CPU)."""
+  vector; ``decays``: per leaf, whether weight decay applies (None: all); ``interpret``:
+  Pallas's interpreter (tests, on CPU)."""
   leaves, treedef, grads, mus, nus, buffers = _pallas.leaves_of(compensation, updates, state,
                                                                 params)
   rules = compensation.for_dtype(jnp.bfloat16)
