@@ -37,6 +37,10 @@ if not torch.distributed.is_available():  # pragma: no cover - depends on the bu
 import distributed_torch as dt  # noqa: E402
 from suite_helpers import once  # noqa: E402
 
+# The run spawns three processes (two ranks and the one-process reference) and takes
+# about 40 s of a worker: with the JAX 8-device sharding run, in make test-slow.
+pytestmark = pytest.mark.slow
+
 HERE = Path(__file__).parent
 CONFIGS = list(dt._optimizers())
 RUNS = [(c, s) for c in CONFIGS for s in (("fsdp", "strided") if c in dt.STRIDED else ("fsdp",))]

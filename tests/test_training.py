@@ -17,6 +17,9 @@ import pytest
 
 from suite_helpers import once
 
+# 1500 steps of five runs (about 20 s of a worker): a long run, in make test-slow.
+pytestmark = pytest.mark.slow
+
 _EXAMPLE = pathlib.Path(__file__).parents[1] / "examples" / "train_mlp.py"
 REF = "fp32 optax.adamw (reference)"
 NAIVE = "bf16 optax.adamw (naive)"
