@@ -26,7 +26,8 @@ test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 $(PYTEST_ARGS)
 
 # The long runs (marker `slow`: training runs, 1000-step parity, the AVX2 build
-# of the kernel, the 8-device sharding run); CI runs them after `make test`.
+# of the kernel, the 8-device sharding run, torch's FSDP2/DDP run); CI runs them after
+# `make test`.
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15 -m slow $(PYTEST_ARGS)
 
