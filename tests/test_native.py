@@ -1691,3 +1691,103 @@ def test_the_kernel_lands_at_the_edges_of_its_block_check(compensation, lr, monk
                           & np.isnan(composed[0].astype(np.float32)))
     assert not (differ.any() and not in_place), (compensation, lr)
     assert (((a | b)[differ] & 0x7FFF) == 0).all(), (compensation, lr, in_place)
+
+
+# -- the torch step's replay (adam._NativeReplay) ----------------------------------
+
+REPLAY_CASES = {
+    "bf16/kahan": (lambda ps: tb.adamw_bf16(ps, 1e-2), torch.bfloat16),
+    "bf16/stochastic": (lambda ps: tb.adamw_bf16(ps, 1e-2, compensation="stochastic"),
+                        torch.bfloat16),
+    "bf16/split": (lambda ps: tb.adamw_bf16(ps, 1e-2, compensation="split"), torch.bfloat16),
+    "bf16/adam_fp32_master": (lambda ps: tb.adam_fp32_master(ps, 1e-2), torch.bfloat16),
+    "fp16/kahan": (lambda ps: tb.adamw_bf16(ps, 1e-2), torch.float16),
+    "fp32/scale_by_adamw": (lambda ps: tb.scale_by_adamw(ps, 1e-2), torch.float32),
+    "bf16/kahan, two groups, maximize": (lambda ps: tb.adamw_bf16(
+        [{"params": ps[:2], "lr": 3e-2, "maximize": True}, {"params": ps[2:], "b1": 0.8}], 1e-2),
+        torch.bfloat16),
+}
+REPLAY_SHAPES = [(33, 17), (5,), (), (70,)]
+
+
+def _replayed_run(make, dtype, replay: bool, monkeypatch) -> tuple:
+  """Ten steps with what a training loop does between them: gradients
+  written into their tensors or made anew, a changed lr and betas, a param
+  and a step count written from outside, a state tensor swapped, a gradient
+  missing for a step. ``replay=False``: every step the full one."""
+  from torch_bridge import adam  # noqa: PLC0415
+  replayed = []
+  with monkeypatch.context() as patch:
+    if not replay:
+      patch.setattr(adam._NativeReplay, "of", classmethod(lambda cls, *a: None))
+    step = adam._NativeReplay.step
+    patch.setattr(adam._NativeReplay, "step",
+                  lambda self, *a: replayed.append(step(self, *a)) or replayed[-1])
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
+              for s in REPLAY_SHAPES]
+    opt = make(params)
+    for t in range(10):
+      grads = [(torch.randn(p.shape, generator=gen) * 0.1).to(dtype) for p in params]
+      for p, g in zip(params, grads):
+        if p.grad is None or t == 3:
+          p.grad = g.clone()  # a new tensor (a new address, most likely)
+        else:
+          p.grad.copy_(g)
+      if t == 2:
+        opt.param_groups[0]["lr"] *= 0.5
+        opt.param_groups[-1]["betas"] = (0.85, 0.99)
+      if t == 4:
+        with torch.no_grad():
+          params[1].mul_(0.5)
+      if t == 5:
+        opt.state[params[0]]["mu"] = opt.state[params[0]]["mu"].clone()
+      if t == 6:
+        opt.state[params[3]]["step"].add_(3)
+      if t == 7:
+        params[2].grad = None
+      opt.step()
+  return (params, opt), replayed
+
+
+@pytest.mark.parametrize("name", list(REPLAY_CASES))
+def test_torch_replayed_steps_equal_the_full_step(name, monkeypatch):
+  """After a CPU step that took every param, the next steps run the same kernel
+  tables again (adam._NativeReplay): bit for bit the full step's params and
+  state, taken only where nothing they point at changed."""
+  make, dtype = REPLAY_CASES[name]
+  if dtype == torch.float16 and not native_lib.has_f16(native_lib.library()):
+    pytest.skip("no fp16 kernel on this CPU")
+  run, replayed = _replayed_run(make, dtype, True, monkeypatch)
+  full, none = _replayed_run(make, dtype, False, monkeypatch)
+  assert_same_torch_runs(run, full)
+  assert none == []
+  # Step 0 makes the tables; 1-3 replay them (2: an lr and betas read anew; 3: new
+  # gradient tensors); 4 (a param written), 5 (a moment swapped), 6 (a step count
+  # written) take the full step, which makes them again; 7 (a gradient missing) makes
+  # none, so 8 does not try; 9 replays.
+  assert replayed == [True, True, True, False, False, False, False, True], replayed
+
+
+def test_torch_replayed_step_host_work_does_not_grow_with_tensors():
+  """A replayed CPU step makes the same Python calls in torch_bridge for 8 and
+  for 40 tensors, and one torch op: the step counts' advance."""
+  from suite_helpers import host_work  # noqa: PLC0415
+
+  def work(n):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(64 + k, generator=gen).to(torch.bfloat16))
+              for k in range(n)]
+    for p in params:
+      p.grad = torch.randn(p.shape, generator=gen).to(torch.bfloat16)
+    opt = tb.adamw_bf16(params, 1e-2)
+    opt.step()
+    before = [p.clone() for p in params]
+    calls, ops = host_work(opt.step)
+    assert all(not torch.equal(a, b) for a, b in zip(before, params))  # it stepped
+    return calls, ops
+
+  (small, small_ops), (large, large_ops) = work(8), work(40)
+  assert small == large and sum(small.values()) < 60, (small, large)
+  for ops in (small_ops, large_ops):
+    assert {k for k in ops if "profiler" not in k} == {"aten._foreach_add_.Scalar"}, ops

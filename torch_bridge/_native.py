@@ -65,6 +65,7 @@ class Batch:
     self._configs: dict = {}  # kernel name -> (kernel, [(tensors, step tensor, leaf, scalars)])
     self._scalars: dict = {}  # id of the scalar tensors -> the fp32 values as floats
     self._taken: set = set()  # addresses of the params added since the last run
+    self.ran: list = []  # per kernel call run: (kernel, table, rows), for Replay
 
   def add(self, tensors, mode: str, step: torch.Tensor, leaf: int,
           scalars: Callable[[], tuple], index=0, maximize: bool = False) -> bool:
@@ -161,6 +162,7 @@ class Batch:
                                        [r[2] for r in rows])
       table["index"] = [r[4] for r in rows]
       fn(table.ctypes.data, len(rows), threads)
+      self.ran.append((fn, table, rows))
       steps.extend(r[1] for r in rows)
       # Written through raw pointers: tell autograd, as an in-place op would
       # (a param saved for backward and then stepped is an error, not stale).

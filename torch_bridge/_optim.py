@@ -604,6 +604,11 @@ class LowPrecisionOptimizer(torch.optim.Optimizer):
     for p in params:
       self._marks[p] = _mark(p)
 
+  def _remember_plain(self, params) -> None:
+    """``_remember`` of tensors that are their own local shard (no DTensor), in one
+    comprehension: no Python call per param (a replayed step's)."""
+    self._marks.update([(p, (p._version, p.data_ptr())) for p in params])
+
   def _loaded(self, params) -> None:
     """``params``' buffers were loaded: kept at the next step, whatever writes
     the params before it."""

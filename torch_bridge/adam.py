@@ -507,17 +507,24 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
       values = (lr, b1, b2, 1 - b1, 1 - b2, 1 / (1 - b1 ** t), 1 / (1 - b2 ** t),
                 group["eps"], group["weight_decay"])
       cache[key] = tuple(rounding.device_scalar(float(v), dtype, device) for v in values)
-    else:
-      # fp32 numpy scalar ops on the host (each rounded once, whatever torch's
-      # default dtype); each value goes to the device by a fill (no sync).
+    else:  # each fp32 value goes to the device by a fill (no sync)
+      cache[key] = tuple(rounding.device_scalar(v, torch.float32, device)
+                         for v in self._host_scalars(group, t, lr, cache))
+    return cache[key]
+
+  @staticmethod
+  def _host_scalars(group: dict, t: int, lr: float, cache: dict) -> tuple:
+    """The fp32 AdamW scalars of step ``t`` as floats (the native kernel's):
+    numpy fp32 ops on the host, each rounded once, whatever torch's default dtype."""
+    key = ("host", t)
+    if key not in cache:
       one = np.float32(1)
       b1, b2 = (np.float32(b) for b in group["betas"])
       bc1 = np.float32(rounding.one_minus_pow(float(b1), t))
       bc2 = np.float32(rounding.one_minus_pow(float(b2), t))
       values = (np.float32(lr), b1, b2, one - b1, one - b2, one / bc1, one / bc2,
                 np.float32(group["eps"]), np.float32(group["weight_decay"]))
-      cache[key] = tuple(rounding.device_scalar(float(v), torch.float32, device)
-                         for v in values)
+      cache[key] = tuple(float(v) for v in values)
     return cache[key]
 
   @property
@@ -588,8 +595,10 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         if batch is not None:
           after.callback(batch.run)
       self._step_each(native, grouped, stepped, triton, amp)
-    if triton is not None:
+    if triton is not None and triton.count:
       self._replay = _Replay.of(self, triton)
+    elif native is not None:
+      self._replay = _NativeReplay.of(self, native, amp)
 
   def _step_each(self, native, grouped, stepped: list, triton=None,
                  amp: Optional["_AmpScaling"] = None) -> None:
@@ -652,7 +661,7 @@ class LowPrecisionAdamW(LowPrecisionOptimizer):
         step = int(state["step"])
         if not per_tensor and native is not None and native.add(
             tensors, _kernel_mode(compensation), state["step"], leaf,
-            lambda: self._scalars(group, step + 1, lr, torch.device("cpu"), cache), index,
+            lambda: self._host_scalars(group, step + 1, lr, cache), index,
             maximize):
           continue
         device = tensors[0].device
@@ -716,16 +725,12 @@ class _Replay:
   @staticmethod
   def _key(opt) -> Optional[tuple]:
     params = [p for g in opt.param_groups for p in g["params"]]
-    mains = [getattr(p, "main_grad", None) for p in params]
-    grads = [p.grad if m is None else m for p, m in zip(params, mains)]
+    grads = _grads(params)
     try:
       grad_ptrs = [g.data_ptr() for g in grads]
     except AttributeError:  # a param without a gradient
       return None
-    return (list(map(id, params)), [p.data_ptr() for p in params],
-            [p._version for p in params], grad_ptrs, [g.dtype for g in grads],
-            [(g["maximize"], g["amsgrad"], g["differentiable"]) for g in opt.param_groups],
-            opt._fused, _triton_wanted(opt))
+    return (*_params_key(opt, params), grad_ptrs, [g.dtype for g in grads])
 
   def step(self, opt, amp: "_AmpScaling") -> bool:
     """One step by the plans; False (nothing done) where they no longer fit."""
@@ -739,6 +744,125 @@ class _Replay:
       group["count"] = count + 1
     for plan, group in self.plans:
       plan.run(*hyper[group], opt._seed, found_inf=amp.found_inf, grad_scale=amp.grad_scale)
+    return True
+
+
+def _grads(params) -> list:
+  """``grad_of`` each param, in one comprehension."""
+  return [p.grad if m is None else m for p, m in
+          zip(params, [getattr(p, "main_grad", None) for p in params])]
+
+
+def _params_key(opt, params) -> tuple:
+  """What a replay's plans hang on besides the gradients: the params (identity,
+  storage, and their version counters: a write from outside), the groups'
+  switches, the optimizer's ``fused`` and ``_triton``."""
+  return (list(map(id, params)), [p.data_ptr() for p in params], [p._version for p in params],
+          [(g["maximize"], g["amsgrad"], g["differentiable"]) for g in opt.param_groups],
+          opt._fused, _triton_wanted(opt))
+
+
+class _NativeReplay:
+  """The native kernel's tables of a CPU step that took every param
+  (``_native.Batch``), run again at the next steps while the params, their
+  state tensors and step counts are those the tables point at: as
+  ``_Replay``, checked in list comprehensions, and the versions the step's
+  writes leave are the next check's. Each step reads the gradients anew
+  (address, dtype, shape, a dense CPU tensor), each group's hyperparameters
+  and the step counts, and fills the tables' gradient, scalar and key
+  columns; then one kernel call per configuration, as ``Batch.run``
+  (docs/algorithms.md#the-torch-entry). Anything else takes the full step."""
+
+  def __init__(self, opt, ran: list, params: list):
+    rows = [r for _, _, rs in ran for r in rs]
+    self.calls, start = [], 0
+    for fn, table, rs in ran:
+      self.calls.append((fn, table, start, start + len(rs)))
+      start += len(rs)
+    self.params = [r[0][0] for r in rows]
+    self.states = [(opt.state[p], r[0][2], r[0][3], r[0][4], r[1]) for p, r in
+                   zip(self.params, rows)]
+    self.state_dicts = list(opt.state.values())
+    comps = [_param_compensation(opt._compensation, p.dtype) for p in self.params]
+    self.buffers = [None if c is None else c.buffer for c in comps]
+    self.step_tensors = [r[1] for r in rows]
+    self.steps = np.array([int(t) for t in self.step_tensors], np.int64)
+    self.leaves = np.array([r[2] for r in rows], np.int64)
+    group_of = {id(p): k for k, g in enumerate(opt.param_groups) for p in g["params"]}
+    at = np.array([group_of[id(p)] for p in self.params])
+    self.group_rows = [np.flatnonzero(at == k) for k in range(len(opt.param_groups))]
+    self.written = [t for r in rows for k, t in enumerate(r[0]) if t is not None and k != 1]
+    # Those whose buffer follows outside writes: remembered after each step (_step_each).
+    self.follows = [p for p, c in zip(self.params, comps)
+                    if c is not None and c.follows and not c.read_follows]
+    grads = _grads(self.params)
+    self.grad_dtypes = [g.dtype for g in grads]
+    self.shapes = [p.shape for p in self.params]
+    self._seen(opt, params)
+
+  def _seen(self, opt, params) -> None:
+    """The versions and key after this step's writes."""
+    self.step_versions = [t._version for t in self.step_tensors]
+    self.key = _params_key(opt, params)
+
+  @classmethod
+  def of(cls, opt, batch, amp) -> Optional["_NativeReplay"]:
+    """The replay of ``batch``'s calls, if they stepped every param of ``opt``
+    (gradients as the params hold them)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    taken = [r[0][0] for _, _, rs in batch.ran for r in rs]
+    if (amp.given or opt._unscaled_grads or len(taken) != len(params)
+        or len(set(map(id, params))) != len(params) or set(map(id, taken)) != set(map(id, params))
+        or any(type(p) not in _native._PLAIN or p.is_complex() for p in params)):
+      return None
+    grads = _grads(params)
+    by_param = {id(r[0][0]): r for _, _, rs in batch.ran for r in rs}
+    if any(by_param[id(p)][0][1] is not g or by_param[id(p)][4] != 0
+           for p, g in zip(params, grads)):
+      return None
+    return cls(opt, batch.ran, params)
+
+  def step(self, opt, amp: "_AmpScaling") -> bool:
+    """One step by the tables; False (nothing done) where they no longer fit."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if amp.given or opt._unscaled_grads or _params_key(opt, params) != self.key:
+      return False
+    # The state: the same dicts (compared in order, no lookup by param), holding the same tensors.
+    if (len(opt.state) != len(self.state_dicts)
+        or not all([a is b for a, b in zip(opt.state.values(), self.state_dicts)])
+        or not all([s["mu"] is mu and s["nu"] is nu and s["step"] is t
+                    and (name is None or s.get(name) is b)
+                    for (s, mu, nu, b, t), name in zip(self.states, self.buffers)])):
+      return False
+    grads = _grads(self.params)
+    if (any([g is None for g in grads]) or [g.dtype for g in grads] != self.grad_dtypes
+        or [g.shape for g in grads] != self.shapes
+        or not all([type(g) in _native._PLAIN and g.is_cpu and g.layout is torch.strided
+                    and g.is_contiguous() and not g.is_neg() for g in grads])  # _plain_cpu
+        or [t._version for t in self.step_tensors] != self.step_versions):
+      return False
+    scalars = np.empty((len(self.params), _native._GRAD_SCALE), np.float32)
+    for group, rows in zip(opt.param_groups, self.group_rows):
+      count = group["count"]
+      lr = opt._group_lr(group, count)
+      cache: dict = {}
+      steps = self.steps[rows]
+      for step in np.unique(steps):  # most groups: one step count
+        scalars[rows[steps == step]] = opt._host_scalars(group, int(step) + 1, lr, cache)
+      group["count"] = count + 1
+    keys = native_lib.leaf_keys(opt._seed, self.steps, self.leaves)
+    pointers = np.array([g.data_ptr() for g in grads], np.uint64)
+    threads = torch.get_num_threads()
+    for fn, table, lo, hi in self.calls:
+      table["g"] = pointers[lo:hi]
+      table["scalars"][:, :_native._GRAD_SCALE] = scalars[lo:hi]
+      table["keys"] = keys[lo:hi]
+      fn(table.ctypes.data, hi - lo, threads)
+    torch.autograd.graph.increment_version(self.written)  # as Batch.run
+    torch._foreach_add_(self.step_tensors, 1)
+    self.steps += 1
+    opt._remember_plain(self.follows)
+    self._seen(opt, params)
     return True
 
 
