@@ -1711,10 +1711,12 @@ REPLAY_SHAPES = [(33, 17), (5,), (), (70,)]
 
 
 def _replayed_run(make, dtype, replay: bool, monkeypatch) -> tuple:
-  """Ten steps with what a training loop does between them: gradients
+  """Twelve steps with what a training loop does between them: gradients
   written into their tensors or made anew, a changed lr and betas, a param
-  and a step count written from outside, a state tensor swapped, a gradient
-  missing for a step. ``replay=False``: every step the full one."""
+  written from outside, a moment swapped, a step count written through
+  ``.data`` (no version left), a moment's storage swapped, a group's params
+  reordered, a gradient missing for a step. ``replay=False``: every step the
+  full one."""
   from torch_bridge import adam  # noqa: PLC0415
   replayed = []
   with monkeypatch.context() as patch:
@@ -1727,7 +1729,7 @@ def _replayed_run(make, dtype, replay: bool, monkeypatch) -> tuple:
     params = [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype))
               for s in REPLAY_SHAPES]
     opt = make(params)
-    for t in range(10):
+    for t in range(12):
       grads = [(torch.randn(p.shape, generator=gen) * 0.1).to(dtype) for p in params]
       for p, g in zip(params, grads):
         if p.grad is None or t == 3:
@@ -1743,8 +1745,12 @@ def _replayed_run(make, dtype, replay: bool, monkeypatch) -> tuple:
       if t == 5:
         opt.state[params[0]]["mu"] = opt.state[params[0]]["mu"].clone()
       if t == 6:
-        opt.state[params[3]]["step"].add_(3)
+        opt.state[params[3]]["step"].data.add_(3)
       if t == 7:
+        opt.state[params[1]]["nu"].data = opt.state[params[1]]["nu"].data.clone()
+      if t == 8:
+        opt.param_groups[0]["params"].reverse()
+      if t == 9:
         params[2].grad = None
       opt.step()
   return (params, opt), replayed
@@ -1763,15 +1769,32 @@ def test_torch_replayed_steps_equal_the_full_step(name, monkeypatch):
   assert_same_torch_runs(run, full)
   assert none == []
   # Step 0 makes the tables; 1-3 replay them (2: an lr and betas read anew; 3: new
-  # gradient tensors); 4 (a param written), 5 (a moment swapped), 6 (a step count
-  # written) take the full step, which makes them again; 7 (a gradient missing) makes
-  # none, so 8 does not try; 9 replays.
-  assert replayed == [True, True, True, False, False, False, False, True], replayed
+  # gradient tensors); 4 (a param written) and 5 (a moment swapped) take the full
+  # step, which makes them again; 6 replays (the count read anew); 7 (a storage
+  # swapped) and 8 (params reordered) take the full step; 9 (a gradient missing)
+  # makes no tables, so 10 does not try; 11 replays.
+  assert replayed == [True, True, True, False, False, True, False, False, False, True], replayed
+
+
+def test_torch_replayed_step_checks_the_params_as_the_full_step():
+  """A param given another dtype in place of its storage (``.data =`` keeps its
+  address and version counter) is the full step's error, not a step of the old
+  dtype's kernel."""
+  p = torch.nn.Parameter(torch.randn(8).to(torch.bfloat16))
+  opt = tb.adamw_bf16([p], 1e-2)
+  for _ in range(2):
+    p.grad = torch.randn(8).to(torch.bfloat16)
+    opt.step()
+  p.data = p.data.view(torch.float16)
+  p.grad = torch.randn(8).to(torch.float16)
+  with pytest.raises(ValueError, match="float16"):
+    opt.step()
 
 
 def test_torch_replayed_step_host_work_does_not_grow_with_tensors():
   """A replayed CPU step makes the same Python calls in torch_bridge for 8 and
-  for 40 tensors, and one torch op: the step counts' advance."""
+  for 40 tensors, and no torch op but the step counts' reads (on the CPU, no
+  sync) and their advance."""
   from suite_helpers import host_work  # noqa: PLC0415
 
   def work(n):
@@ -1788,6 +1811,7 @@ def test_torch_replayed_step_host_work_does_not_grow_with_tensors():
     return calls, ops
 
   (small, small_ops), (large, large_ops) = work(8), work(40)
-  assert small == large and sum(small.values()) < 60, (small, large)
-  for ops in (small_ops, large_ops):
-    assert {k for k in ops if "profiler" not in k} == {"aten._foreach_add_.Scalar"}, ops
+  assert small == large and sum(small.values()) < 100, (small, large)
+  for n, ops in ((8, small_ops), (40, large_ops)):
+    assert {k: v for k, v in ops.items() if "profiler" not in k} == {
+        "aten._local_scalar_dense.default": n, "aten._foreach_add_.Scalar": 1}, ops

@@ -754,39 +754,38 @@ def _grads(params) -> list:
 
 
 def _params_key(opt, params) -> tuple:
-  """What a replay's plans hang on besides the gradients: the params (identity,
-  storage, and their version counters: a write from outside), the groups'
-  switches, the optimizer's ``fused`` and ``_triton``."""
-  return (list(map(id, params)), [p.data_ptr() for p in params], [p._version for p in params],
+  """What a replay's plans hang on besides the gradients: each group's params
+  (identity and order), their storage, dtype, shape and version counters (a
+  write from outside; ``.data =`` keeps the counter, not the rest), the
+  groups' switches, the optimizer's ``fused`` and ``_triton``; the versions last."""
+  return ([list(map(id, g["params"])) for g in opt.param_groups],
+          [p.data_ptr() for p in params], [p.dtype for p in params], [p.shape for p in params],
           [(g["maximize"], g["amsgrad"], g["differentiable"]) for g in opt.param_groups],
-          opt._fused, _triton_wanted(opt))
+          opt._fused, _triton_wanted(opt), [p._version for p in params])
 
 
 class _NativeReplay:
   """The native kernel's tables of a CPU step that took every param
-  (``_native.Batch``), run again at the next steps while the params, their
-  state tensors and step counts are those the tables point at: as
-  ``_Replay``, checked in list comprehensions, and the versions the step's
-  writes leave are the next check's. Each step reads the gradients anew
-  (address, dtype, shape, a dense CPU tensor), each group's hyperparameters
-  and the step counts, and fills the tables' gradient, scalar and key
-  columns; then one kernel call per configuration, as ``Batch.run``
-  (docs/algorithms.md#the-torch-entry). Anything else takes the full step."""
+  (``_native.Batch``), run again at the next steps while the params and their
+  state are those the tables point at: as ``_Replay``, checked in list
+  comprehensions, and the versions the step's writes leave are the next
+  check's. Each step reads the gradients anew (address, dtype, shape, a dense
+  CPU tensor), the step counts, each group's hyperparameters, and fills the
+  tables' gradient, scalar and key columns; then one kernel call per
+  configuration, as ``Batch.run`` (docs/algorithms.md#the-torch-entry).
+  Anything else takes the full step."""
 
-  def __init__(self, opt, ran: list, params: list):
-    rows = [r for _, _, rs in ran for r in rs]
+  def __init__(self, opt, ran: list, params: list, rows: list):
     self.calls, start = [], 0
     for fn, table, rs in ran:
       self.calls.append((fn, table, start, start + len(rs)))
       start += len(rs)
     self.params = [r[0][0] for r in rows]
-    self.states = [(opt.state[p], r[0][2], r[0][3], r[0][4], r[1]) for p, r in
-                   zip(self.params, rows)]
+    self.dicts = [opt.state[p] for p in self.params]
     self.state_dicts = list(opt.state.values())
     comps = [_param_compensation(opt._compensation, p.dtype) for p in self.params]
     self.buffers = [None if c is None else c.buffer for c in comps]
     self.step_tensors = [r[1] for r in rows]
-    self.steps = np.array([int(t) for t in self.step_tensors], np.int64)
     self.leaves = np.array([r[2] for r in rows], np.int64)
     group_of = {id(p): k for k, g in enumerate(opt.param_groups) for p in g["params"]}
     at = np.array([group_of[id(p)] for p in self.params])
@@ -795,62 +794,74 @@ class _NativeReplay:
     # Those whose buffer follows outside writes: remembered after each step (_step_each).
     self.follows = [p for p, c in zip(self.params, comps)
                     if c is not None and c.follows and not c.read_follows]
-    grads = _grads(self.params)
-    self.grad_dtypes = [g.dtype for g in grads]
+    self.grad_dtypes = [g.dtype for g in _grads(self.params)]
     self.shapes = [p.shape for p in self.params]
-    self._seen(opt, params)
-
-  def _seen(self, opt, params) -> None:
-    """The versions and key after this step's writes."""
-    self.step_versions = [t._version for t in self.step_tensors]
     self.key = _params_key(opt, params)
+    self.state = self._state_now()  # as the steps leave it: they write through the addresses
 
   @classmethod
   def of(cls, opt, batch, amp) -> Optional["_NativeReplay"]:
     """The replay of ``batch``'s calls, if they stepped every param of ``opt``
-    (gradients as the params hold them)."""
+    (plain tensors, each once) on the gradient it holds and the state it has."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    taken = [r[0][0] for _, _, rs in batch.ran for r in rs]
-    if (amp.given or opt._unscaled_grads or len(taken) != len(params)
-        or len(set(map(id, params))) != len(params) or set(map(id, taken)) != set(map(id, params))
+    rows = [r for _, _, rs in batch.ran for r in rs]
+    if (amp.given or opt._unscaled_grads or len(rows) != len(params)
+        or len(set(map(id, params))) != len(params)  # a param listed twice steps twice
+        or {id(r[0][0]) for r in rows} != set(map(id, params))
         or any(type(p) not in _native._PLAIN or p.is_complex() for p in params)):
       return None
-    grads = _grads(params)
-    by_param = {id(r[0][0]): r for _, _, rs in batch.ran for r in rs}
-    if any(by_param[id(p)][0][1] is not g or by_param[id(p)][4] != 0
-           for p, g in zip(params, grads)):
+    for (p, grad, mu, nu, buffer), step, _, _, index, _ in rows:
+      state = opt.state[p]
+      compensation = _param_compensation(opt._compensation, p.dtype)
+      if (index != 0 or grad is not grad_of(p) or state["mu"] is not mu
+          or state["nu"] is not nu or state["step"] is not step
+          or (compensation is not None and state.get(compensation.buffer) is not buffer)):
+        return None
+    return cls(opt, batch.ran, params, rows)
+
+  def _state_now(self) -> Optional[tuple]:
+    """The state the tables point at, as it is now: each dict's size, and each
+    moment's, buffer's and step count's identity, address, dtype and shape
+    (``.data =`` and ``set_`` keep a tensor and change the rest). None: a key is gone."""
+    dicts = self.dicts
+    try:
+      flat = ([s["mu"] for s in dicts] + [s["nu"] for s in dicts] + [s["step"] for s in dicts]
+              + [s[n] for s, n in zip(dicts, self.buffers) if n is not None])
+      return ([len(s) for s in dicts], [id(t) for t in flat], [t.data_ptr() for t in flat],
+              [t.dtype for t in flat], [t.shape for t in flat])
+    except (KeyError, AttributeError):
       return None
-    return cls(opt, batch.ran, params)
 
   def step(self, opt, amp: "_AmpScaling") -> bool:
     """One step by the tables; False (nothing done) where they no longer fit."""
     params = [p for g in opt.param_groups for p in g["params"]]
     if amp.given or opt._unscaled_grads or _params_key(opt, params) != self.key:
       return False
-    # The state: the same dicts (compared in order, no lookup by param), holding the same tensors.
+    # The same state dicts (compared in order: no lookup by param), holding the same tensors.
     if (len(opt.state) != len(self.state_dicts)
         or not all([a is b for a, b in zip(opt.state.values(), self.state_dicts)])
-        or not all([s["mu"] is mu and s["nu"] is nu and s["step"] is t
-                    and (name is None or s.get(name) is b)
-                    for (s, mu, nu, b, t), name in zip(self.states, self.buffers)])):
+        or self._state_now() != self.state):
       return False
     grads = _grads(self.params)
     if (any([g is None for g in grads]) or [g.dtype for g in grads] != self.grad_dtypes
         or [g.shape for g in grads] != self.shapes
         or not all([type(g) in _native._PLAIN and g.is_cpu and g.layout is torch.strided
-                    and g.is_contiguous() and not g.is_neg() for g in grads])  # _plain_cpu
-        or [t._version for t in self.step_tensors] != self.step_versions):
+                    and g.is_contiguous() and not g.is_neg() for g in grads])):  # _plain_cpu
+      return False
+    # Read, as the full step reads them: a write through .data leaves no version behind.
+    steps = np.array([int(t) for t in self.step_tensors], np.int64)
+    if steps.size and steps.min() < 0:
       return False
     scalars = np.empty((len(self.params), _native._GRAD_SCALE), np.float32)
     for group, rows in zip(opt.param_groups, self.group_rows):
       count = group["count"]
       lr = opt._group_lr(group, count)
       cache: dict = {}
-      steps = self.steps[rows]
-      for step in np.unique(steps):  # most groups: one step count
-        scalars[rows[steps == step]] = opt._host_scalars(group, int(step) + 1, lr, cache)
+      group_steps = steps[rows]
+      for step in np.unique(group_steps):  # most groups: one step count
+        scalars[rows[group_steps == step]] = opt._host_scalars(group, int(step) + 1, lr, cache)
       group["count"] = count + 1
-    keys = native_lib.leaf_keys(opt._seed, self.steps, self.leaves)
+    keys = native_lib.leaf_keys(opt._seed, steps, self.leaves)
     pointers = np.array([g.data_ptr() for g in grads], np.uint64)
     threads = torch.get_num_threads()
     for fn, table, lo, hi in self.calls:
@@ -860,9 +871,8 @@ class _NativeReplay:
       fn(table.ctypes.data, hi - lo, threads)
     torch.autograd.graph.increment_version(self.written)  # as Batch.run
     torch._foreach_add_(self.step_tensors, 1)
-    self.steps += 1
     opt._remember_plain(self.follows)
-    self._seen(opt, params)
+    self.key = (*self.key[:-1], [p._version for p in params])  # the versions its writes left
     return True
 
 
