@@ -47,7 +47,15 @@ def _plain_cpu(t) -> bool:
   conjugate view is complex: no kernel takes its dtype)."""
   if type(t) not in _PLAIN and not (isinstance(t, torch.Tensor) and not _dist.is_dtensor(t)):
     return False
-  return t.is_cpu and t.layout is torch.strided and t.is_contiguous() and not t.is_neg()
+  return dense_cpu([t])
+
+
+def dense_cpu(tensors) -> bool:
+  """Whether every tensor is dense, contiguous, on the CPU and not lazily negated
+  (``_plain_cpu`` past its type check), in one comprehension: no Python call per
+  tensor (a replayed step's)."""
+  return all([t.is_cpu and t.layout is torch.strided and t.is_contiguous() and not t.is_neg()
+              for t in tensors])
 
 
 def _count(value) -> bool:

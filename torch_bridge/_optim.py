@@ -122,6 +122,12 @@ def grad_of(p: torch.Tensor) -> Optional[torch.Tensor]:
   return p.grad if main is None else main
 
 
+def grads_of(params) -> list:
+  """``grad_of`` each param, in one comprehension (no Python call per param)."""
+  return [p.grad if m is None else m for p, m in
+          zip(params, [getattr(p, "main_grad", None) for p in params])]
+
+
 def optimizer_kind(optimizer: torch.optim.Optimizer) -> str:
   """What wrote a state_dict: a torch_bridge optimizer's ``_kind()`` (its class, and
   for a wrapper the wrapped optimizer's kind), or the class name of any other one."""

@@ -32,7 +32,7 @@ from torch_bridge import _dist, _native, _triton, rounding
 from torch_bridge.compensation import COMPENSATIONS, Compensation
 from torch_bridge._optim import (TORCH_ADAMW_KEYS, LowPrecisionOptimizer, check_grad,
                                  check_no_grad_hyperparams, check_param, check_torch_adamw_args,
-                                 check_torch_keys, grad_of,
+                                 check_torch_keys, grad_of, grads_of,
                                  init_skip_nonfinite, seed_from_key, stale_state_message,
                                  step_count, step_grad, torch_spellings)
 
@@ -725,7 +725,7 @@ class _Replay:
   @staticmethod
   def _key(opt) -> Optional[tuple]:
     params = [p for g in opt.param_groups for p in g["params"]]
-    grads = _grads(params)
+    grads = grads_of(params)
     try:
       grad_ptrs = [g.data_ptr() for g in grads]
     except AttributeError:  # a param without a gradient
@@ -745,12 +745,6 @@ class _Replay:
     for plan, group in self.plans:
       plan.run(*hyper[group], opt._seed, found_inf=amp.found_inf, grad_scale=amp.grad_scale)
     return True
-
-
-def _grads(params) -> list:
-  """``grad_of`` each param, in one comprehension."""
-  return [p.grad if m is None else m for p, m in
-          zip(params, [getattr(p, "main_grad", None) for p in params])]
 
 
 def _params_key(opt, params) -> tuple:
@@ -794,7 +788,7 @@ class _NativeReplay:
     # Those whose buffer follows outside writes: remembered after each step (_step_each).
     self.follows = [p for p, c in zip(self.params, comps)
                     if c is not None and c.follows and not c.read_follows]
-    self.grad_dtypes = [g.dtype for g in _grads(self.params)]
+    self.grad_dtypes = [g.dtype for g in grads_of(self.params)]
     self.shapes = [p.shape for p in self.params]
     self.key = _params_key(opt, params)
     self.state = self._state_now()  # as the steps leave it: they write through the addresses
@@ -842,11 +836,10 @@ class _NativeReplay:
         or not all([a is b for a, b in zip(opt.state.values(), self.state_dicts)])
         or self._state_now() != self.state):
       return False
-    grads = _grads(self.params)
+    grads = grads_of(self.params)
     if (any([g is None for g in grads]) or [g.dtype for g in grads] != self.grad_dtypes
         or [g.shape for g in grads] != self.shapes
-        or not all([type(g) in _native._PLAIN and g.is_cpu and g.layout is torch.strided
-                    and g.is_contiguous() and not g.is_neg() for g in grads])):  # _plain_cpu
+        or not all([type(g) in _native._PLAIN for g in grads]) or not _native.dense_cpu(grads)):
       return False
     # Read, as the full step reads them: a write through .data leaves no version behind.
     steps = np.array([int(t) for t in self.step_tensors], np.int64)
