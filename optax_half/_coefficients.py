@@ -4,6 +4,7 @@ kernel (``optax_half._tpu``)."""
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -66,6 +67,13 @@ def adamw_leaf(c: Coefficients, g, m, v, x, decay: bool, eps_root=0.0, inv_bc1_n
   their storage rounding. ``decay``: the weight-decay term (``c.weight_decay`` 0 at run time
   adds none); ``inv_bc1_next``: Nesterov's, at the next step's bias correction; ``div``,
   ``sqrt``: the IEEE ops a GPU kernel spells out (default ``/`` and ``jnp.sqrt``)."""
+  root = None if _is_zero(eps_root) else jnp.asarray(eps_root, jnp.float32)
+  return _adamw_leaf(c, g, m, v, x, root, inv_bc1_next, bool(decay), div, sqrt)
+
+
+# Traced once per shape and dtype of its arrays, as rounding's helpers (rounding._traced_once).
+@functools.partial(rounding._traced_once, static_argnums=(7, 8, 9))
+def _adamw_leaf(c: Coefficients, g, m, v, x, eps_root, inv_bc1_next, decay: bool, div, sqrt):
   div = div or jnp.divide
   sqrt = sqrt or jnp.sqrt
   def rounded(product):
@@ -79,8 +87,8 @@ def adamw_leaf(c: Coefficients, g, m, v, x, decay: bool, eps_root=0.0, inv_bc1_n
   else:
     m_hat = m32 * c.inv_bc1
   v_hat = v32 * c.inv_bc2
-  if not _is_zero(eps_root):
-    v_hat = v_hat + jnp.asarray(eps_root, jnp.float32)
+  if eps_root is not None:
+    v_hat = v_hat + eps_root
   u = div(m_hat, sqrt(v_hat) + c.eps)
   if decay:  # none at 0, also a traced 0 (the kernel's)
     u = jnp.where(c.weight_decay == 0, u, u + rounded(c.weight_decay * rounding.widen(x)))

@@ -35,7 +35,11 @@ def landing_mark(p: jax.Array, where: jax.Array) -> jax.Array:
     >>> bool(a != 0), bool(a != landing_mark(p.at[1].set(-3.0), jnp.array([False, True, False])))
     (True, True)
   """
-  p = jnp.asarray(p)
+  return _landing_mark(jnp.asarray(p), jnp.asarray(where))
+
+
+@rounding._traced_once  # traced once per shape and dtype, as rounding's helpers
+def _landing_mark(p: jax.Array, where: jax.Array) -> jax.Array:
   unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[p.dtype.itemsize]
   bits = jax.lax.bitcast_convert_type(p, unsigned).astype(jnp.uint32)
   bits = jnp.where(jnp.isnan(p), jnp.uint32(0xFFFF), bits)  # every NaN alike
@@ -232,9 +236,10 @@ def kept(p, master, missed) -> jax.Array:
   return _keeps(missed, _mark_of(p, master))
 
 
+@rounding._traced_once
 def _mark_of(p, master) -> jax.Array:
   """The mark of the elements where ``p`` is not ``master``'s rounding."""
-  return landing_mark(p, _differ(master.astype(p.dtype), p))
+  return _landing_mark(p, _differ(master.astype(p.dtype), p))
 
 
 def _keeps(missed, marks) -> jax.Array:
@@ -261,6 +266,7 @@ def kept_leaves(leaves) -> list:
   return [keep[k] for k in range(len(leaves))]
 
 
+@rounding._traced_once
 def _differ(a, b) -> jax.Array:
   """Where two 16-bit arrays hold other values (-0 and +0 alike, a NaN like any NaN)."""
   a, b = rounding.widen(a), rounding.widen(b)
@@ -291,7 +297,7 @@ class _Master(_MasterState):
     # The master is x_new, never rounded; the elements where p + u misses its rounding are
     # marked, and the next step keeps the master there.
     u, p_land = rounding.land_master(p, target)
-    return u, p_land, MasterBuffer(x_new, landing_mark(p_land, _differ(p_land, target)))
+    return u, p_land, MasterBuffer(x_new, _landing_mark(p_land, _differ(p_land, target)))
 
 
 class _Split(_MasterState):

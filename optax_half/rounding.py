@@ -38,6 +38,12 @@ __all__ = [
 STREAM_PARAMS, STREAM_MOMENTS = native_lib.STREAM_PARAMS, native_lib.STREAM_MOMENTS
 _M1, _M2, _GOLDEN = native_lib.MIX32_M1, native_lib.MIX32_M2, native_lib.GOLDEN
 
+# The helpers a step calls once per leaf (or more) are traced once per shape and dtype of
+# their arguments and inlined where they are called: the same ops, at a fraction of the
+# trace time of a tree of many leaves (docs/algorithms.md#determinism-and-jit). Python
+# numbers are made uint32 arrays before the call (a seed may exceed int32).
+_traced_once = functools.partial(jax.jit, inline=True)
+
 
 def _u32(x) -> jax.Array:
   return jnp.asarray(x, dtype=jnp.uint32)
@@ -53,7 +59,11 @@ def mix32(x: jax.Array) -> jax.Array:
     >>> print(h.dtype, [hex(v) for v in h.tolist()])
     uint32 ['0x0', '0x86d2fa73', '0xda7f4e7', '0xed6e1efa']
   """
-  x = _u32(x)
+  return _mix32(_u32(x))
+
+
+@_traced_once
+def _mix32(x: jax.Array) -> jax.Array:
   x = x ^ (x >> 16)
   x = x * _u32(_M1)
   x = x ^ (x >> 15)
@@ -64,10 +74,15 @@ def mix32(x: jax.Array) -> jax.Array:
 
 def _leaf_key(seed, step, stream, leaf) -> jax.Array:
   """The scalar key of one (seed, step, stream, leaf); see ``random_bits``."""
-  k = mix32(_u32(seed))
-  k = mix32(k ^ _u32(step))
-  k = mix32(k ^ (_u32(stream) * _u32(_GOLDEN)))
-  k = mix32(k ^ _u32(leaf))
+  return _leaf_key_u32(_u32(seed), _u32(step), _u32(stream), _u32(leaf))
+
+
+@_traced_once
+def _leaf_key_u32(seed, step, stream, leaf) -> jax.Array:
+  k = _mix32(seed)
+  k = _mix32(k ^ step)
+  k = _mix32(k ^ (stream * _u32(_GOLDEN)))
+  k = _mix32(k ^ leaf)
   return k
 
 
@@ -86,12 +101,15 @@ def random_bits(seed, step, stream: int, leaf: int, shape) -> jax.Array:
     >>> bool((bits == rounding.random_bits(0, 1, rounding.STREAM_PARAMS, 0, (2, 3))).any())
     False
   """
-  key = _leaf_key(seed, step, stream, leaf)
-  size = 1
-  for d in shape:
-    size *= int(d)
-  index = lax.iota(jnp.uint32, size).reshape(shape)
-  return mix32(index ^ key)
+  shape = tuple(int(d) for d in shape)
+  return _random_bits(_u32(seed), _u32(step), _u32(stream), _u32(leaf), shape)
+
+
+@functools.partial(_traced_once, static_argnums=(4,))
+def _random_bits(seed, step, stream, leaf, shape: tuple) -> jax.Array:
+  key = _leaf_key_u32(seed, step, stream, leaf)
+  index = lax.iota(jnp.uint32, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+  return _mix32(index ^ key)
 
 
 def swap_halves(bits: jax.Array) -> jax.Array:
@@ -103,7 +121,11 @@ def swap_halves(bits: jax.Array) -> jax.Array:
     >>> hex(int(rounding.swap_halves(jnp.uint32(0x12345678))))
     '0x56781234'
   """
-  bits = _u32(bits)
+  return _swap_halves(_u32(bits))
+
+
+@_traced_once
+def _swap_halves(bits: jax.Array) -> jax.Array:
   return (bits << 16) | (bits >> 16)
 
 
@@ -125,7 +147,7 @@ def widen(p: jax.Array) -> jax.Array:
   p = jnp.asarray(p)
   if p.dtype.itemsize >= 4:
     return p.astype(jnp.float32)
-  return _widen16(p)
+  return _widen16_once(p)
 
 
 @jax.custom_jvp
@@ -161,6 +183,9 @@ def _widen16_jvp(primals, tangents):
   return _widen16(p), jnp.asarray(t).astype(jnp.float32)
 
 
+_widen16_once = _traced_once(_widen16)
+
+
 def update_of(d: jax.Array, dtype) -> jax.Array:
   """The fp32 update ``d`` in a 16-bit ``dtype``, as a landing takes it: bf16 keeps ``d``'s
   high half (truncation toward zero, a NaN as ``astype``'s), fp16 rounds to nearest; exact
@@ -174,7 +199,7 @@ def update_of(d: jax.Array, dtype) -> jax.Array:
     1.0078125 1.015625
   """
   d = jnp.asarray(d, jnp.float32)
-  return _truncate_bf16(d) if jnp.dtype(dtype) == jnp.bfloat16 else d.astype(dtype)
+  return _truncate_bf16_once(d) if jnp.dtype(dtype) == jnp.bfloat16 else d.astype(dtype)
 
 
 @jax.custom_jvp
@@ -190,6 +215,9 @@ def _truncate_bf16_jvp(primals, tangents):
   return _truncate_bf16(d), jnp.asarray(t).astype(jnp.bfloat16)
 
 
+_truncate_bf16_once = _traced_once(_truncate_bf16)
+
+
 def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
   """``(u, p_land)``: the update from ``p`` to ``t`` in ``p``'s dtype,
   ``update_of(f32(t) - f32(p))``, and where it lands, ``round(f32(p) + f32(u))`` (what
@@ -203,7 +231,11 @@ def land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
     >>> print(u.dtype, float(u), float(p_land))
     bfloat16 0.0078125 1.0078125
   """
-  p = jnp.asarray(p)
+  return _land(jnp.asarray(p), jnp.asarray(t))
+
+
+@_traced_once
+def _land(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
   pw = widen(p)
   u = update_of(widen(t) - pw, p.dtype)
   return u, (pw + widen(u)).astype(p.dtype)
@@ -223,9 +255,14 @@ def land_master(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
     >>> print(float(rounding.land(p, t)[1]), float(rounding.land_master(p, t)[1]))
     0.00390625 0.0
   """
-  u, p_land = land(p, t)
+  return _land_master(jnp.asarray(p), jnp.asarray(t))
+
+
+@_traced_once
+def _land_master(p: jax.Array, t: jax.Array) -> tuple[jax.Array, jax.Array]:
+  u, p_land = _land(p, t)
   t32 = widen(t)
-  again = land(p_land, t)[1]
+  again = _land(p_land, t)[1]
   far = ((widen(p_land) != t32) & (widen(again) != t32) & ~jnp.isnan(t32)
          & jnp.isfinite(widen(p)))
   u = jnp.where(far, -p, u)
@@ -415,7 +452,7 @@ def stochastic_round(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
     return x
   if dtype not in (jnp.bfloat16, jnp.float16):
     raise ValueError(f"stochastic rounding rounds to bfloat16 or float16; got {dtype.name}.")
-  return _stochastic_round16(x, dtype, jnp.asarray(bits))
+  return _stochastic_round16_once(x, dtype, jnp.asarray(bits))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
@@ -429,6 +466,9 @@ def _stochastic_round16(x: jax.Array, dtype, bits: jax.Array) -> jax.Array:
 def _stochastic_round16_jvp(dtype, primals, tangents):
   x, bits = primals
   return _stochastic_round16(x, dtype, bits), jnp.asarray(tangents[0]).astype(dtype)
+
+
+_stochastic_round16_once = _traced_once(_stochastic_round16, static_argnums=(1,))
 
 
 def round_to(x: jax.Array, dtype, rounding: str, seed=None, step=None,
