@@ -324,11 +324,16 @@ def one_minus_pow(b, n: jax.Array, zero: jax.Array, one_minus_b=None) -> jax.Arr
     >>> round(float(rounding.one_minus_pow(0.999, jnp.int32(1000), zero)), 4)
     0.6323
   """
-  n = jnp.asarray(n).astype(jnp.uint32)
   if one_minus_b is None:
     d_pow = 1 - jnp.asarray(b, jnp.float32)  # d(2 ** i)
   else:
     d_pow = jnp.asarray(one_minus_b, jnp.float32)
+  return _one_minus_pow(jnp.asarray(n), d_pow, jnp.asarray(zero))
+
+
+@_traced_once
+def _one_minus_pow(n: jax.Array, d_pow: jax.Array, zero: jax.Array) -> jax.Array:
+  n = n.astype(jnp.uint32)
   two = jnp.float32(2)
 
   def bit(i, carry):  # one bit of n, lowest first (a loop: traced once, not 32 times)
