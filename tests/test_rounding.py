@@ -214,3 +214,32 @@ def test_no_fma_rounds_the_product_before_the_add():
   assert np.array_equal(kept.view(np.uint32), rounded_first.view(np.uint32))
   # What no_fma prevents, on this backend (XLA:CPU and XLA:GPU contract):
   print(f"plain jit equals the rounded product on {np.mean(fused == rounded_first):.1%}")
+
+
+@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
+def test_per_leaf_helpers_are_traced_once_per_shape_not_per_leaf(compensation, monkeypatch):
+  """Tracing a step over 16 leaves of one shape runs the per-leaf helpers' Python (the
+  AdamW math, its roundings) no more often than tracing it over one leaf
+  (rounding._traced_once: docs/algorithms.md#determinism-and-jit). Counted through
+  ``no_fma``, which the AdamW math and the bias corrections call as they are traced; fresh
+  shapes, so that no earlier test traced them. Without the kernel (the path off CPU)."""
+  import optax_half as oh  # noqa: PLC0415
+  from optax_half import _native  # noqa: PLC0415
+  monkeypatch.setattr(_native, "available", lambda: False)
+  calls = []
+  real = rounding.no_fma
+  monkeypatch.setattr(rounding, "no_fma", lambda x, zero: (calls.append(1), real(x, zero))[1])
+
+  def traced_calls(n, shape):
+    params = {f"w{i:02d}": jnp.ones(shape, jnp.bfloat16) for i in range(n)}
+    tx = oh.adamw_bf16(1e-3, compensation=compensation)
+    state = tx.init(params)
+    calls.clear()
+    jax.jit(lambda p, s, g: optax.apply_updates(p, tx.update(g, s, p)[0])).trace(
+        params, state, params)
+    return len(calls)
+
+  k = ["kahan", "stochastic"].index(compensation)  # shapes of this case alone
+  one = traced_calls(1, (7, 13, 3 + k))
+  assert one > 0  # the count sees the math being traced
+  assert traced_calls(16, (11, 5, 3 + k)) <= one
