@@ -7,7 +7,8 @@ import optax
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from optax_half import rounding
+import optax_half as oh
+from optax_half import _native, rounding
 from conftest import bitwise_equal
 
 
@@ -216,15 +217,15 @@ def test_no_fma_rounds_the_product_before_the_add():
   print(f"plain jit equals the rounded product on {np.mean(fused == rounded_first):.1%}")
 
 
-@pytest.mark.parametrize("compensation", ["kahan", "stochastic"])
-def test_per_leaf_helpers_are_traced_once_per_shape_not_per_leaf(compensation, monkeypatch):
+# depth: the leaves' last dimension, other in each case (its shapes no other test traces)
+@pytest.mark.parametrize("compensation, depth", [("kahan", 3), ("stochastic", 4)])
+def test_per_leaf_helpers_are_traced_once_per_shape_not_per_leaf(compensation, depth,
+                                                                  monkeypatch):
   """Tracing a step over 16 leaves of one shape runs the per-leaf helpers' Python (the
   AdamW math, its roundings) no more often than tracing it over one leaf
   (rounding._traced_once: docs/algorithms.md#determinism-and-jit). Counted through
   ``no_fma``, which the AdamW math and the bias corrections call as they are traced; fresh
   shapes, so that no earlier test traced them. Without the kernel (the path off CPU)."""
-  import optax_half as oh  # noqa: PLC0415
-  from optax_half import _native  # noqa: PLC0415
   monkeypatch.setattr(_native, "available", lambda: False)
   calls = []
   real = rounding.no_fma
@@ -239,7 +240,6 @@ def test_per_leaf_helpers_are_traced_once_per_shape_not_per_leaf(compensation, m
         params, state, params)
     return len(calls)
 
-  k = ["kahan", "stochastic"].index(compensation)  # shapes of this case alone
-  one = traced_calls(1, (7, 13, 3 + k))
+  one = traced_calls(1, (7, 13, depth))
   assert one > 0  # the count sees the math being traced
-  assert traced_calls(16, (11, 5, 3 + k)) <= one
+  assert traced_calls(16, (11, 5, depth)) <= one
