@@ -201,7 +201,16 @@ def _takes(compensation, params, grads, core) -> bool:
     if dtypes[0] == jnp.float32 and dtypes[1:] != [jnp.float32] * 3:
       return False
   return (len(jax.tree.leaves(grads)) == len(leaves) == len(jax.tree.leaves(core.mu))
-          == len(jax.tree.leaves(core.nu)))
+          == len(jax.tree.leaves(core.nu))
+          and _steps_loaded(compensation, [jnp.asarray(p).dtype for p in leaves]))
+
+
+def _steps_loaded(compensation: Compensation, dtypes) -> bool:
+  """Whether the kernel's steps of 16-bit params of ``dtypes`` in ``compensation``'s modes are
+  loaded (``native.ffi_steps``: each built on first use, at trace time)."""
+  pairs = {(jnp.dtype(d).name, _mode(compensation, d)) for d in dtypes
+           if jnp.dtype(d) != jnp.float32}
+  return native.ffi_steps(jax.ffi.include_dir(), sorted(pairs))
 
 
 def _takes_f16(grad_dtype, moment_dtypes) -> bool:
@@ -278,7 +287,7 @@ def _takes_flat(compensation: Compensation, params, grads, state) -> bool:
   buffer_dtype = compensation.for_dtype(dtype).buffer_dtype_of(dtype)
   want = [] if buffer_dtype is None else [buffer_dtype]
   buffer = dtypes(compensation.buffers(state)) if compensation.buffer else []
-  return buffer == want
+  return buffer == want and _steps_loaded(compensation, [dtype])
 
 
 def fused(compensation: Compensation, hyperparams: tuple, state_rounding: str, tx_init,

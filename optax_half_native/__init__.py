@@ -10,7 +10,10 @@ tensors of one configuration in one call, its elements split over threads.
 The library is compiled on first use with the machine's C++ compiler (``$CXX``
 or ``g++``, ``-O3 -march=native``) into a cache folder
 (``$OPTAX_HALF_CACHE``, default ``~/.cache/optax_half``), named by a hash of
-the sources, the flags, the compiler and the CPU, and reused after.
+the sources, the flags, the compiler and the CPU, and reused after. The JAX
+kernel (``adamw_ffi.cc``) is its handlers (``ffi_library``) and one library
+per 16-bit param dtype and mode (``FFI_STEPS``), each built as the first step
+that takes it is traced (``ffi_steps``).
 ``$OPTAX_HALF_NATIVE_FLAGS`` adds compiler flags (e.g. ``-mno-avx512f``: the
 AVX2 lanes on a CPU that has AVX-512; ``lanes()`` says which). Without a
 compiler (or if the build fails) ``library()`` returns None, with one warning,
@@ -39,13 +42,10 @@ __all__ = ["library", "ffi_library", "cpus", "has_f16", "kernel", "scaled_adam_k
            "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation", "Rules",
            "compensation_of", "check_compensation", "build_errors", "MOMENT_DTYPES",
-           "moment_dtype_of"]
+           "moment_dtype_of", "FFI_STEPS", "ffi_step", "ffi_steps"]
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h", "scaled_adam.h")
-# Sources built as several translation units, compiled in parallel (OH_PART in
-# adamw_ffi.cc: the handlers, then one (param type, mode) of the step each).
-PARTS = {"adamw_ffi.cc": 10}
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17",
           "-shared", "-fPIC", "-pthread"]
 
@@ -53,6 +53,10 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=
 # place; "update": the fp32 update itself, for JAX).
 MODES = {"direct": 0, "master": 1, "split": 2, "kahan": 3, "stochastic": 4, "none": 5,
          "update": 6}
+# The JAX library's steps of 16-bit params, (param dtype, mode): each a library
+# of its own, built on first use (ffi_step; fp16 where the handlers have it).
+FFI_STEPS = (*(("bfloat16", m) for m in ("master", "split", "kahan", "stochastic", "none")),
+             *(("float16", m) for m in ("master", "kahan", "stochastic", "none")))
 
 
 class Compensation(NamedTuple):
@@ -204,8 +208,9 @@ def leaf_keys(seed: int, steps, leaves) -> np.ndarray:
   return np.stack([_mix32(_mix32(k ^ s) ^ leaves) for s in _STREAMS], -1)
 
 _lock = threading.Lock()
-_libs: dict = {}  # source -> loaded library, or None if it could not be built
-build_errors: dict = {}  # source -> why it could not be built
+_libs: dict = {}  # name -> loaded library, or None if it could not be built
+_locks: dict = {}  # name -> the lock its build holds
+build_errors: dict = {}  # name -> why it could not be built
 
 
 def _cpu_id() -> str:
@@ -231,6 +236,8 @@ def _cache_dir() -> Path:
 
 def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
            extra: tuple = ()) -> Path:
+  """The library of ``source`` compiled with flags ``extra`` (and ``-D`` defines), built into
+  the cache unless it is there."""
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
   flags = (_FLAGS + list(extra) + os.environ.get("OPTAX_HALF_NATIVE_FLAGS", "").split()
            + [f"-I{_HERE}"] + [f"-I{d}" for d in include_dirs])
@@ -241,52 +248,31 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
     for header in sorted(Path(d).glob("xla/ffi/api/*.h")):
       digest.update(header.read_bytes())
   digest.update(" ".join(flags + [cxx, version, _cpu_id(), platform.machine()]).encode())
-  digest.update(str(PARTS.get(source, 1)).encode())
   target = _cache_dir() / f"{Path(source).stem}-{digest.hexdigest()[:16]}.so"
   if target.exists():
     return target
   # A build with extra flags (OpenMP) that failed once is not tried again;
   # the plain build always is (its failure may have been passing).
+  optional = [f for f in extra if not f.startswith("-D")]
   failed = target.with_suffix(".failed")
-  if extra and failed.exists():
+  if optional and failed.exists():
     raise RuntimeError(f"{cxx} failed before: {failed.read_text()[-2000:]}")
   target.parent.mkdir(parents=True, exist_ok=True)
   # Build to a temporary name, then rename: concurrent builders never see half a file.
   fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
   os.close(fd)
   try:
-    with tempfile.TemporaryDirectory(dir=target.parent) as objects:
-      error = _compile(cxx, flags, source, PARTS.get(source, 1), tmp, Path(objects))
-    if error is not None:
-      if extra:
-        failed.write_text(error)
-      raise RuntimeError(f"{cxx} failed:\n{error}")
+    run = subprocess.run([cxx, *flags, "-w", "-o", tmp, str(_HERE / source)],
+                         capture_output=True, text=True)
+    if run.returncode != 0:
+      if optional:
+        failed.write_text(run.stderr[-2000:])
+      raise RuntimeError(f"{cxx} failed:\n{run.stderr[-2000:]}")
     os.replace(tmp, target)
   finally:
     if os.path.exists(tmp):
       os.unlink(tmp)
   return target
-
-
-def _compile(cxx: str, flags: list, source: str, parts: int, out: str,
-             objects: Path) -> Optional[str]:
-  """Compiles ``source`` into the library ``out``; None, or the compiler's error. A
-  source in ``PARTS`` compiles as that many translation units (``-DOH_PART=k``), as
-  many at a time as this process has CPUs (part 0, the lightest, last), then links."""
-  src = str(_HERE / source)
-  if parts == 1:
-    commands = [[cxx, *flags, "-w", "-o", out, src]]
-  else:
-    commands = [[cxx, *flags, "-w", "-c", f"-DOH_PART={k}", "-o", str(objects / f"{k}.o"), src]
-                for k in [*range(1, parts), 0]]
-  with ThreadPoolExecutor(min(cpus(), len(commands))) as pool:
-    runs = list(pool.map(lambda c: subprocess.run(c, capture_output=True, text=True), commands))
-  if parts > 1 and all(r.returncode == 0 for r in runs):
-    runs.append(subprocess.run(
-        [cxx, *flags, "-o", out, *(str(objects / f"{k}.o") for k in range(parts))],
-        capture_output=True, text=True))
-  failed = [r.stderr for r in runs if r.returncode != 0]
-  return failed[0][-2000:] if failed else None
 
 
 def cpus() -> int:
@@ -303,7 +289,7 @@ def _build_and_load(cxx: str, source: str, include_dirs, extra) -> ctypes.CDLL:
   if (lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize
       or offsets != [TENSOR_DTYPE.fields[name][1] for name in TENSOR_DTYPE.names]):
     raise RuntimeError("struct layout differs from TENSOR_DTYPE")
-  if hasattr(lib, "oh_scaled_adam_struct_size"):  # the ctypes library (adamw_cpu.cc)
+  if hasattr(lib, "oh_scaled_adam_struct_size"):
     offsets = [lib.oh_scaled_adam_field_offset(k) for k in range(len(SCALED_ADAM_DTYPE.names))]
     if (lib.oh_scaled_adam_struct_size() != SCALED_ADAM_DTYPE.itemsize
         or offsets != [SCALED_ADAM_DTYPE.fields[n][1] for n in SCALED_ADAM_DTYPE.names]):
@@ -318,16 +304,21 @@ def _gcc(cxx: str) -> bool:
   return "clang" not in version.lower()
 
 
-def _load(source: str, include_dirs: tuple = (), extra: tuple = ()) -> Optional[ctypes.CDLL]:
-  """Builds (once per source, flags, compiler and CPU) and loads one library;
-  None, with one warning, if that fails. ``extra``: flags tried first; if the
-  library cannot be built or loaded with them (a compiler without OpenMP), it
-  is built without (a failed build is remembered in the cache)."""
-  if source in _libs:
-    return _libs[source]
+def _load(source: str, include_dirs: tuple = (), extra: tuple = (), defines: tuple = (),
+          name: Optional[str] = None) -> Optional[ctypes.CDLL]:
+  """Builds (once per source, flags, compiler and CPU) and loads one library, ``name``
+  (default ``source``); None, with one warning, if that fails. ``extra``: flags tried
+  first; if the library cannot be built or loaded with them (a compiler without OpenMP),
+  it is built without (a failed build is remembered in the cache). ``defines``: ``-D``
+  flags it is always built with. Libraries of other names build at the same time."""
+  name = name or source
+  if name in _libs:
+    return _libs[name]
   with _lock:
-    if source in _libs:
-      return _libs[source]
+    lock = _locks.setdefault(name, threading.Lock())
+  with lock:
+    if name in _libs:
+      return _libs[name]
     lib = None
     try:
       if os.environ.get("OPTAX_HALF_NATIVE", "1") == "0":
@@ -338,18 +329,18 @@ def _load(source: str, include_dirs: tuple = (), extra: tuple = ()) -> Optional[
       if "-fopenmp" in extra and not _gcc(cxx):
         extra = ()
       try:
-        lib = _build_and_load(cxx, source, include_dirs, extra)
+        lib = _build_and_load(cxx, source, include_dirs, (*extra, *defines))
       except (RuntimeError, OSError):
         if not extra:
           raise
-        lib = _build_and_load(cxx, source, include_dirs, ())
+        lib = _build_and_load(cxx, source, include_dirs, defines)
     except Exception as e:  # noqa: BLE001 (any failure means: use the framework path)
       lib = None
-      build_errors[source] = f"{type(e).__name__}: {e}"
-      warnings.warn(f"optax_half_native: the CPU kernel {source} is unavailable "
-                    f"({build_errors[source]}); the framework implementation runs instead.",
+      build_errors[name] = f"{type(e).__name__}: {e}"
+      warnings.warn(f"optax_half_native: the CPU kernel {name} is unavailable "
+                    f"({build_errors[name]}); the framework implementation runs instead.",
                     RuntimeWarning, stacklevel=3)
-    _libs[source] = lib
+    _libs[name] = lib
   return lib
 
 
@@ -367,9 +358,62 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def ffi_library(xla_include_dir: str) -> Optional[ctypes.CDLL]:
-  """The XLA FFI handler library (symbol ``OhAdamw``), built against the XLA
-  FFI headers in ``xla_include_dir`` (``jax.ffi.include_dir()``)."""
+  """The XLA FFI handler library (symbols ``OhAdamw``, ``OhAdamwFlat``,
+  ``OhAllFinite``, ``OhScaledAdamSums``, ``OhScaledAdamStep``), built against
+  the XLA FFI headers in ``xla_include_dir`` (``jax.ffi.include_dir()``). It
+  steps fp32 params and ScaledAdam; the AdamW steps of 16-bit params are
+  libraries of their own, one per ``FFI_STEPS`` pair (``ffi_steps``)."""
   return _load("adamw_ffi.cc", (xla_include_dir,))
+
+
+_steps_set: set = set()  # the FFI_STEPS pairs in the handlers' table
+
+
+def _ffi_step(xla_include_dir: str, param: str, mode: str) -> bool:
+  f16 = int(param == "float16")
+  if f16 and not has_f16(ffi_library(xla_include_dir)):  # the handlers' build first
+    return False
+  lib = _load("adamw_ffi.cc", (xla_include_dir,),
+              defines=(f"-DOH_STEP_MODE={MODES[mode]}", f"-DOH_STEP_F16={f16}"),
+              name=f"adamw_ffi.cc[{param} {mode}]")
+  handlers = ffi_library(xla_include_dir)  # built beside a bf16 step
+  if lib is None or handlers is None:
+    return False
+  with _lock:
+    if (param, mode) not in _steps_set:
+      lib.oh_ffi_step.restype = ctypes.c_void_p
+      handlers.oh_ffi_set_step.restype = ctypes.c_bool
+      handlers.oh_ffi_set_step.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+      if not handlers.oh_ffi_set_step(f16, MODES[mode], lib.oh_ffi_step()):
+        raise RuntimeError(f"the FFI handlers refused the step of {param} params in mode {mode}")
+      _steps_set.add((param, mode))
+  return True
+
+
+def ffi_steps(xla_include_dir: str, pairs=FFI_STEPS) -> bool:
+  """Whether the handlers (``ffi_library``) step each ``(param dtype, mode)`` of
+  ``pairs`` (``FFI_STEPS`` entries; fp16 ones where the handlers have fp16):
+  each step is built on first use, the handlers and the steps not yet built
+  at the same time (as many as the process has CPUs), and loaded into the
+  handlers' table. A step that cannot be built warns once and is False."""
+  pairs = list(dict.fromkeys(pairs))
+  unknown = [p for p in pairs if p not in FFI_STEPS]
+  if unknown:
+    raise ValueError(f"no FFI step for {unknown}; the steps: {FFI_STEPS}")
+  if all(p in _steps_set for p in pairs):
+    return True
+  todo = [p for p in pairs if p not in _steps_set]
+  with ThreadPoolExecutor(max(1, min(cpus(), len(todo) + 1))) as pool:
+    pool.submit(ffi_library, xla_include_dir)
+    # bf16 first: an fp16 step waits for the handlers (has_f16) before it builds
+    done = list(pool.map(lambda p: _ffi_step(xla_include_dir, *p),
+                         sorted(todo, key=lambda p: p[0] == "float16")))
+  return all(done)
+
+
+def ffi_step(xla_include_dir: str, param: str, mode: str) -> bool:
+  """``ffi_steps`` of one pair: whether the handlers step ``param`` params in ``mode``."""
+  return ffi_steps(xla_include_dir, [(param, mode)])
 
 
 def lanes(lib: Optional[ctypes.CDLL] = None) -> int:

@@ -72,19 +72,19 @@ bool with_type(ffi::DataType d, F&& f) {
 }  // namespace
 
 // The compile's bulk, the step of every (gradient, mu, nu) type of one
-// 16-bit param type H and mode MODE, is its own translation unit where the
-// build compiles this file in parts (optax_half_native.PARTS): part 0 the
-// handlers, part k (1..9) the k-th OH_STEP_PART below, all in parallel.
-// Built as one unit (OH_PART undefined), the file holds everything.
+// 16-bit param type H and mode MODE (run_typed), is a library of its own,
+// built on first use of that param type and mode (optax_half_native.ffi_steps):
+// -DOH_STEP_MODE=<oh::Mode> -DOH_STEP_F16=<0 bf16, 1 fp16> builds one step.
+// Built without them, the file is the handlers, which call the steps loaded
+// into their table (oh_ffi_set_step).
 namespace oh_ffi {
+
+using Step = bool (*)(const ffi::DataType (&)[4], bool, bool, const oh::Tensor*, int,
+                      const oh::ParallelFor&);
 
 template <typename H, int MODE>
 bool run_typed(const ffi::DataType (&types)[4], bool sr, bool update, const oh::Tensor* ts,
-               int n, const oh::ParallelFor& parallel)
-#if defined(OH_PART) && OH_PART == 0
-    ;
-#else
-{
+               int n, const oh::ParallelFor& parallel) {
   return with_type<H>(types[1], [&](auto gt) {
     return with_type<H>(types[2], [&](auto mt) {
       return with_type<H>(types[3], [&](auto vt) {
@@ -94,36 +94,30 @@ bool run_typed(const ffi::DataType (&types)[4], bool sr, bool update, const oh::
     });
   });
 }
-#endif
-
-#if defined(OH_PART) && OH_PART > 0
-#define OH_STEP_PART(H, MODE)                                                              \
-  template bool run_typed<H, MODE>(const ffi::DataType (&)[4], bool, bool, const oh::Tensor*, \
-                                   int, const oh::ParallelFor&);
-#if OH_PART == 1
-OH_STEP_PART(bf16, oh::kMaster)
-#elif OH_PART == 2
-OH_STEP_PART(bf16, oh::kSplit)
-#elif OH_PART == 3
-OH_STEP_PART(bf16, oh::kKahan)
-#elif OH_PART == 4
-OH_STEP_PART(bf16, oh::kStochastic)
-#elif OH_PART == 5
-OH_STEP_PART(bf16, oh::kNearest)
-#elif OH_PART == 6 && defined(OH_F16)
-OH_STEP_PART(oh::f16, oh::kMaster)
-#elif OH_PART == 7 && defined(OH_F16)
-OH_STEP_PART(oh::f16, oh::kKahan)
-#elif OH_PART == 8 && defined(OH_F16)
-OH_STEP_PART(oh::f16, oh::kStochastic)
-#elif OH_PART == 9 && defined(OH_F16)
-OH_STEP_PART(oh::f16, oh::kNearest)
-#endif
-#endif
 
 }  // namespace oh_ffi
 
-#if !defined(OH_PART) || OH_PART == 0
+#if defined(OH_STEP_MODE)
+#if OH_STEP_F16 && !defined(OH_F16)
+#error "an fp16 step needs F16C (OH_F16)"
+#endif
+static_assert(!(OH_STEP_F16 && OH_STEP_MODE == oh::kSplit), "split takes bf16 params");
+namespace {
+#if OH_STEP_F16
+using StepParam = oh::f16;
+#else
+using StepParam = bf16;
+#endif
+}  // namespace
+// The step this library holds, its param type (1: fp16) and mode, for the handlers' table.
+extern "C" void* oh_ffi_step() {
+  return reinterpret_cast<void*>(&oh_ffi::run_typed<StepParam, OH_STEP_MODE>);
+}
+extern "C" int oh_ffi_step_f16() { return OH_STEP_F16; }
+extern "C" int oh_ffi_step_mode() { return OH_STEP_MODE; }
+#endif
+
+#if !defined(OH_STEP_MODE)  // the handlers
 namespace {
 
 // fp32 params (the wrappers hand them to the core as they are): fp32
@@ -176,23 +170,19 @@ oh::ParallelFor pool_parallel_for(ffi::ThreadPool& pool, int64_t nthreads) {
   };
 }
 
-// dispatch for 16-bit params of type H: the mode's run_typed.
-template <typename H>
-bool dispatch_with(const ffi::DataType (&types)[4], int mode, bool sr, bool update,
-                   const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
-  switch (mode) {
-    case oh::kMaster: return oh_ffi::run_typed<H, oh::kMaster>(types, sr, update, ts, n, parallel);
-    case oh::kSplit:  // a bf16 high half: fp16 params keep a full fp32 master (kMaster)
-      if constexpr (std::is_same_v<H, bf16>) {
-        return oh_ffi::run_typed<H, oh::kSplit>(types, sr, update, ts, n, parallel);
-      }
-      return false;
-    case oh::kKahan: return oh_ffi::run_typed<H, oh::kKahan>(types, sr, update, ts, n, parallel);
-    case oh::kStochastic:
-      return oh_ffi::run_typed<H, oh::kStochastic>(types, sr, update, ts, n, parallel);
-    case oh::kNearest: return oh_ffi::run_typed<H, oh::kNearest>(types, sr, update, ts, n, parallel);
-    default: return false;
-  }
+// The loaded steps, [fp16][mode]: set by oh_ffi_set_step from the step
+// libraries (optax_half_native.ffi_steps).
+constexpr int kModes = 8;
+std::atomic<oh_ffi::Step> steps[2][kModes];
+
+// The step of 16-bit params of type param (bf16, or fp16 where built) in mode, or null.
+oh_ffi::Step step_of(ffi::DataType param, int mode) {
+  const bool f16 = param == ffi::DataType::F16;
+#if !defined(OH_F16)
+  if (f16) return nullptr;
+#endif
+  if ((!f16 && param != ffi::DataType::BF16) || mode < 0 || mode >= kModes) return nullptr;
+  return steps[f16][mode].load(std::memory_order_acquire);
 }
 
 void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
@@ -202,17 +192,12 @@ void same_or_copy(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 }
 
 // Runs the step over ts[0..n) with the dtypes (p, g, mu, nu); false for an
-// unsupported combination or mode.
+// unsupported combination or mode (a 16-bit one's step loaded: step_of).
 bool dispatch(const ffi::DataType (&types)[4], int mode, bool sr, bool update,
               const oh::Tensor* ts, int n, const oh::ParallelFor& parallel) {
   if (types[0] == ffi::DataType::F32) return run_f32(types, mode, sr, ts, n, parallel);
-#if defined(OH_F16)
-  if (types[0] == ffi::DataType::F16) {  // fp16 params: fp16 or fp32 gradients and moments
-    return dispatch_with<oh::f16>(types, mode, sr, update, ts, n, parallel);
-  }
-#endif
-  return types[0] == ffi::DataType::BF16 && dispatch_with<bf16>(types, mode, sr, update, ts, n,
-                                                                parallel);
+  const oh_ffi::Step step = step_of(types[0], mode);
+  return step != nullptr && step(types, sr, update, ts, n, parallel);
 }
 
 // The buffer each mode reads: fp32 master, int16 low half, Kahan buffer of the param type.
@@ -450,6 +435,10 @@ ffi::Error AdamwLeavesImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalars,
   const oh::ParallelFor parallel = pool_parallel_for(pool, nthreads);
   if (mode == oh::kMaster && !set_keeps(types[0], ts.data(), n, parallel)) {
     return invalid("the master mode takes bf16 or fp16 params");
+  }
+  if (types[0] != ffi::DataType::F32 && step_of(types[0], mode) == nullptr) {
+    return invalid("no step of this param dtype and mode is loaded "
+                   "(optax_half_native.ffi_step loads it; optax_half does so as it traces)");
   }
   if (!dispatch(types, mode, sr, update, ts.data(), int(n), parallel)) {
     return invalid("unsupported dtypes or mode");
@@ -710,6 +699,17 @@ ffi::Error ScaledAdamStepImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> scalar
 
 extern "C" int oh_lanes() { return oh::kLanes; }
 
+// Puts a step library's step (oh_ffi_step) into the table; false for a param type or
+// mode this library does not step.
+extern "C" bool oh_ffi_set_step(int f16, int mode, void* step) {
+#if !defined(OH_F16)
+  if (f16) return false;
+#endif
+  if (f16 < 0 || f16 > 1 || mode < 0 || mode >= kModes || step == nullptr) return false;
+  steps[f16][mode].store(reinterpret_cast<oh_ffi::Step>(step), std::memory_order_release);
+  return true;
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OhScaledAdamSums, ScaledAdamSumsImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -754,4 +754,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OhAllFinite, AllFiniteImpl,
 
 OH_LEAVES_HANDLER(OhAdamw, false)
 OH_LEAVES_HANDLER(OhAdamwFlat, true)
-#endif  // part 0
+#endif  // the handlers

@@ -28,9 +28,8 @@ struct Tensor {
 
 // The layout of Tensor, which optax_half_native checks TENSOR_DTYPE against
 // on loading a library: its size and each field's offset, in TENSOR_DTYPE's
-// order (key_p is the start of its "keys"). Defined in one translation unit
-// of each library: part 0 of one built in parts (OH_PART, adamw_ffi.cc).
-#if !defined(OH_PART) || OH_PART == 0
+// order (key_p is the start of its "keys"). Each library is one translation
+// unit.
 extern "C" int oh_tensor_struct_size() { return int(sizeof(Tensor)); }
 // Whether this build steps fp16 params (F16C: OH_F16 in adamw.h).
 extern "C" int oh_has_f16() {
@@ -49,7 +48,6 @@ extern "C" int oh_tensor_field_offset(int k) {
                             offsetof(Tensor, index), offsetof(Tensor, marks)};
   return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
 }
-#endif
 
 constexpr int64_t kAlign = 256;          // elements of the concatenation
 constexpr int64_t kMinPerThread = 1 << 16;

@@ -55,7 +55,6 @@ struct ScaledAdamTensor {
   uint64_t p_out;           // KAHAN: where p' goes (param dtype; p's own buffer in place), else 0
 };
 
-#if !defined(OH_PART) || OH_PART == 0  // one translation unit (adamw_threads.h)
 extern "C" int oh_scaled_adam_struct_size() { return int(sizeof(ScaledAdamTensor)); }
 extern "C" int oh_scaled_adam_field_offset(int k) {
   const size_t offsets[] = {offsetof(ScaledAdamTensor, numel), offsetof(ScaledAdamTensor, p),
@@ -66,7 +65,6 @@ extern "C" int oh_scaled_adam_field_offset(int k) {
                             offsetof(ScaledAdamTensor, p_out)};
   return k >= 0 && k < int(sizeof(offsets) / sizeof(offsets[0])) ? int(offsets[k]) : -1;
 }
-#endif
 
 // The fp32 products of the sums for the L::kWidth elements from i, stored
 // at `at` into each of the three arrays.

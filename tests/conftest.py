@@ -42,15 +42,15 @@ def pytest_unconfigure(config):
 
 
 def pytest_configure(config):
-  """Under pytest-xdist, the controller builds the kernel's two libraries
-  (optax_half_native: torch's and JAX's) before the workers start, both at
-  once, into the cache the workers then load from; otherwise each worker
-  would build both on first use, at the same time as the other. A failed
-  build is left for the tests to report."""
+  """Under pytest-xdist, the controller builds the kernel's libraries
+  (optax_half_native: torch's, and JAX's handlers with every step) before the
+  workers start, all at once, into the cache the workers then load from;
+  otherwise each worker would build them on first use, at the same time as
+  the other. A failed build is left for the tests to report."""
   if hasattr(config, "workerinput") or not getattr(config.option, "numprocesses", None):
     return
   builds = ["import optax_half_native as n; n.library()",
-            "import jax, optax_half_native as n; n.ffi_library(jax.ffi.include_dir())"]
+            "import jax, optax_half_native as n; n.ffi_steps(jax.ffi.include_dir())"]
   for proc in [subprocess.Popen([sys.executable, "-c", code]) for code in builds]:
     proc.wait()
 

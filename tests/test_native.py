@@ -976,6 +976,55 @@ def test_without_the_kernel_everything_runs_the_framework_code(tmp_path):
   assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
 
 
+_STEPS_LOADED = r"""
+import jax, jax.numpy as jnp, numpy as np, optax_half as oh, optax_half_native as n
+from optax_half import _native
+trees = {"bf16": {"w": jnp.ones((300,), jnp.bfloat16)},
+         "mixed": {"w": jnp.ones((300,), jnp.bfloat16), "h": jnp.ones((30,), jnp.float16),
+                   "f": jnp.ones((3,), jnp.float32)}}
+params = trees[TREE]
+tx = oh.adamw_bf16(1e-3, compensation=COMPENSATION)
+jax.jit(tx.update)(params, tx.init(params), params)
+print(sorted(name for name, lib in n._libs.items() if lib is not None))
+# A step not loaded: the handlers refuse it by name (optax_half loads each before it traces).
+p = jnp.ones((40,), jnp.bfloat16)
+mode = "split" if COMPENSATION != "split" else "kahan"
+buffer = jnp.zeros((40,), jnp.int16 if mode == "split" else jnp.bfloat16)
+scalars, keys = jnp.zeros((len(n.ADAMW_SCALARS),), jnp.float32), jnp.zeros((1, 3), jnp.uint32)
+try:
+  jax.jit(lambda p: _native._call(_native.TARGET, mode, "nearest", scalars, keys, [p], [p],
+                                  ([p], [p], [buffer]), in_place=False)[0])(p)
+except Exception as e:
+  print(type(e).__name__, str(e).splitlines()[0][:300])
+"""
+
+
+@pytest.mark.parametrize("tree,compensation,steps", [
+    ("bf16", "kahan", ["bfloat16 kahan"]),
+    ("mixed", "split", ["bfloat16 split", "float16 master"])])
+def test_a_jax_step_builds_and_loads_only_the_kernel_steps_it_takes(tree, compensation, steps,
+                                                                   tmp_path):
+  """The JAX library is its handlers plus a library per 16-bit param dtype and mode
+  (native.FFI_STEPS), each built and loaded as the first step that takes it is traced (an
+  fp32 leaf takes the handlers' own); a call of a step not loaded is an error naming it."""
+  if "float16 master" in steps and not jax_native.has_f16():
+    steps = steps[:1]
+  script = tmp_path / "steps.py"
+  script.write_text(f"TREE, COMPENSATION = {tree!r}, {compensation!r}\n" + _STEPS_LOADED)
+  out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                       timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  loaded, refused = out.stdout.strip().splitlines()[-2:]
+  assert eval(loaded) == ["adamw_ffi.cc", *(f"adamw_ffi.cc[{s}]" for s in steps)], out.stdout
+  assert "no step of this param dtype and mode is loaded" in refused, refused
+
+
+def test_ffi_steps_refuses_a_step_it_has_not():
+  with pytest.raises(ValueError, match="no FFI step for"):
+    native_lib.ffi_steps(jax.ffi.include_dir(), [("float16", "split")])
+  assert native_lib.ffi_steps(jax.ffi.include_dir(), [("bfloat16", "kahan")])
+
+
 def _same_but_nan_bits(a: np.ndarray, b: np.ndarray, what):
   """Equal bits, except that a NaN only has to be a NaN: its sign and payload
   are outside the bit-exact claim (torch's vectorised cast writes 0xFFFF, XLA
