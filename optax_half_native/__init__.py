@@ -42,7 +42,7 @@ __all__ = ["library", "ffi_library", "cpus", "has_f16", "kernel", "scaled_adam_k
            "SCALED_ADAM_CONFIGS", "SCALED_ADAM_F16_CONFIGS", "SUM_BLOCK",
            "MODES", "COMPENSATIONS", "OPTIMIZER_COMPENSATIONS", "BUFFERS", "Compensation", "Rules",
            "compensation_of", "check_compensation", "build_errors", "MOMENT_DTYPES",
-           "moment_dtype_of", "FFI_STEPS", "ffi_step", "ffi_steps"]
+           "moment_dtype_of", "FFI_STEPS", "ffi_steps"]
 
 _HERE = Path(__file__).resolve().parent
 _HEADERS = ("adamw.h", "adamw_threads.h", "scaled_adam.h")
@@ -54,7 +54,7 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=
 MODES = {"direct": 0, "master": 1, "split": 2, "kahan": 3, "stochastic": 4, "none": 5,
          "update": 6}
 # The JAX library's steps of 16-bit params, (param dtype, mode): each a library
-# of its own, built on first use (ffi_step; fp16 where the handlers have it).
+# of its own, built on first use (ffi_steps; fp16 where the handlers have it).
 FFI_STEPS = (*(("bfloat16", m) for m in ("master", "split", "kahan", "stochastic", "none")),
              *(("float16", m) for m in ("master", "kahan", "stochastic", "none")))
 
@@ -235,11 +235,11 @@ def _cache_dir() -> Path:
 
 
 def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
-           extra: tuple = ()) -> Path:
-  """The library of ``source`` compiled with flags ``extra`` (and ``-D`` defines), built into
+           extra: tuple = (), defines: tuple = ()) -> Path:
+  """The library of ``source`` compiled with flags ``extra`` and ``defines``, built into
   the cache unless it is there."""
   version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-  flags = (_FLAGS + list(extra) + os.environ.get("OPTAX_HALF_NATIVE_FLAGS", "").split()
+  flags = (_FLAGS + list(extra) + list(defines) + os.environ.get("OPTAX_HALF_NATIVE_FLAGS", "").split()
            + [f"-I{_HERE}"] + [f"-I{d}" for d in include_dirs])
   digest = hashlib.sha256()
   for name in (source, *headers):
@@ -253,9 +253,8 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
     return target
   # A build with extra flags (OpenMP) that failed once is not tried again;
   # the plain build always is (its failure may have been passing).
-  optional = [f for f in extra if not f.startswith("-D")]
   failed = target.with_suffix(".failed")
-  if optional and failed.exists():
+  if extra and failed.exists():
     raise RuntimeError(f"{cxx} failed before: {failed.read_text()[-2000:]}")
   target.parent.mkdir(parents=True, exist_ok=True)
   # Build to a temporary name, then rename: concurrent builders never see half a file.
@@ -265,7 +264,7 @@ def _build(cxx: str, source: str, headers: tuple, include_dirs: tuple,
     run = subprocess.run([cxx, *flags, "-w", "-o", tmp, str(_HERE / source)],
                          capture_output=True, text=True)
     if run.returncode != 0:
-      if optional:
+      if extra:
         failed.write_text(run.stderr[-2000:])
       raise RuntimeError(f"{cxx} failed:\n{run.stderr[-2000:]}")
     os.replace(tmp, target)
@@ -283,8 +282,9 @@ def cpus() -> int:
     return os.cpu_count() or 1
 
 
-def _build_and_load(cxx: str, source: str, include_dirs, extra) -> ctypes.CDLL:
-  lib = ctypes.CDLL(str(_build(cxx, source, _HEADERS, tuple(include_dirs), tuple(extra))))
+def _build_and_load(cxx: str, source: str, include_dirs, extra, defines=()) -> ctypes.CDLL:
+  lib = ctypes.CDLL(str(_build(cxx, source, _HEADERS, tuple(include_dirs), tuple(extra),
+                               tuple(defines))))
   offsets = [lib.oh_tensor_field_offset(k) for k in range(len(TENSOR_DTYPE.names))]
   if (lib.oh_tensor_struct_size() != TENSOR_DTYPE.itemsize
       or offsets != [TENSOR_DTYPE.fields[name][1] for name in TENSOR_DTYPE.names]):
@@ -329,11 +329,11 @@ def _load(source: str, include_dirs: tuple = (), extra: tuple = (), defines: tup
       if "-fopenmp" in extra and not _gcc(cxx):
         extra = ()
       try:
-        lib = _build_and_load(cxx, source, include_dirs, (*extra, *defines))
+        lib = _build_and_load(cxx, source, include_dirs, extra, defines)
       except (RuntimeError, OSError):
         if not extra:
           raise
-        lib = _build_and_load(cxx, source, include_dirs, defines)
+        lib = _build_and_load(cxx, source, include_dirs, (), defines)
     except Exception as e:  # noqa: BLE001 (any failure means: use the framework path)
       lib = None
       build_errors[name] = f"{type(e).__name__}: {e}"
@@ -384,7 +384,9 @@ def _ffi_step(xla_include_dir: str, param: str, mode: str) -> bool:
       lib.oh_ffi_step.restype = ctypes.c_void_p
       handlers.oh_ffi_set_step.restype = ctypes.c_bool
       handlers.oh_ffi_set_step.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-      if not handlers.oh_ffi_set_step(f16, MODES[mode], lib.oh_ffi_step()):
+      # Only a library that holds the step asked for (its own param type and mode).
+      if ((lib.oh_ffi_step_f16(), lib.oh_ffi_step_mode()) != (f16, MODES[mode])
+          or not handlers.oh_ffi_set_step(f16, MODES[mode], lib.oh_ffi_step())):
         raise RuntimeError(f"the FFI handlers refused the step of {param} params in mode {mode}")
       _steps_set.add((param, mode))
   return True
@@ -400,20 +402,15 @@ def ffi_steps(xla_include_dir: str, pairs=FFI_STEPS) -> bool:
   unknown = [p for p in pairs if p not in FFI_STEPS]
   if unknown:
     raise ValueError(f"no FFI step for {unknown}; the steps: {FFI_STEPS}")
-  if all(p in _steps_set for p in pairs):
-    return True
   todo = [p for p in pairs if p not in _steps_set]
+  if not todo:
+    return True
   with ThreadPoolExecutor(max(1, min(cpus(), len(todo) + 1))) as pool:
     pool.submit(ffi_library, xla_include_dir)
     # bf16 first: an fp16 step waits for the handlers (has_f16) before it builds
     done = list(pool.map(lambda p: _ffi_step(xla_include_dir, *p),
                          sorted(todo, key=lambda p: p[0] == "float16")))
   return all(done)
-
-
-def ffi_step(xla_include_dir: str, param: str, mode: str) -> bool:
-  """``ffi_steps`` of one pair: whether the handlers step ``param`` params in ``mode``."""
-  return ffi_steps(xla_include_dir, [(param, mode)])
 
 
 def lanes(lib: Optional[ctypes.CDLL] = None) -> int:
