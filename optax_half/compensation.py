@@ -248,22 +248,27 @@ def _keeps(missed, marks) -> jax.Array:
   return (missed != 0) & (marks == missed)
 
 
-def kept_leaves(leaves) -> list:
-  """``kept(p, master, missed)`` of each ``(p, master, missed)`` in ``leaves``. The marks are
-  checked only where some leaf holds any (one ``lax.cond`` for the tree): after a step in
-  which every landing was exact (every in-place step) none does, and the step reads each
-  param and master once, not again in a reduction (docs/algorithms.md#landing-exactly)."""
+def kept_leaves(leaves) -> tuple[list, list]:
+  """``kept(p, master, missed)`` of each ``(p, master, missed)`` in ``leaves``, and its mark
+  after an in-place step. The marks are checked only where some leaf holds any (one
+  ``lax.cond`` for the tree): after a step in which every landing was exact (every in-place
+  step) none does, and the step reads each param and master once, not again in a reduction
+  (docs/algorithms.md#landing-exactly). The new marks (0: an in-place step lands exactly)
+  are the old ones cleared as one vector, which XLA:GPU writes in one fusion; a constant 0
+  a leaf is a copy kernel a leaf (docs/algorithms.md#xlagpu-without-a-gpu)."""
   if not leaves:
-    return []
+    return [], []
   # The old marks as one array (materialized: read one by one after the step writes the new
   # ones into their buffers, XLA would first copy each).
   missed = jax.lax.optimization_barrier(jnp.stack([m for _, _, m in leaves]))
+  any_marked = (missed != 0).any()
   marks = jax.lax.cond(
-      (missed != 0).any(),
+      any_marked,
       lambda: jnp.stack([_mark_of(p, master) for p, master, _ in leaves]),
       lambda: jnp.zeros_like(missed))
   keep = _keeps(missed, marks)
-  return [keep[k] for k in range(len(leaves))]
+  cleared = jnp.where(any_marked, jnp.zeros_like(missed), missed)  # 0: unmarked, missed is 0
+  return [keep[k] for k in range(len(leaves))], [cleared[k] for k in range(len(leaves))]
 
 
 @rounding._traced_once

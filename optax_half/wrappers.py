@@ -56,7 +56,8 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
     return compensation.for_dtype(p.dtype)
 
   def view(params, buffers, rl, marks="each"):
-    """The values ``x`` the inner optimizer steps. ``marks``: how a full master's marks of
+    """The values ``x`` the inner optimizer steps, and each full master's mark after an
+    in-place step by leaf index (``marks="tree"``; else none). ``marks``: how a full master's marks of
     missed landings are checked: each leaf on its own (``"each"``: through tx.update most
     steps hold some, and XLA:GPU would copy small leaves' outputs around a conditional),
     the whole tree at once where a leaf holds any (``"tree"``, in place:
@@ -66,8 +67,9 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
     treedef = jax.tree.structure(params)
     ps, bs, rs = (treedef.flatten_up_to(t) for t in (params, buffers, rl))
     marked = [k for k, (p, r) in enumerate(zip(ps, rs)) if r == _LOW and rules(p).marks]
-    keep = (dict(zip(marked, kept_leaves([(ps[k], *bs[k]) for k in marked])))
-            if marks == "tree" else {})
+    keep, cleared = ((dict(zip(marked, out)) for out in
+                      kept_leaves([(ps[k], *bs[k]) for k in marked]))
+                     if marks == "tree" else ({}, {}))
 
     def one(k, p, buf, r):
       if r == _FROZEN:
@@ -77,7 +79,9 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
       if marks == "fresh" and k in marked:
         return buf[0]
       return rules(p).read(p, buf, keep[k]) if k in keep else rules(p).read(p, buf)
-    return treedef.unflatten([one(k, *leaf) for k, leaf in enumerate(zip(ps, bs, rs))])
+    index = treedef.flatten_up_to(leaf_indices(params))
+    return (treedef.unflatten([one(k, *leaf) for k, leaf in enumerate(zip(ps, bs, rs))]),
+            {index[k]: mark for k, mark in cleared.items()})
 
   def init(params):
     params = jax.tree.map(jnp.asarray, params)
@@ -87,7 +91,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
         params, rl)
     # The view is sharded like the params, so the inner state made from it is too.
     x = jax.tree.map(lambda p, xi, r: xi if r == _FROZEN else like_param(p, xi),
-                     params, view(params, buffers, rl, marks="fresh"), rl)
+                     params, view(params, buffers, rl, marks="fresh")[0], rl)
     inner_state = _like_view(inner, inner.init(x), x)
     if not nested_ok:
       _check_not_nested(name, inner_state)
@@ -113,7 +117,7 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
               if c.draws_bits else None)
       return c.write(x_new, p, buf, bits, in_place)
 
-    x = view(params, buffers, rl, marks="tree" if in_place else "each")
+    x, cleared = view(params, buffers, rl, marks="tree" if in_place else "each")
     g = jax.tree.map(
         lambda p, g_, r: MaskedNode() if r == _FROZEN
         else rounding.widen(g_).astype(master_dtype),
@@ -134,7 +138,12 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
     def one(p, buf, xi, ui, r, i):
       if r == _LOW:
-        u, p_land, buf = done[i] if i in done else finish(p, buf, xi, ui, i)
+        if i in done:
+          u, p_land, buf = done[i]
+        else:
+          u, p_land, buf = finish(p, buf, xi, ui, i)
+          if i in cleared:  # the write's 0, as one vector for the tree (kept_leaves)
+            buf = buf._replace(missed=cleared[i])
         return (p_land if in_place else u), buf
       u = jnp.zeros_like(p) if r == _FROZEN else ui
       return (optax.apply_updates(p, u) if in_place else u), buf

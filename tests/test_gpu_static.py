@@ -43,9 +43,6 @@ GAPS: dict = {}  # rows not at the byte model yet (docs/algorithms.md#on-gpu): n
 KERNEL_ROWS = ["adamw_bf16 kahan (update_and_apply)", "adamw_bf16 stochastic (update_and_apply)",
                "adamw_bf16 split (update_and_apply)",
                "adamw_bf16 kahan flat_state (update_and_apply)"]
-# A full master's marks: each leaf's new mark (0 in place) is a scalar copy of its own.
-MARK_KERNELS = {r: "a scalar copy per leaf writes its mark of missed landings" for r in (
-    "adam_fp32_master (update_and_apply)", "adam_fp32_master fp16 (update_and_apply)")}
 FEW = 3  # kernels beyond one a leaf (a step count, a scalar or two)
 REFERENCE = "optax.adamw fp32 (reference)"
 TREE = "gpt2-layer"
@@ -92,12 +89,15 @@ def test_row_is_one_pass_over_memory(row, compiled):
 # Pallas kernels read their keys from one vector made for all of them.
 KEY_KERNELS = "a scalar kernel per leaf's random-bit key (5 of 16 leaves, about 40 at GPT-2 size)"
 
-NO_KEYS = {"adamw_bf16 kahan fp16 (update_and_apply)"}  # fp32 moments: no random bits
+# fp32 moments: no random bits. A full master's marks after an in-place step (0) are
+# written in one fusion for the tree, not a scalar copy a leaf (compensation.kept_leaves).
+NO_KEYS = {"adamw_bf16 kahan fp16 (update_and_apply)", "adam_fp32_master (update_and_apply)",
+           "adam_fp32_master fp16 (update_and_apply)"}
 
 
 @pytest.mark.parametrize("row", _rows({**{r: KEY_KERNELS for r in BYTE_MODEL
                                           if r not in NO_KEYS and r not in KERNEL_ROWS},
-                                       **MARK_KERNELS, **GAPS}))
+                                       **GAPS}))
 def test_row_launches_a_kernel_a_leaf(row, compiled):
   r = compiled[row]
   assert r["kernels"] <= r["leaves"] + FEW, r

@@ -320,6 +320,34 @@ def test_without_outside_writes_following_changes_no_bit():
   assert np.array_equal(np.asarray(s.master["w"]), np.asarray(master["w"]))
 
 
+def test_an_in_place_step_after_a_miss_clears_every_mark(monkeypatch):
+  """After a ``tx.update`` that missed (a mark in one leaf), a jitted in-place step writes
+  each leaf's mark 0, keeps the master where it missed and lands on its rounding: XLA's
+  step (its marks cleared as one vector, compensation.kept_leaves) with the kernel's bits."""
+  from optax_half import _native as jax_native  # noqa: PLC0415
+  tx = oh.adam_fp32_master(1.0 - 2.0**-20)  # Adam's first step, -lr * sign(g): 1 -> 2^-20
+  params = {"v": jnp.asarray([0.5, 1.5, -4.0], jnp.bfloat16),
+            "w": jnp.asarray([1.0, 2.0, 3.0], jnp.bfloat16)}
+  state = tx.init(params)
+  g = {"v": jnp.asarray([1.0, -1.0, 0.5], jnp.bfloat16), "w": jnp.ones(3, jnp.bfloat16)}
+  u, state = jax.jit(tx.update)(g, state, params)  # w[0] misses far: it lands on 0
+  params = optax.apply_updates(params, u)
+  assert int(state.missed["w"]) != 0
+
+  def in_place():
+    p, s = jax.jit(lambda g, s, p: oh.update_and_apply(tx, g, s, p))(g, state, params)
+    assert [int(m) for m in jax.tree.leaves(s.missed)] == [0, 0]
+    for k in p:
+      np.testing.assert_array_equal(np.asarray(p[k]), np.asarray(s.master[k].astype(p[k].dtype)))
+    return jax.tree.leaves((p, s))
+
+  with monkeypatch.context() as m:
+    m.setattr(jax_native, "available", lambda: False)
+    composed = in_place()
+  for a, b in zip(in_place(), composed):
+    assert bitwise_equal(a, b)
+
+
 def test_the_marks_are_checked_for_the_tree_at_once_and_only_where_a_leaf_holds_any():
   """``kept_leaves`` is ``kept`` of each leaf, eagerly and jitted: with a missed landing in
   one leaf and an outside write in another, and with no marks at all. Compiled, the check
@@ -342,10 +370,12 @@ def test_the_marks_are_checked_for_the_tree_at_once_and_only_where_a_leaf_holds_
                ({"v": params["v"], "w": params["w"].at[2].set(-1.0)}, state)]:
     leaves = [(p[k], s.master[k], s.missed[k]) for k in ("v", "w")]
     want = [bool(compensation.kept(*leaf)) for leaf in leaves]
-    assert [bool(x) for x in compensation.kept_leaves(leaves)] == want
-    assert [bool(x) for x in check(leaves)] == want
+    for keep, cleared in (compensation.kept_leaves(leaves), check(leaves)):
+      assert [bool(x) for x in keep] == want
+      # the marks after an in-place step: 0, marked or not
+      assert [int(m) for m in cleared] == [0, 0] and all(m.dtype == jnp.uint32 for m in cleared)
   assert [bool(x) for x in check([(params[k], state.master[k], state.missed[k])
-                                  for k in ("v", "w")])] == [False, True]
+                                  for k in ("v", "w")])[0]] == [False, True]
   zero = jax.tree.map(jnp.zeros_like, g)
   _, state2 = jax.jit(tx.update)(zero, state, loaded)
   assert float(state2.master["v"][1]) == 7.0  # taken up
