@@ -57,11 +57,11 @@ def _engine(compensation: Compensation, inner: optax.GradientTransformation,
 
   def view(params, buffers, rl, marks="each"):
     """The values ``x`` the inner optimizer steps, and each full master's mark after an
-    in-place step by leaf index (``marks="tree"``; else none). ``marks``: how a full master's marks of
-    missed landings are checked: each leaf on its own (``"each"``: through tx.update most
-    steps hold some, and XLA:GPU would copy small leaves' outputs around a conditional),
-    the whole tree at once where a leaf holds any (``"tree"``, in place:
-    compensation.kept_leaves; after an in-place step none does), or not at all
+    in-place step by leaf index (``marks="tree"``; else none). ``marks``: how a full
+    master's marks of missed landings are checked: each leaf on its own (``"each"``:
+    through tx.update most steps hold some, and XLA:GPU would copy small leaves' outputs
+    around a conditional), the whole tree at once where a leaf holds any (``"tree"``, in
+    place: compensation.kept_leaves; after an in-place step none does), or not at all
     (``"fresh"``: the buffers ``init`` just made, where a full master is its param, exactly,
     and holds no mark; ``init`` may run op by op, so it reads nothing more)."""
     treedef = jax.tree.structure(params)
